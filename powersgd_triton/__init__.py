@@ -1,0 +1,12 @@
+"""powersgd_triton: PowerSGD gradient compression for PyTorch DDP, with grouped Triton kernels.
+
+A drop-in replacement for ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``: PowerSGD (Vogels,
+Karimireddy, Jaggi, NeurIPS 2019, arXiv 1905.13727) compresses each gradient matrix M to two thin factors
+P = M·Q and Q = Mᵀ·P, with Gram-Schmidt orthogonalization, error feedback and warm start.
+"""
+
+__version__ = "0.1.0"
+
+from .layout import BucketLayout  # noqa: E402
+
+__all__ = ["BucketLayout", "__version__"]

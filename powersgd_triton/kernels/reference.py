@@ -1,0 +1,143 @@
+"""Torch implementations of the four bucket steps: the CPU fallback and the tests' oracle.
+
+Same contract as the Triton kernels (see :mod:`powersgd_triton.ops` for the shapes and dtypes): ``buffer`` is the
+bucket's flat buffer, ``p``/``q``/``error`` are flat buffers packed as :class:`~powersgd_triton.layout.BucketLayout`
+says. Arithmetic is done in ``compute_dtype`` (float32 by default, float64 for the oracle) whatever the bucket dtype.
+The loops here run once per shape group or matrix in Python: that is fine on CPU and for tests, and exactly what the
+Triton kernels replace on the GPU.
+
+Source: PowerSGD, Vogels et al. 2019 (arXiv 1905.13727), Algorithm 1; column-by-column modified Gram-Schmidt as in
+PyTorch's ``_orthogonalize_gram_schmidt``, except that a zero column stays zero instead of becoming NaN.
+"""
+
+from typing import Optional
+
+import torch
+
+from ..layout import BucketLayout, MatrixSpec
+
+
+def _matrix(buffer: torch.Tensor, s: MatrixSpec) -> torch.Tensor:
+    """M_i as an ``n x m`` tensor: a view of the bucket, or a zero-padded copy for the batched view."""
+    if s.numel == s.n * s.m:
+        return buffer[s.offset : s.offset + s.numel].view(s.n, s.m)
+    padded = buffer.new_zeros(s.n * s.m)
+    padded[: s.numel] = buffer[s.offset : s.offset + s.numel]
+    return padded.view(s.n, s.m)
+
+
+def _store_matrix(buffer: torch.Tensor, s: MatrixSpec, value: torch.Tensor) -> None:
+    buffer[s.offset : s.offset + s.numel].copy_(value.reshape(-1)[: s.numel])
+
+
+def _error(error: torch.Tensor, s: MatrixSpec) -> torch.Tensor:
+    return error[s.e_offset : s.e_offset + s.numel]
+
+
+def _factor(x: torch.Tensor, off: int, rows: int, r: int) -> torch.Tensor:
+    return x[off : off + rows * r].view(rows, r)
+
+
+def project(
+    buffer: torch.Tensor,
+    layout: BucketLayout,
+    q: torch.Tensor,
+    p: torch.Tensor,
+    error: Optional[torch.Tensor] = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> None:
+    """P_i = (M_i + E_i) · Q_i for every i; with ``error`` the sum M_i + E_i is also written back into ``buffer``."""
+    for s in layout.matrices:
+        mat = _matrix(buffer, s).to(compute_dtype)
+        if error is not None:
+            mat = mat.clone()
+            flat = mat.view(-1)
+            flat[: s.numel] += _error(error, s).to(compute_dtype)
+            _store_matrix(buffer, s, mat)
+        pf = mat @ _factor(q, s.q_offset, s.m, s.rank).to(compute_dtype)
+        _factor(p, s.p_offset, s.n, s.rank).copy_(pf)
+
+
+def project_t(
+    buffer: torch.Tensor,
+    layout: BucketLayout,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    compute_dtype: torch.dtype = torch.float32,
+) -> None:
+    """Q_i = M_iᵀ · P_i for every i."""
+    for s in layout.matrices:
+        mat = _matrix(buffer, s).to(compute_dtype)
+        qf = mat.t() @ _factor(p, s.p_offset, s.n, s.rank).to(compute_dtype)
+        _factor(q, s.q_offset, s.m, s.rank).copy_(qf)
+
+
+def gram_schmidt_(x: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
+    """Orthonormalize the columns of a batch ``x`` of shape ``(B, rows, r)`` in place, column by column (MGS).
+
+    Column ``j`` is divided by ``norm + epsilon``; a column whose norm is 0 (with epsilon 0) stays 0 rather than
+    becoming NaN. Non-finite input stays non-finite.
+    """
+    r = x.shape[-1]
+    for i in range(r):
+        col = x[:, :, i : i + 1]
+        denom = torch.linalg.vector_norm(col, dim=1, keepdim=True) + epsilon
+        inv = torch.where(denom == 0, torch.zeros_like(denom), 1.0 / denom)
+        col.mul_(inv)
+        if i + 1 < r:
+            rest = x[:, :, i + 1 :]
+            rest.sub_((col * rest).sum(dim=1, keepdim=True) * col)
+    return x
+
+
+def orthogonalize(
+    x: torch.Tensor,
+    layout: BucketLayout,
+    which: str,
+    epsilon: float = 0.0,
+    out: Optional[torch.Tensor] = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Gram-Schmidt on every P_i (``which="p"``, ``n_i x r_i``) or Q_i (``which="q"``, ``m_i x r_i``) of ``x``.
+
+    Writes into ``out`` (default: in place) and returns it.
+    """
+    if out is None:
+        out = x
+    for g in layout.groups:
+        rows = g.n if which == "p" else g.m
+        first = layout.matrices[g.first]
+        off = first.p_offset if which == "p" else first.q_offset
+        size = g.count * rows * g.rank
+        block = x[off : off + size].view(g.count, rows, g.rank).to(compute_dtype).clone()
+        gram_schmidt_(block, epsilon)
+        out[off : off + size].copy_(block.reshape(-1))
+    return out
+
+
+def reconstruct(
+    buffer: torch.Tensor,
+    layout: BucketLayout,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    scale: float = 1.0,
+    error: Optional[torch.Tensor] = None,
+    update_error: Optional[torch.Tensor] = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> None:
+    """M_i ← P_i · (scale · Q_i)ᵀ; with ``error`` also E_i ← M_i(before) − P_i · (scale · Q_i)ᵀ.
+
+    ``update_error`` (0-d bool tensor on the device) keeps the old E_i where it is False.
+    """
+    for s in layout.matrices:
+        before = _matrix(buffer, s).to(compute_dtype)
+        approx = _factor(p, s.p_offset, s.n, s.rank).to(compute_dtype) @ (
+            _factor(q, s.q_offset, s.m, s.rank).to(compute_dtype) * scale
+        ).t()
+        if error is not None:
+            e = _error(error, s)
+            new = (before - approx).reshape(-1)[: s.numel].to(e.dtype)
+            if update_error is not None:
+                new = torch.where(update_error, new, e)
+            e.copy_(new)
+        _store_matrix(buffer, s, approx)

@@ -1,0 +1,373 @@
+"""Bucket layouts: which gradients of a DDP bucket are compressed, where they live, and the kernel tables.
+
+A DDP bucket is one flat 1-D buffer holding every gradient of the bucket back to back. PowerSGD views each
+gradient as a matrix ``(shape[0], numel // shape[0])`` (PyTorch's ``tensor.view(shape[0], -1)``) and
+compresses it when ``(n + m) * r * min_compression_rate < n * m`` (``_should_compress`` in PyTorch's hook).
+A :class:`BucketLayout` records, once per bucket, for every compressed matrix M_i:
+
+* its element offset ``o_i`` in the bucket buffer and its shape ``n_i x m_i``,
+* its rank ``r_i = min(n_i, m_i, matrix_approximation_rank)``,
+* the offsets of ``P_i`` (``n_i x r_i``), ``Q_i`` (``m_i x r_i``) and of its error memory (``n_i x m_i``) in three
+  flat buffers,
+
+plus the positions of the gradients that are all-reduced uncompressed. The P/Q packing order is PyTorch's: matrices
+grouped by shape in order of first appearance (``shape_to_tensors`` in ``powerSGD_hook``), so our P/Q memory holds the
+same numbers in the same places as PyTorch's ``p_memory_dict`` / ``q_memory_dict``.
+
+The kernels read one small ``int64`` device table (:attr:`BucketLayout.table`, one row of :data:`TABLE_COLUMNS` per
+matrix) and ``int32`` tile tables ``(matrix, start)`` made per block size (:meth:`BucketLayout.tiles`), both built
+once and cached. The batched view (``batched_powerSGD_hook``) is a layout with a single virtual ``s x s`` matrix,
+``s = ceil(sqrt(N))``, whose elements past ``N`` are masked (``NUMEL`` column), so the bucket is never resized.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+# Columns of BucketLayout.table (int64, one row per compressed matrix, in P/Q packing order).
+OFF, ROWS, COLS, NUMEL, RANK, P_OFF, Q_OFF, E_OFF = range(8)
+TABLE_COLUMNS = ("offset", "n", "m", "numel", "rank", "p_offset", "q_offset", "e_offset")
+TABLE_WIDTH = len(TABLE_COLUMNS)
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_gradient_dtype(dtype: torch.dtype) -> None:
+    """Raise ``TypeError`` for gradient dtypes PowerSGD cannot compress (complex, integer, bool, fp64 is allowed).
+
+    Complex gradients would need the conjugate transpose and integer ones cannot be averaged; PyTorch's hook fails
+    on them deep inside ``bmm`` after it has already changed its state, we refuse them up front.
+    """
+    if dtype in SUPPORTED_DTYPES or dtype == torch.float64:
+        return
+    raise TypeError(
+        f"PowerSGD compresses floating-point gradients (float32, float16, bfloat16, float64); got {dtype}. "
+        "Complex and integer gradients are not supported."
+    )
+
+
+def should_compress(n: int, m: int, rank: int, min_compression_rate: float) -> Tuple[bool, int, int]:
+    """PyTorch's compression test: compress iff ``(n + m) * rank * min_compression_rate < n * m``.
+
+    Returns ``(compress, uncompressed_numel, compressed_numel)`` with ``compressed_numel = (n + m) * rank``,
+    the statistics ``PowerSGDState.compression_stats()`` accumulates (PyTorch ``_should_compress``).
+    """
+    uncompressed = n * m
+    compressed = (n + m) * rank
+    return compressed * min_compression_rate < uncompressed, uncompressed, compressed
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    """One compressed matrix of a bucket. All offsets and sizes are in elements, not bytes."""
+
+    grad_index: int  # position in bucket.gradients() (-1 for the batched view)
+    offset: int  # start of M_i in the bucket buffer
+    n: int
+    m: int
+    numel: int  # valid elements of M_i (n*m, or N for the padded batched view)
+    rank: int  # r_i = min(n, m, matrix_approximation_rank)
+    p_offset: int
+    q_offset: int
+    e_offset: int
+
+
+@dataclass(frozen=True)
+class ShapeGroup:
+    """Consecutive matrices of one shape: their P (and Q) form one contiguous ``(B, n, r)`` block."""
+
+    n: int
+    m: int
+    rank: int
+    first: int  # index into BucketLayout.matrices
+    count: int
+
+    @property
+    def p_size(self) -> int:
+        return self.count * self.n * self.rank
+
+    @property
+    def q_size(self) -> int:
+        return self.count * self.m * self.rank
+
+
+def _matrix_segment(grad: torch.Tensor, buffer: torch.Tensor) -> Optional[int]:
+    """Element offset of ``grad`` in ``buffer`` if ``grad`` is a dense view whose dim 0 is outermost, else None.
+
+    Such a view is a row-major ``(shape[0], numel/shape[0])`` matrix in memory whatever the order of its inner dims
+    (a channels-last conv weight is a column permutation of the logical matrix, and low-rank approximation is
+    invariant under column permutations).
+    """
+    if grad.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+        return None
+    numel = grad.numel()
+    if numel == 0:
+        return None
+    if grad.dim() == 0:
+        return grad.storage_offset() - buffer.storage_offset()
+    n = grad.shape[0]
+    inner = numel // n
+    if n > 1 and grad.stride(0) != inner:
+        return None
+    # Dense: the inner dims must exactly tile `inner` elements (any permutation of strides).
+    dims = sorted(((grad.stride(d), grad.shape[d]) for d in range(1, grad.dim()) if grad.shape[d] != 1))
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    return grad.storage_offset() - buffer.storage_offset()
+
+
+class BucketLayout:
+    """Where the compressed matrices and the uncompressed gradients of one bucket live (see module docstring).
+
+    Build with :meth:`from_gradients` (layer-wise hook) or :meth:`batched` (whole bucket as one square matrix).
+    ``table``/``tiles`` live on the bucket's device and are made once; :meth:`matches` tells whether a bucket still
+    has the layout this object was built for (DDP rebuilds buckets after its first iteration).
+    """
+
+    def __init__(
+        self,
+        *,
+        numel: int,
+        device: torch.device,
+        matrices: List[MatrixSpec],
+        uncompressed: List[Tuple[int, int]],
+        signature: tuple,
+        numel_before: int,
+        numel_after: int,
+        batched: bool,
+        rank: int,
+    ):
+        self.numel = numel
+        self.device = torch.device(device)
+        self.matrices = matrices
+        self.uncompressed = _merge_segments(uncompressed)
+        self.signature = signature
+        self.numel_before_compression = numel_before
+        self.numel_after_compression = numel_after
+        self.batched = batched
+        self.matrix_approximation_rank = rank
+        self.p_numel = sum(s.n * s.rank for s in matrices)
+        self.q_numel = sum(s.m * s.rank for s in matrices)
+        self.e_numel = sum(s.numel for s in matrices)
+        self.uncompressed_numel = sum(length for _, length in self.uncompressed)
+        self.max_rank = max((s.rank for s in matrices), default=0)
+        self.groups = _shape_groups(matrices)
+        rows = [[s.offset, s.n, s.m, s.numel, s.rank, s.p_offset, s.q_offset, s.e_offset] for s in matrices]
+        self.table = torch.tensor(rows, dtype=torch.int64).reshape(-1, TABLE_WIDTH).to(self.device)
+        self._tiles: Dict[Tuple[str, int], torch.Tensor] = {}
+        self._uncompressed_index: Optional[torch.Tensor] = None
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_gradients(
+        cls,
+        buffer: torch.Tensor,
+        gradients: Sequence[torch.Tensor],
+        matrix_approximation_rank: int,
+        min_compression_rate: float,
+    ) -> "BucketLayout":
+        """Layer-wise layout of a bucket (``powerSGD_hook``).
+
+        Args:
+            buffer: the bucket's flat 1-D buffer (``bucket.buffer()``), float32/float16/bfloat16.
+            gradients: ``bucket.gradients()``, views into ``buffer``.
+            matrix_approximation_rank: the rank r (>= 1).
+            min_compression_rate: compress a matrix only if it saves at least this factor.
+        Raises:
+            ValueError: ``buffer`` is not 1-D or a gradient does not lie inside it.
+        """
+        if buffer.dim() != 1:
+            raise ValueError(f"bucket buffer must be 1-D, got shape {tuple(buffer.shape)}")
+        total = buffer.numel()
+        candidates: List[Tuple[int, int, int, int, int]] = []  # grad_index, offset, n, m, rank
+        uncompressed: List[Tuple[int, int]] = []
+        before = after = 0
+        sig = []
+        for gi, g in enumerate(gradients):
+            off = _matrix_segment(g, buffer)
+            if off is None and g.numel() > 0:
+                raise ValueError(
+                    f"gradient {gi} (shape {tuple(g.shape)}, strides {g.stride()}) is not a dense view into the "
+                    "bucket buffer"
+                )
+            numel = g.numel()
+            if numel == 0:
+                sig.append((gi, -1, tuple(g.shape)))
+                continue
+            if off < 0 or off + numel > total:
+                raise ValueError(f"gradient {gi} lies outside the bucket buffer")
+            sig.append((gi, off, tuple(g.shape)))
+            n = g.shape[0] if g.dim() > 0 else 1
+            m = numel // n
+            r = min(n, m, matrix_approximation_rank)
+            compress, unc, comp = should_compress(n, m, r, min_compression_rate)
+            before += unc
+            if compress:
+                after += comp
+                candidates.append((gi, off, n, m, r))
+            else:
+                after += unc
+                uncompressed.append((off, numel))
+        # PyTorch's packing: group by (n, m) in order of first appearance.
+        order: Dict[Tuple[int, int], List[Tuple[int, int, int, int, int]]] = {}
+        for c in candidates:
+            order.setdefault((c[2], c[3]), []).append(c)
+        matrices = []
+        p_off = q_off = e_off = 0
+        for group in order.values():
+            for gi, off, n, m, r in group:
+                matrices.append(MatrixSpec(gi, off, n, m, n * m, r, p_off, q_off, e_off))
+                p_off += n * r
+                q_off += m * r
+                e_off += n * m
+        signature = ("layerwise", total, buffer.dtype, matrix_approximation_rank, min_compression_rate, tuple(sig))
+        return cls(
+            numel=total,
+            device=buffer.device,
+            matrices=matrices,
+            uncompressed=uncompressed,
+            signature=signature,
+            numel_before=before,
+            numel_after=after,
+            batched=False,
+            rank=matrix_approximation_rank,
+        )
+
+    @classmethod
+    def batched(cls, numel: int, matrix_approximation_rank: int, device, dtype=torch.float32) -> "BucketLayout":
+        """Batched layout (``batched_powerSGD_hook``): the flat buffer of ``numel`` elements as one ``s x s`` matrix.
+
+        ``s = ceil(sqrt(numel))``; elements with flat index ``>= numel`` are the zero padding, masked in the kernels
+        (never stored). Rank ``min(s, matrix_approximation_rank)``. Stats as PyTorch: before ``numel``, after
+        ``2 * s * r``. Raises ``ValueError`` for an empty bucket.
+        """
+        if numel <= 0:
+            raise ValueError("cannot build a batched layout for an empty bucket")
+        s = math.isqrt(numel)
+        if s * s < numel:
+            s += 1
+        r = min(s, matrix_approximation_rank)
+        spec = MatrixSpec(-1, 0, s, s, numel, r, 0, 0, 0)
+        signature = ("batched", numel, dtype, matrix_approximation_rank)
+        return cls(
+            numel=numel,
+            device=device,
+            matrices=[spec],
+            uncompressed=[],
+            signature=signature,
+            numel_before=numel,
+            numel_after=2 * s * r,
+            batched=True,
+            rank=matrix_approximation_rank,
+        )
+
+    # ---------------------------------------------------------------- queries
+    def matches_gradients(self, buffer: torch.Tensor, gradients: Sequence[torch.Tensor], rank, min_rate) -> bool:
+        """True when ``buffer``/``gradients`` have the offsets and shapes this layout was built for."""
+        if self.batched:
+            return False
+        sig = []
+        for gi, g in enumerate(gradients):
+            if g.numel() == 0:
+                sig.append((gi, -1, tuple(g.shape)))
+                continue
+            off = _matrix_segment(g, buffer)
+            if off is None:
+                return False
+            sig.append((gi, off, tuple(g.shape)))
+        expected = ("layerwise", buffer.numel(), buffer.dtype, rank, min_rate, tuple(sig))
+        return expected == self.signature
+
+    @property
+    def num_matrices(self) -> int:
+        return len(self.matrices)
+
+    def tiles(self, kind: str, block: int) -> torch.Tensor:
+        """Device ``int32`` table of shape ``(T, 2)``: ``(matrix index, first row or column)`` of each tile.
+
+        ``kind="rows"`` tiles every M_i into blocks of ``block`` rows (project, reconstruct); ``kind="cols"`` into
+        blocks of ``block`` columns (project_t). Cached per (kind, block).
+        """
+        key = (kind, int(block))
+        t = self._tiles.get(key)
+        if t is None:
+            if kind not in ("rows", "cols"):
+                raise ValueError(f"unknown tile kind {kind!r}")
+            mats, starts = [], []
+            for i, s in enumerate(self.matrices):
+                extent = s.n if kind == "rows" else s.m
+                if kind == "rows" and self.batched:
+                    extent = -(-s.numel // s.m)  # rows past the data are all padding
+                count = -(-extent // block)
+                mats.append(np.full(count, i, dtype=np.int32))
+                starts.append(np.arange(count, dtype=np.int64) * block)
+            if mats:
+                arr = np.stack([np.concatenate(mats), np.concatenate(starts).astype(np.int32)], axis=1)
+            else:
+                arr = np.zeros((0, 2), dtype=np.int32)
+            t = torch.from_numpy(np.ascontiguousarray(arr)).to(self.device)
+            self._tiles[key] = t
+        return t
+
+    def uncompressed_index(self) -> Optional[torch.Tensor]:
+        """Device ``int64`` index of every uncompressed element (None if the segments are one range or none)."""
+        if len(self.uncompressed) <= 1:
+            return None
+        if self._uncompressed_index is None:
+            idx = np.concatenate([np.arange(o, o + n, dtype=np.int64) for o, n in self.uncompressed])
+            self._uncompressed_index = torch.from_numpy(idx).to(self.device)
+        return self._uncompressed_index
+
+    def gather_uncompressed(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The uncompressed gradients as one contiguous tensor (a view when they form one range, else a gather)."""
+        if not self.uncompressed:
+            return buffer.new_empty(0)
+        if len(self.uncompressed) == 1:
+            o, n = self.uncompressed[0]
+            return buffer[o : o + n]
+        return buffer.index_select(0, self.uncompressed_index())
+
+    def scatter_uncompressed(self, buffer: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` (from :meth:`gather_uncompressed`) back into ``buffer``; no-op if it was a view."""
+        if len(self.uncompressed) <= 1:
+            if self.uncompressed:
+                o, n = self.uncompressed[0]
+                dst = buffer[o : o + n]
+                if dst.data_ptr() != values.data_ptr():
+                    dst.copy_(values)
+            return
+        buffer.index_copy_(0, self.uncompressed_index(), values)
+
+    def __repr__(self) -> str:
+        kind = "batched" if self.batched else "layer-wise"
+        return (
+            f"BucketLayout({kind}, numel={self.numel}, compressed={self.num_matrices}, "
+            f"uncompressed_numel={self.uncompressed_numel}, P={self.p_numel}, Q={self.q_numel})"
+        )
+
+
+def _merge_segments(segments: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    merged: List[Tuple[int, int]] = []
+    for off, n in sorted(segments):
+        if merged and merged[-1][0] + merged[-1][1] == off:
+            merged[-1] = (merged[-1][0], merged[-1][1] + n)
+        else:
+            merged.append((off, n))
+    return merged
+
+
+def _shape_groups(matrices: List[MatrixSpec]) -> List[ShapeGroup]:
+    groups: List[ShapeGroup] = []
+    for i, s in enumerate(matrices):
+        g = groups[-1] if groups else None
+        if g is not None and (g.n, g.m, g.rank) == (s.n, s.m, s.rank) and s.numel == s.n * s.m:
+            groups[-1] = ShapeGroup(g.n, g.m, g.rank, g.first, g.count + 1)
+        else:
+            groups.append(ShapeGroup(s.n, s.m, s.rank, i, 1))
+    return groups
