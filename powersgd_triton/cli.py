@@ -1,0 +1,46 @@
+"""Command line: ``powersgd-triton train | autotune | bench`` (also ``python -m powersgd_triton``).
+
+Each sub-command lives in its own module, which exposes ``add_parser(subparsers)`` (registers its arguments and
+sets ``func`` on the parsed namespace); this module only wires them together with argparse.
+"""
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+# sub-command name -> module providing add_parser(subparsers)
+SUBCOMMANDS = {
+    "train": "powersgd_triton.train.cli",
+    "autotune": "powersgd_triton.autotune.cli",
+    "bench": "powersgd_triton.bench_cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="powersgd-triton",
+        description="PowerSGD gradient compression for PyTorch DDP with grouped Triton kernels.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    sub.required = True
+    for name, module in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and module.startswith(exc.name):
+                continue  # sub-command not shipped in this build
+            raise
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    result = args.func(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
