@@ -82,8 +82,7 @@ def gram_schmidt_(x: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
     for i in range(r):
         col = x[:, :, i : i + 1]
         denom = torch.linalg.vector_norm(col, dim=1, keepdim=True) + epsilon
-        inv = torch.where(denom == 0, torch.zeros_like(denom), 1.0 / denom)
-        col.mul_(inv)
+        col.div_(torch.where(denom == 0, torch.ones_like(denom), denom))  # a zero column stays zero
         if i + 1 < r:
             rest = x[:, :, i + 1 :]
             rest.sub_((col * rest).sum(dim=1, keepdim=True) * col)
