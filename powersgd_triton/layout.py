@@ -302,8 +302,6 @@ class BucketLayout:
             mats, starts = [], []
             for i, s in enumerate(self.matrices):
                 extent = s.n if kind == "rows" else s.m
-                if kind == "rows" and self.batched:
-                    extent = -(-s.numel // s.m)  # rows past the data are all padding
                 count = -(-extent // block)
                 mats.append(np.full(count, i, dtype=np.int32))
                 starts.append(np.arange(count, dtype=np.int64) * block)

@@ -45,7 +45,8 @@ def _reconstruct_kernel(
         p_ptr + p_off + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & rank_ok[None, :], other=0.0
     ).to(tl.float32)
     if HAS_FLAG:
-        keep = tl.load(flag_ptr) != 0
+        # broadcast load of the one-byte flag: a [BLOCK_N, BLOCK_K] mask (a scalar bool mask is not portable)
+        keep = tl.load(flag_ptr + tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)) != 0
     for k0 in range(0, m, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         col_ok = cols < m
