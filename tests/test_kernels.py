@@ -54,7 +54,8 @@ def _factor(layout, which, gen, scale=1.0):
 @pytest.mark.parametrize("shapes", SHAPE_SETS, ids=str)
 @pytest.mark.parametrize("rank", [1, 4])
 @pytest.mark.parametrize("with_error", [False, True], ids=["plain", "error"])
-def test_project(dtype, shapes, rank, with_error, rng):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_project(dtype, shapes, rank, with_error, rng, backend):
     buf, whole, grads = make_bucket(SHAPE_SETS[shapes], dtype, rng)
     layout = layerwise(buf, grads, rank)
     q = _factor(layout, "q", rng)
@@ -63,7 +64,7 @@ def test_project(dtype, shapes, rank, with_error, rng):
     reference.project(buf64, layout, q.double(), p64, None if err is None else err.double(), torch.float64)
 
     p, p_whole = guarded(layout.p_numel)
-    ops.project(buf, layout, q, p, err, backend="triton")
+    ops.project(buf, layout, q, p, err, backend=backend)
 
     assert _per_matrix(p, p64, layout, "p") < FP32_TOL
     assert guards_intact(p_whole, layout.p_numel)
@@ -75,7 +76,8 @@ def test_project(dtype, shapes, rank, with_error, rng):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shapes", SHAPE_SETS, ids=str)
 @pytest.mark.parametrize("rank", [1, 4])
-def test_project_t(dtype, shapes, rank, rng):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_project_t(dtype, shapes, rank, rng, backend):
     buf, whole, grads = make_bucket(SHAPE_SETS[shapes], dtype, rng)
     layout = layerwise(buf, grads, rank)
     p = _factor(layout, "p", rng)
@@ -84,7 +86,7 @@ def test_project_t(dtype, shapes, rank, rng):
 
     q, q_whole = guarded(layout.q_numel)
     before = buf.clone()
-    ops.project_t(buf, layout, p, q, backend="triton")
+    ops.project_t(buf, layout, p, q, backend=backend)
 
     assert _per_matrix(q, q64, layout, "q") < FP32_TOL
     assert guards_intact(q_whole, layout.q_numel)
@@ -108,7 +110,8 @@ def _well_conditioned(layout, which, gen):
 @pytest.mark.parametrize("shapes", SHAPE_SETS, ids=str)
 @pytest.mark.parametrize("rank", [1, 3, 4, 8])
 @pytest.mark.parametrize("epsilon", [0.0, 1e-8])
-def test_orthogonalize(which, shapes, rank, epsilon, rng):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_orthogonalize(which, shapes, rank, epsilon, rng, backend):
     buf, _, grads = make_bucket(SHAPE_SETS[shapes], torch.float32, rng)
     layout = layerwise(buf, grads, rank)
     x = _well_conditioned(layout, which, rng)
@@ -116,7 +119,7 @@ def test_orthogonalize(which, shapes, rank, epsilon, rng):
 
     out, out_whole = guarded(x.numel())
     x_before = x.clone()
-    ops.orthogonalize(x, layout, which, epsilon, out=out, backend="triton")
+    ops.orthogonalize(x, layout, which, epsilon, out=out, backend=backend)
 
     assert torch.equal(x, x_before), "out-of-place orthogonalize changed its input"
     assert guards_intact(out_whole, x.numel())
@@ -137,7 +140,8 @@ def test_orthogonalize(which, shapes, rank, epsilon, rng):
 @pytest.mark.parametrize("shapes", SHAPE_SETS, ids=str)
 @pytest.mark.parametrize("rank", [1, 4])
 @pytest.mark.parametrize("mode", ["plain", "error", "error_kept"])
-def test_reconstruct(dtype, shapes, rank, mode, rng):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_reconstruct(dtype, shapes, rank, mode, rng, backend):
     buf, whole, grads = make_bucket(SHAPE_SETS[shapes], dtype, rng)
     layout = layerwise(buf, grads, rank)
     p, q = _factor(layout, "p", rng), _factor(layout, "q", rng)
@@ -159,7 +163,7 @@ def test_reconstruct(dtype, shapes, rank, mode, rng):
     # the kernel needs M(before) for the error; poison only where the error is not computed
     if mode != "plain":
         buf.copy_(untouched)
-    ops.reconstruct(buf, layout, p, q, scale, err, flag if mode == "error_kept" else None, backend="triton")
+    ops.reconstruct(buf, layout, p, q, scale, err, flag if mode == "error_kept" else None, backend=backend)
 
     assert _per_matrix(buf, buf64, layout, "m") < STORE_TOL[dtype]
     assert torch.equal(layout.gather_uncompressed(buf), uncompressed_before), "uncompressed gradients touched"
@@ -183,16 +187,17 @@ def _full_step(buf, layout, q0, err=None, epsilon=0.0, backend="triton"):
     return p, q
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("epsilon", [0.0, 1e-8])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_zero_matrix_stays_zero(epsilon, dtype, rng):
+def test_zero_matrix_stays_zero(epsilon, dtype, rng, backend):
     shapes = [(20, 30), (40, 12), (8,)]
     buf, _, grads = make_bucket(shapes, dtype, rng)
     grads[1].zero_()  # an all-zero layer gradient
     layout = layerwise(buf, grads, 4)
     zero = next(s for s in layout.matrices if s.grad_index == 1)
     err = torch.zeros(layout.e_numel)
-    p, q = _full_step(buf, layout, torch.randn(layout.q_numel, generator=rng), err, epsilon)
+    p, q = _full_step(buf, layout, torch.randn(layout.q_numel, generator=rng), err, epsilon, backend)
     for t in (p, q, buf, err):
         assert torch.isfinite(t).all()
     assert (p[zero.p_offset : zero.p_offset + zero.n * zero.rank] == 0).all()
@@ -200,22 +205,23 @@ def test_zero_matrix_stays_zero(epsilon, dtype, rng):
     assert (grads[1] == 0).all()
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_non_finite_input_is_not_hidden(bad, rng):
+def test_non_finite_input_is_not_hidden(bad, rng, backend):
     shapes = [(20, 30), (40, 12), (25, 25)]
     buf, _, grads = make_bucket(shapes, torch.float32, rng)
     grads[1][3, 4] = bad
     layout = layerwise(buf, grads, 2)
     q = torch.randn(layout.q_numel, generator=rng)
     p = torch.full((layout.p_numel,), float("nan"))
-    ops.project(buf, layout, q, p, backend="triton")
+    ops.project(buf, layout, q, p, backend=backend)
     for s in layout.matrices:
         pi = p[s.p_offset : s.p_offset + s.n * s.rank]
         if s.grad_index == 1:
             assert not torch.isfinite(pi).all()
         else:
             assert torch.isfinite(pi).all()
-    ops.orthogonalize(p, layout, "p", backend="triton")
+    ops.orthogonalize(p, layout, "p", backend=backend)
     bad_p = next(s for s in layout.matrices if s.grad_index == 1)
     assert not torch.isfinite(p[bad_p.p_offset : bad_p.p_offset + bad_p.n * bad_p.rank]).all()
 
@@ -238,7 +244,8 @@ def test_deterministic_bitwise(rng):
 @pytest.mark.parametrize("numel", [37, 1000, 4099])
 @pytest.mark.parametrize("rank", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_batched_view_masks_padding(numel, rank, dtype, rng):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_batched_view_masks_padding(numel, rank, dtype, rng, backend):
     """The whole flat buffer as one s×s matrix, s = ceil(sqrt(N)); padding is read as 0 and never written."""
     buf, whole = guarded(numel, dtype, fill=CANARY)
     buf.copy_(torch.randn(numel, generator=rng).to(dtype))
@@ -256,7 +263,7 @@ def test_batched_view_masks_padding(numel, rank, dtype, rng):
     reference.project_t(buf64, layout, p64, q64, torch.float64)
     reference.reconstruct(buf64, layout, p64, q64, 1.0, err64, None, torch.float64)
 
-    p, q = _full_step(buf, layout, q0, err)
+    p, q = _full_step(buf, layout, q0, err, backend=backend)
     assert guards_intact(whole, numel, fill=CANARY), "padding or memory past the bucket was written"
     assert rel_err(p, p64) < (FP32_TOL if dtype == torch.float32 else 1e-2)
     assert rel_err(buf, buf64) < STORE_TOL[dtype] * (1 if dtype == torch.float32 else 2)
