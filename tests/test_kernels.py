@@ -285,3 +285,53 @@ def test_reference_matches_direct_formulas(rng):
         pi = p[s.p_offset : s.p_offset + s.n * s.rank].view(s.n, s.rank)
         signs = torch.sign((householder * pi).sum(0))
         assert torch.allclose(pi, householder * signs, atol=1e-10)
+
+
+ALT_CONFIGS = {
+    # tensor-core path (r padded to 16) and row-split project_t with its fixed-order reduction
+    "dot_split": {
+        "project": dict(BLOCK_N=16, BLOCK_K=32, USE_DOT=True, num_warps=4, num_stages=1),
+        "project_t": dict(BLOCK_M=32, BLOCK_K=16, SPLIT_ROWS=48, USE_DOT=True, num_warps=4, num_stages=1),
+        "orthogonalize": dict(BLOCK=16, num_warps=4, num_stages=1),
+        "reconstruct": dict(BLOCK_N=16, BLOCK_K=32, USE_DOT=True, num_warps=4, num_stages=1),
+    },
+    "small_tiles_split": {
+        "project": dict(BLOCK_N=8, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1),
+        "project_t": dict(BLOCK_M=16, BLOCK_K=8, SPLIT_ROWS=16, USE_DOT=False, num_warps=4, num_stages=1),
+        "orthogonalize": dict(BLOCK=8, num_warps=4, num_stages=1),
+        "reconstruct": dict(BLOCK_N=8, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1),
+    },
+}
+
+
+@pytest.mark.parametrize("configs", ALT_CONFIGS, ids=str)
+@pytest.mark.parametrize("rank", [1, 4])
+def test_full_step_with_other_configs(configs, rank, rng):
+    """Other block sizes, tl.dot and split-K project_t give the float64 result too (tiles cross matrix edges)."""
+    cfg = ALT_CONFIGS[configs]
+    buf, whole, grads = make_bucket(SHAPE_SETS["mixed"] + SHAPE_SETS["ragged"], torch.float32, rng)
+    layout = layerwise(buf, grads, rank)
+    q0 = torch.randn(layout.q_numel, generator=rng)
+    err = torch.randn(layout.e_numel, generator=rng) * 0.1
+    buf64, err64 = buf.double(), err.double().clone()
+    q64 = reference.orthogonalize(q0.double(), layout, "q", 0.0, out=q0.double().clone(), compute_dtype=torch.float64)
+    p64 = torch.zeros(layout.p_numel, dtype=torch.float64)
+    reference.project(buf64, layout, q64, p64, err64, torch.float64)
+    reference.orthogonalize(p64, layout, "p", 0.0, compute_dtype=torch.float64)
+    reference.project_t(buf64, layout, p64, q64, torch.float64)
+    reference.reconstruct(buf64, layout, p64, q64, 1.0, err64, None, torch.float64)
+
+    q, q_whole = guarded(layout.q_numel)
+    p, p_whole = guarded(layout.p_numel)
+    ops.orthogonalize(q0, layout, "q", out=q, backend="triton", config=cfg["orthogonalize"])
+    ops.project(buf, layout, q, p, err, backend="triton", config=cfg["project"])
+    ops.orthogonalize(p, layout, "p", backend="triton", config=cfg["orthogonalize"])
+    q.fill_(float("nan"))
+    ops.project_t(buf, layout, p, q, backend="triton", config=cfg["project_t"])
+    ops.reconstruct(buf, layout, p, q, 1.0, err, backend="triton", config=cfg["reconstruct"])
+
+    assert _per_matrix(p, p64, layout, "p") < 1e-4
+    assert _per_matrix(q, q64, layout, "q") < 1e-4
+    assert _per_matrix(buf, buf64, layout, "m") < 1e-4
+    assert guards_intact(q_whole, layout.q_numel) and guards_intact(p_whole, layout.p_numel)
+    assert guards_intact(whole, layout.numel, fill=CANARY)

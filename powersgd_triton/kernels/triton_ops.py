@@ -10,7 +10,8 @@ A config is a dict of the kernel's block sizes plus ``num_warps``/``num_stages``
 kernel             keys
 =================  ===================================================
 ``project``        ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``USE_DOT``
-``project_t``      ``BLOCK_M`` columns per tile, ``BLOCK_K`` rows per step, ``USE_DOT``
+``project_t``      ``BLOCK_M`` columns per tile, ``BLOCK_K`` rows per step, ``SPLIT_ROWS`` rows per
+                   program at most (0: no split), ``USE_DOT``
 ``orthogonalize``  ``BLOCK`` rows per step
 ``reconstruct``    ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``USE_DOT``
 =================  ===================================================
@@ -28,7 +29,7 @@ import triton
 
 from .. import _env
 from ..layout import BucketLayout
-from .lowrank_mm import _project_kernel, _project_t_kernel
+from .lowrank_mm import _project_kernel, _project_t_kernel, _reduce_splits_kernel
 from .orthogonalize import _orthogonalize_kernel
 from .reconstruct import _reconstruct_kernel
 
@@ -38,14 +39,18 @@ KERNEL_FUNCTIONS = {
     "orthogonalize": _orthogonalize_kernel,
     "project_t": _project_t_kernel,
     "reconstruct": _reconstruct_kernel,
+    "reduce_splits": _reduce_splits_kernel,  # second stage of project_t for split (tall) matrices
 }
 # Register budget for the broadcast-multiply path: elements of the [BLOCK, BLOCK_K, R] product per program.
 MAX_BROADCAST_ELEMENTS = 16384
-MIN_DOT_RANK = 16  # tl.dot needs every dim >= 16 for 16-bit inputs on NVIDIA; we pad R to this when USE_DOT.
+MIN_DOT_RANK = 16
+# project_t splits matrices taller than this over several programs (GPT-2's 50257-row embedding would otherwise
+# get only m / BLOCK_M programs).
+DEFAULT_SPLIT_ROWS = 2048  # tl.dot needs every dim >= 16 for 16-bit inputs on NVIDIA; we pad R to this when USE_DOT.
 
 INTERPRETER_CONFIGS: Dict[str, dict] = {
     "project": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
-    "project_t": dict(BLOCK_M=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
+    "project_t": dict(BLOCK_M=64, BLOCK_K=64, SPLIT_ROWS=0, USE_DOT=False, num_warps=4, num_stages=1),
     "orthogonalize": dict(BLOCK=128, num_warps=4, num_stages=1),
     "reconstruct": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
 }
@@ -94,6 +99,9 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
             out.append({tile: bt, "BLOCK_K": bk, "USE_DOT": True, "num_warps": 4, "num_stages": stages})
     if not out:  # very large rank: smallest broadcast tile
         out.append({tile: 16, "BLOCK_K": 16, "USE_DOT": False, "num_warps": 4, "num_stages": 1})
+    if kernel == "project_t":
+        for c in out:
+            c["SPLIT_ROWS"] = DEFAULT_SPLIT_ROWS
     return out
 
 
@@ -112,11 +120,13 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
         return dict(BLOCK=256 if max_rank <= 8 else 64, num_warps=4, num_stages=1)
     r = padded_rank(max_rank)
     wide_k = 128 if dtype in (torch.float16, torch.bfloat16) else 64
+    split = {"SPLIT_ROWS": DEFAULT_SPLIT_ROWS} if kernel == "project_t" else {}
     if r >= MIN_DOT_RANK:
-        return {_tile_key(kernel): 64, "BLOCK_K": 32, "USE_DOT": True, "num_warps": 4, "num_stages": 2}
+        return {_tile_key(kernel): 64, "BLOCK_K": 32, "USE_DOT": True, "num_warps": 4, "num_stages": 2, **split}
     bk = max(16, min(wide_k, 8192 // (32 * r)))
     if kernel == "project_t":
-        return dict(BLOCK_M=64, BLOCK_K=max(8, min(64, 8192 // (64 * r))), USE_DOT=False, num_warps=4, num_stages=1)
+        bk = max(16, min(64, 8192 // (64 * r)))
+        return dict(BLOCK_M=64, BLOCK_K=bk, USE_DOT=False, num_warps=4, num_stages=1, **split)
     return {"BLOCK_N": 32, "BLOCK_K": bk, "USE_DOT": False, "num_warps": 4, "num_stages": 1}
 
 
@@ -143,15 +153,22 @@ def project(buffer, layout: BucketLayout, q, p, error=None, *, config: Optional[
 
 
 def project_t(buffer, layout: BucketLayout, p, q, *, config: Optional[dict] = None) -> None:
-    """One launch: ``Q_i = M_iᵀ · P_i`` for all i (see :func:`powersgd_triton.ops.project_t`)."""
+    """``Q_i = M_iᵀ · P_i`` for all i (see :func:`powersgd_triton.ops.project_t`): one launch, plus one for the
+    fixed-order reduction when a matrix taller than ``SPLIT_ROWS`` is split over rows."""
     cfg = _resolve("project_t", layout, buffer.dtype, config)
-    tiles = layout.tiles("cols", cfg["BLOCK_M"])
+    split = int(cfg.get("SPLIT_ROWS", 0))
+    tiles, reduce_tiles, ws_numel = layout.column_tiles(cfg["BLOCK_M"], split)
     R = padded_rank(layout.max_rank, cfg["USE_DOT"])
+    ws = layout.workspace(ws_numel) if reduce_tiles is not None else p
     _project_t_kernel[(tiles.shape[0],)](
-        buffer, p, q, layout.table, tiles,
-        R=R, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"],
-        **_launch_options(cfg),
+        buffer, p, q, ws, layout.table, tiles,
+        R=R, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], SPLIT_ROWS=split if reduce_tiles is not None else 0,
+        USE_DOT=cfg["USE_DOT"], **_launch_options(cfg),
     )
+    if reduce_tiles is not None:
+        _reduce_splits_kernel[(reduce_tiles.shape[0],)](
+            ws, q, layout.table, reduce_tiles, R=R, BLOCK_M=cfg["BLOCK_M"], num_warps=4, num_stages=1
+        )
 
 
 def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, config: Optional[dict] = None) -> None:
@@ -195,7 +212,9 @@ def _signature(kernel: str, grad_dtype: torch.dtype) -> Dict[str, str]:
     if kernel == "project":
         return dict(buf_ptr=g, q_ptr=f, p_ptr=f, e_ptr=f, table_ptr=i64, tiles_ptr=i32)
     if kernel == "project_t":
-        return dict(buf_ptr=g, p_ptr=f, q_ptr=f, table_ptr=i64, tiles_ptr=i32)
+        return dict(buf_ptr=g, p_ptr=f, q_ptr=f, ws_ptr=f, table_ptr=i64, tiles_ptr=i32)
+    if kernel == "reduce_splits":
+        return dict(ws_ptr=f, q_ptr=f, table_ptr=i64, tiles_ptr=i32)
     if kernel == "orthogonalize":
         return dict(x_ptr=f, out_ptr=f, table_ptr=i64, eps="fp32")
     return dict(buf_ptr=g, p_ptr=f, q_ptr=f, e_ptr=f, flag_ptr="*u8", table_ptr=i64, tiles_ptr=i32, scale="fp32")
@@ -207,7 +226,12 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
     if kernel == "orthogonalize":
         c.update(BLOCK=config["BLOCK"], ROWS_COL=variant.get("ROWS_COL", 1), OFF_COL=variant.get("OFF_COL", 5))
         return c
+    if kernel == "reduce_splits":
+        c.update(BLOCK_M=config["BLOCK_M"], R=padded_rank(max_rank, use_dot))
+        return c
     c.update({k: config[k] for k in (_tile_key(kernel), "BLOCK_K", "USE_DOT")})
+    if kernel == "project_t":
+        c["SPLIT_ROWS"] = variant.get("SPLIT_ROWS", config.get("SPLIT_ROWS", 0))
     if kernel in ("project", "reconstruct"):
         c["HAS_ERROR"] = variant.get("HAS_ERROR", True)
     if kernel == "reconstruct":
@@ -234,7 +258,10 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
         signature[name] = "constexpr"
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     options = {"num_warps": config.get("num_warps", 4), "num_stages": config.get("num_stages", 1)}
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    if kernel == "project_t" and constexprs["SPLIT_ROWS"] > 0:  # the split path launches the reducer too
+        compile_aot("reduce_splits", config, grad_dtype, max_rank, arch)
+    return compiled
 
 
 def variants(kernel: str) -> Iterable[dict]:
@@ -245,4 +272,6 @@ def variants(kernel: str) -> Iterable[dict]:
         return [dict(HAS_ERROR=True, HAS_FLAG=True), dict(HAS_ERROR=True, HAS_FLAG=False), dict(HAS_ERROR=False, HAS_FLAG=False)]
     if kernel == "orthogonalize":
         return [dict(ROWS_COL=1, OFF_COL=5), dict(ROWS_COL=2, OFF_COL=6)]
+    if kernel == "project_t":
+        return [dict(SPLIT_ROWS=0), dict(SPLIT_ROWS=DEFAULT_SPLIT_ROWS)]
     return [dict()]
