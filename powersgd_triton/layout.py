@@ -357,6 +357,23 @@ class BucketLayout:
             self._workspace = ws
         return ws
 
+    def segment_tiles(self, block: int, to_packed: bool) -> torch.Tensor:
+        """Device ``int64 (T, 3)`` table ``(source offset, destination offset, count)`` of the uncompressed segments
+        in chunks of at most ``block`` elements: bucket -> packed buffer (``to_packed``) or back. Cached."""
+        key = ("segments", int(block), bool(to_packed))
+        t = self._tiles.get(key)
+        if t is None:
+            rows = []
+            packed = 0
+            for off, n in self.uncompressed:
+                for c in range(0, n, block):
+                    count = min(block, n - c)
+                    rows.append((off + c, packed + c, count) if to_packed else (packed + c, off + c, count))
+                packed += n
+            t = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(self.device)
+            self._tiles[key] = t
+        return t
+
     def uncompressed_index(self) -> Optional[torch.Tensor]:
         """Device ``int64`` index of every uncompressed element (None if the segments are one range or none)."""
         if len(self.uncompressed) <= 1:

@@ -335,3 +335,57 @@ def test_full_step_with_other_configs(configs, rank, rng):
     assert _per_matrix(buf, buf64, layout, "m") < 1e-4
     assert guards_intact(q_whole, layout.q_numel) and guards_intact(p_whole, layout.p_numel)
     assert guards_intact(whole, layout.numel, fill=CANARY)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("local", ["p", "q"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reconstruct_local_error(backend, local, dtype, rng):
+    """Alternating hook: output P·(s·Q)ᵀ, error against the local factor (M − P_local·Qᵀ or M − P·Q_localᵀ)."""
+    buf, whole, grads = make_bucket(SHAPE_SETS["ragged"] + SHAPE_SETS["convnet"], dtype, rng)
+    layout = layerwise(buf, grads, 4)
+    p, q = torch.randn(layout.p_numel, generator=rng), torch.randn(layout.q_numel, generator=rng)
+    loc = torch.randn(layout.p_numel if local == "p" else layout.q_numel, generator=rng)
+    kw = {"local_p": loc} if local == "p" else {"local_q": loc}
+    err, err_whole = guarded(layout.e_numel)
+    buf64, err64 = buf.double(), torch.zeros(layout.e_numel, dtype=torch.float64)
+    kw64 = {k: v.double() for k, v in kw.items()}
+    reference.reconstruct(buf64, layout, p.double(), q.double(), 0.5, err64, None, torch.float64, **kw64)
+    for s in layout.matrices:  # independent check of the oracle on one matrix
+        mat = grads[s.grad_index].reshape(s.n, s.m).double()
+        pi = p[s.p_offset : s.p_offset + s.n * s.rank].view(s.n, s.rank).double()
+        qi = q[s.q_offset : s.q_offset + s.m * s.rank].view(s.m, s.rank).double()
+        if local == "p":
+            li = loc[s.p_offset : s.p_offset + s.n * s.rank].view(s.n, s.rank).double()
+            expect = mat - li @ qi.t()
+        else:
+            li = loc[s.q_offset : s.q_offset + s.m * s.rank].view(s.m, s.rank).double()
+            expect = mat - pi @ li.t()
+        assert torch.allclose(err64[s.e_offset : s.e_offset + s.numel].view(s.n, s.m), expect)
+        break
+    ops.reconstruct(buf, layout, p, q, 0.5, err, torch.tensor(True), backend=backend, **kw)
+    assert _per_matrix(buf, buf64, layout, "m") < STORE_TOL[dtype]
+    assert _per_matrix(err, err64, layout, "e") < 1e-5
+    assert guards_intact(err_whole, layout.e_numel)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_pack_unpack_uncompressed(backend, dtype, rng):
+    shapes = [(3000,), (20, 30), (7,), (2, 2), (40, 50), (1500,), (5,)]  # segments longer than one block, too
+    buf, whole, grads = make_bucket(shapes, dtype, rng)
+    layout = layerwise(buf, grads, 2, min_rate=2)
+    assert len(layout.uncompressed) >= 3
+    expected = torch.cat([buf[o : o + n] for o, n in layout.uncompressed]).float()
+    packed, packed_whole = guarded(layout.uncompressed_numel)
+    ops.pack_uncompressed(buf, layout, packed, backend=backend)
+    assert torch.equal(packed, expected)
+    assert guards_intact(packed_whole, layout.uncompressed_numel)
+
+    compressed_before = [buf[s.offset : s.offset + s.numel].clone() for s in layout.matrices]
+    new = torch.randn(layout.uncompressed_numel, generator=rng)
+    ops.unpack_uncompressed(new, layout, buf, 0.5, backend=backend)
+    assert torch.equal(torch.cat([buf[o : o + n] for o, n in layout.uncompressed]), (new * 0.5).to(dtype))
+    for s, before in zip(layout.matrices, compressed_before):
+        assert torch.equal(buf[s.offset : s.offset + s.numel], before)
+    assert guards_intact(whole, layout.numel, fill=CANARY)

@@ -141,23 +141,32 @@ def reconstruct(
     error: Optional[torch.Tensor] = None,
     update_error: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
+    local_p: Optional[torch.Tensor] = None,
+    local_q: Optional[torch.Tensor] = None,
 ) -> None:
     """M_i ← P_i · (scale · Q_i)ᵀ; with ``error`` also E_i ← M_i(before) − P_i · (scale · Q_i)ᵀ.
 
-    ``update_error`` (0-d bool tensor on the device) keeps the old E_i where it is False.
+    ``update_error`` (0-d bool tensor on the device) keeps the old E_i where it is False. With ``local_p``
+    (``local_q``) the error is the local residual E_i ← M_i − P_local,i · Q_iᵀ (M_i − P_i · Q_local,iᵀ).
     """
     for s in layout.matrices:
         before = _matrix(buffer, s).to(compute_dtype)
-        qs = _factor(q, s.q_offset, s.m, s.rank).to(compute_dtype)
-        if scale != 1.0:
-            qs = qs * scale
-        approx = _factor(p, s.p_offset, s.n, s.rank).to(compute_dtype) @ qs.t()
+        pf = _factor(p, s.p_offset, s.n, s.rank).to(compute_dtype)
+        q_raw = _factor(q, s.q_offset, s.m, s.rank).to(compute_dtype)
+        qs = q_raw * scale if scale != 1.0 else q_raw
+        approx = pf @ qs.t()
         if error is not None:
+            if local_p is not None:
+                approx_e = _factor(local_p, s.p_offset, s.n, s.rank).to(compute_dtype) @ q_raw.t()
+            elif local_q is not None:
+                approx_e = pf @ _factor(local_q, s.q_offset, s.m, s.rank).to(compute_dtype).t()
+            else:
+                approx_e = approx
             e = _error(error, s)
             if update_error is None and s.numel == s.n * s.m and e.dtype == compute_dtype:
-                torch.sub(before, approx, out=e.view(s.n, s.m))
+                torch.sub(before, approx_e, out=e.view(s.n, s.m))
             else:
-                new = (before - approx).reshape(-1)[: s.numel].to(e.dtype)
+                new = (before - approx_e).reshape(-1)[: s.numel].to(e.dtype)
                 if update_error is not None:
                     new = torch.where(update_error, new, e)
                 e.copy_(new)

@@ -32,6 +32,7 @@ from ..layout import BucketLayout
 from .lowrank_mm import _project_kernel, _project_t_kernel, _reduce_splits_kernel
 from .orthogonalize import _orthogonalize_kernel
 from .reconstruct import _reconstruct_kernel
+from .segments import _copy_segments_kernel
 
 KERNELS = ("project", "orthogonalize", "project_t", "reconstruct")
 KERNEL_FUNCTIONS = {
@@ -40,7 +41,9 @@ KERNEL_FUNCTIONS = {
     "project_t": _project_t_kernel,
     "reconstruct": _reconstruct_kernel,
     "reduce_splits": _reduce_splits_kernel,  # second stage of project_t for split (tall) matrices
+    "copy_segments": _copy_segments_kernel,  # pack / unpack of the uncompressed gradients
 }
+SEGMENT_BLOCK = 1024
 # Register budget for the broadcast-multiply path: elements of the [BLOCK, BLOCK_K, R] product per program.
 MAX_BROADCAST_ELEMENTS = 16384
 MIN_DOT_RANK = 16
@@ -183,9 +186,22 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, c
 
 
 def reconstruct(
-    buffer, layout: BucketLayout, p, q, scale: float, error=None, update_error=None, *, config: Optional[dict] = None
+    buffer,
+    layout: BucketLayout,
+    p,
+    q,
+    scale: float,
+    error=None,
+    update_error=None,
+    *,
+    local_p=None,
+    local_q=None,
+    config: Optional[dict] = None,
 ) -> None:
-    """One launch: ``M_i ← P_i·(scale·Q_i)ᵀ`` and optionally ``E_i ← M_i − P_i·(scale·Q_i)ᵀ`` for all i."""
+    """One launch: ``M_i ← P_i·(scale·Q_i)ᵀ`` and optionally ``E_i ← M_i − P_i·(scale·Q_i)ᵀ`` for all i.
+
+    With ``local_p`` (``local_q``) the error is the local residual ``M_i − P_local·Q_iᵀ`` (``M_i − P_i·Q_localᵀ``).
+    """
     cfg = _resolve("reconstruct", layout, buffer.dtype, config)
     tiles = layout.tiles("rows", cfg["BLOCK_N"])
     R = padded_rank(layout.max_rank, cfg["USE_DOT"])
@@ -194,12 +210,22 @@ def reconstruct(
         flag = update_error.reshape(1)
         if flag.dtype == torch.bool:
             flag = flag.view(torch.uint8)
+    local_err = 1 if local_p is not None else 2 if local_q is not None else 0
+    local = local_p if local_p is not None else local_q if local_q is not None else p
     _reconstruct_kernel[(tiles.shape[0],)](
-        buffer, p, q, error if error is not None else p, flag, layout.table, tiles, float(scale),
-        HAS_ERROR=error is not None, HAS_FLAG=update_error is not None,
+        buffer, p, q, local, error if error is not None else p, flag, layout.table, tiles, float(scale),
+        HAS_ERROR=error is not None, HAS_FLAG=update_error is not None, LOCAL_ERR=local_err,
         R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"],
         **_launch_options(cfg),
     )
+
+
+def copy_segments(src, dst, layout: BucketLayout, to_packed: bool, scale: float = 1.0) -> None:
+    """One launch: the uncompressed gradients, bucket -> packed buffer (``to_packed``) or packed -> bucket."""
+    tiles = layout.segment_tiles(SEGMENT_BLOCK, to_packed)
+    if tiles.shape[0] == 0:
+        return
+    _copy_segments_kernel[(tiles.shape[0],)](src, dst, tiles, float(scale), BLOCK=SEGMENT_BLOCK, num_warps=4)
 
 
 # ----------------------------------------------------------------------------------------------- AOT compilation
@@ -215,9 +241,13 @@ def _signature(kernel: str, grad_dtype: torch.dtype) -> Dict[str, str]:
         return dict(buf_ptr=g, p_ptr=f, q_ptr=f, ws_ptr=f, table_ptr=i64, tiles_ptr=i32)
     if kernel == "reduce_splits":
         return dict(ws_ptr=f, q_ptr=f, table_ptr=i64, tiles_ptr=i32)
+    if kernel == "copy_segments":
+        return dict(src_ptr=g, dst_ptr=f, tiles_ptr=i64, scale="fp32")
     if kernel == "orthogonalize":
         return dict(x_ptr=f, out_ptr=f, table_ptr=i64, eps="fp32")
-    return dict(buf_ptr=g, p_ptr=f, q_ptr=f, e_ptr=f, flag_ptr="*u8", table_ptr=i64, tiles_ptr=i32, scale="fp32")
+    return dict(
+        buf_ptr=g, p_ptr=f, q_ptr=f, lf_ptr=f, e_ptr=f, flag_ptr="*u8", table_ptr=i64, tiles_ptr=i32, scale="fp32"
+    )
 
 
 def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict:
@@ -229,6 +259,8 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
     if kernel == "reduce_splits":
         c.update(BLOCK_M=config["BLOCK_M"], R=padded_rank(max_rank, use_dot))
         return c
+    if kernel == "copy_segments":
+        return {"BLOCK": SEGMENT_BLOCK}
     c.update({k: config[k] for k in (_tile_key(kernel), "BLOCK_K", "USE_DOT")})
     if kernel == "project_t":
         c["SPLIT_ROWS"] = variant.get("SPLIT_ROWS", config.get("SPLIT_ROWS", 0))
@@ -236,6 +268,7 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
         c["HAS_ERROR"] = variant.get("HAS_ERROR", True)
     if kernel == "reconstruct":
         c["HAS_FLAG"] = variant.get("HAS_FLAG", True)
+        c["LOCAL_ERR"] = variant.get("LOCAL_ERR", 0)
     return c
 
 
@@ -254,6 +287,8 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
         raise RuntimeError("compile_aot needs TRITON_INTERPRET unset (kernels are interpreted functions here)")
     constexprs = _constexprs(kernel, config, max_rank, variant or {})
     signature = dict(_signature(kernel, grad_dtype))
+    if kernel == "copy_segments" and not (variant or {}).get("to_packed", True):
+        signature["src_ptr"], signature["dst_ptr"] = signature["dst_ptr"], signature["src_ptr"]
     for name in constexprs:
         signature[name] = "constexpr"
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
@@ -269,9 +304,17 @@ def variants(kernel: str) -> Iterable[dict]:
     if kernel == "project":
         return [dict(HAS_ERROR=True), dict(HAS_ERROR=False)]
     if kernel == "reconstruct":
-        return [dict(HAS_ERROR=True, HAS_FLAG=True), dict(HAS_ERROR=True, HAS_FLAG=False), dict(HAS_ERROR=False, HAS_FLAG=False)]
+        return [
+            dict(HAS_ERROR=True, HAS_FLAG=True),
+            dict(HAS_ERROR=True, HAS_FLAG=False),
+            dict(HAS_ERROR=False, HAS_FLAG=False),
+            dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=1),
+            dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=2),
+        ]
     if kernel == "orthogonalize":
         return [dict(ROWS_COL=1, OFF_COL=5), dict(ROWS_COL=2, OFF_COL=6)]
     if kernel == "project_t":
         return [dict(SPLIT_ROWS=0), dict(SPLIT_ROWS=DEFAULT_SPLIT_ROWS)]
+    if kernel == "copy_segments":
+        return [dict(to_packed=True), dict(to_packed=False)]
     return [dict()]
