@@ -451,7 +451,7 @@ class PowerSGDState:
 
         Works before ``init_process_group``.
         """
-        self.__init__(None, **pickled["config"])
+        PowerSGDState.__init__(self, None, **pickled["config"])
         self.load_state_dict(pickled["state"])
         logger.info(
             "NOTE: Process group will be set to the default group (i.e. the world size) when the hook runs. "

@@ -24,6 +24,7 @@ class CountLaunches(TorchDispatchMode):
         self.ops = Counter()
         self.collectives = Counter()
         self.kernels = Counter()
+        self.all_reduces = 0
         self.paused = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -38,6 +39,35 @@ class CountLaunches(TorchDispatchMode):
     @property
     def total_ops(self) -> int:
         return sum(self.ops.values())
+
+
+@contextlib.contextmanager
+def synchronous_all_reduce(counter: CountLaunches):
+    """Within the block, ``dist.all_reduce`` is counted and completes before it returns.
+
+    Its future is then already complete, so ``then()`` callbacks (PyTorch's hook issues its P and Q steps from
+    them) run inline on the calling thread, where the (thread-local) dispatch mode sees their ops.
+    """
+    import torch.distributed as dist
+
+    original = dist.all_reduce
+
+    def wrapped(tensor, *args, **kwargs):
+        counter.all_reduces += 1
+        counter.paused += 1
+        try:
+            work = original(tensor, *args, **kwargs)
+            if work is not None:
+                work.wait()
+            return work
+        finally:
+            counter.paused -= 1
+
+    dist.all_reduce = wrapped
+    try:
+        yield counter
+    finally:
+        dist.all_reduce = original
 
 
 @contextlib.contextmanager
