@@ -12,7 +12,7 @@ A compressed step of one bucket (PowerSGD, Vogels et al. 2019, arXiv 1905.13727,
 3. ``P = (M + E)·Q``, all-reduce P;  4. orthogonalize P;  5. ``Q = (M + E)ᵀ·P``, all-reduce Q, ``Q /= world``;
 6. ``M <- P·Qᵀ`` and ``E <- (M + E) - P·Qᵀ`` in one pass; commit the warm-start Q.
 
-Steps 6's memory updates only happen where ``ok`` (a 0-d device bool: all-reduced Q and uncompressed gradients
+Step 6's memory updates only happen where ``ok`` (a 0-d device bool: all-reduced Q and uncompressed gradients
 finite) holds, without any host synchronization: a non-finite step yields a non-finite output (GradScaler skips
 it) and leaves the error memory and the warm-start Q as they were.
 

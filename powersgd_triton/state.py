@@ -122,6 +122,9 @@ class PowerSGDState:
             the first iteration), ``matrix_approximation_rank < 1``, ``min_compression_rate <= 0``, negative
             ``orthogonalization_epsilon``, or an unknown ``backend``.
 
+    ``batch_tensors_with_same_shape`` only changes how the initial random Q is drawn (one ``randn`` per shape group,
+    as PyTorch draws it): our kernels always process a whole bucket per launch.
+
     Differences from PyTorch's state (all deliberate): error memory only for compressed gradients, in float32;
     P and Q in float32; a non-finite step leaves the memory as it was; ``error_dict`` / ``p_memory_dict`` /
     ``q_memory_dict`` are read-only views of the flat per-bucket buffers.
