@@ -253,3 +253,18 @@ def test_q_draw_matches_pytorch_random_numbers():
             else:
                 want = [torch.randn(1, 48, 2), torch.randn(1, 48, 2), torch.randn(1, 36, 2)]
         assert torch.equal(mem.q, torch.cat([w.reshape(-1) for w in want]))
+
+
+def test_backend_resolution():
+    from _dist import triton_backend_skip_reason
+    from powersgd_triton.state import _resolve_backend
+
+    cpu = torch.zeros(4)
+    assert _resolve_backend("torch", cpu) == "torch"
+    if triton_backend_skip_reason() is None:
+        assert _resolve_backend("triton", cpu) == "triton"
+        assert _resolve_backend("auto", cpu) == "triton"
+    else:
+        with pytest.raises(RuntimeError, match="triton"):
+            _resolve_backend("triton", cpu)
+        assert _resolve_backend("auto", cpu) == "torch"
