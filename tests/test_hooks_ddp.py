@@ -34,6 +34,9 @@ VARIANTS = [
     "rank4_no_error_feedback",
     "gradient_as_bucket_view",
 ]
+# With the Triton kernels in the interpreter (slow), the variants where the bucket kernels see something different:
+# fp32, bf16 and fp16 buffers, the batched view. The others exercise hook logic that does not depend on the backend.
+TRITON_VARIANTS = ["base", "bf16", "fp16_compress_wrapper", "batched"]
 
 
 class Net(nn.Module):
@@ -121,7 +124,8 @@ def _train(rank, world_size, variant, backend):
 
 
 def _variants_worker(rank, world_size, backend):
-    return {v: _train(rank, world_size, v, backend) for v in VARIANTS}
+    variants = TRITON_VARIANTS if backend == "triton" else VARIANTS
+    return {v: _train(rank, world_size, v, backend) for v in variants}
 
 
 @pytest.fixture(scope="module", params=backend_params())
@@ -131,6 +135,8 @@ def ddp_results(request, tmp_path_factory):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_ddp_training(ddp_results, variant):
+    if variant not in ddp_results[0]:
+        pytest.skip("variant not run on this backend (see TRITON_VARIANTS)")
     for rank, res in enumerate(ddp_results):
         r = res[variant]
         assert r["mismatched"] == [], f"rank {rank}: parameters differ across ranks after steps {r['mismatched']}"
@@ -180,6 +186,8 @@ def _many_buckets_worker(rank, world_size, backend, check_every):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_many_buckets_on_gloo(tmp_path, world_size, backend):
     """PyTorch's hook aborts here on its first compressed step (collectives issued from gloo worker threads)."""
+    if backend == "triton" and world_size > 2:
+        pytest.skip("the collective order does not depend on the backend; 4 interpreted ranks on 2 cores are slow")
     # 4 ranks share 2 cores here (~10 ms per gloo collective): compare parameters every 5 steps there.
     check_every = 1 if world_size == 2 else 5
     for res in run_ranks(_many_buckets_worker, world_size, tmp_path, backend, check_every, timeout=170):

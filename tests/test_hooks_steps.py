@@ -109,6 +109,8 @@ def test_nonfinite_step_does_not_poison_state(tmp_path, backend, hook_name, wher
     warm start the following steps equal those of a run that never saw step 3 (memory left as it was)."""
     if hook_name == "batched" and where == "uncompressed":
         pytest.skip("no uncompressed part in the batched view")
+    if backend == "triton" and (not warm_start or where == "nan"):
+        pytest.skip("interpreter time: the Triton backend runs the warm-start inf cases")
     results = run_ranks(_nonfinite_worker, 2, tmp_path, backend, hook_name, where, warm_start, timeout=60)
     for res in results:
         assert res["finite"] == [True, True, True, False, True, True, True]
