@@ -9,7 +9,6 @@ import multiprocessing
 import os
 import subprocess
 import sys
-import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py on main; must precede `import triton`
 

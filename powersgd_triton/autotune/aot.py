@@ -107,7 +107,10 @@ def compile_all(job_list: Iterable[dict], processes: int = 2) -> List[dict]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m powersgd_triton.autotune.aot", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m powersgd_triton.autotune.aot",
+        description="Compile every autotuner candidate for GPU targets without a GPU.",
+    )
     p.add_argument("--kernels", nargs="+", default=None)
     p.add_argument("--ranks", type=int, nargs="+", default=[4, 16])
     p.add_argument("--archs", type=int, nargs="+", default=[80, 90])

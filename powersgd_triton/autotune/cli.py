@@ -37,7 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "autotune",
         help="tune the Triton kernels' block sizes for a model's gradient shapes on this GPU",
-        description=__doc__.split("\n\n")[0],
+        description="Tune the shape classes of a model's gradients on this GPU (cached per GPU model), "
+        "or show / clear the cache.",
     )
     p.add_argument("--model", choices=sorted(MODELS), help="model whose gradient shapes are tuned")
     p.add_argument("--rank", type=int, nargs="+", default=[4], metavar="R", help="matrix approximation rank(s)")
@@ -45,6 +46,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--hook", choices=["layerwise", "batched", "both"], default="layerwise",
                    help="powerSGD_hook (layerwise) and/or batched_powerSGD_hook shapes")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default 25)")
+    p.add_argument("--first-bucket-mb", type=float, default=1.0,
+                   help="DDP's smaller first bucket (default 1, DDP's default; 0: none)")
     p.add_argument("--min-compression-rate", type=float, default=2.0)
     p.add_argument("--force", action="store_true", help="re-tune shape classes already cached")
     p.add_argument("--export", metavar="PATH", help="also write the results as a shipped-format <gpu>.json")
@@ -69,11 +72,14 @@ def model_layouts(
     device,
     bucket_cap_mb: float = 25.0,
     min_compression_rate: float = 2.0,
+    first_bucket_mb: float = 1.0,
 ) -> List[BucketLayout]:
     """Bucket layouts of ``model``'s gradients as DDP would bucket them (``hook``: layerwise or batched)."""
     elem = torch.empty((), dtype=dtype).element_size()
     layouts = []
-    for shapes in ddp_buckets(model_shapes(model), bucket_cap_mb=bucket_cap_mb, element_size=elem):
+    buckets = ddp_buckets(model_shapes(model), bucket_cap_mb=bucket_cap_mb, element_size=elem,
+                          first_bucket_mb=first_bucket_mb)
+    for shapes in buckets:
         total = sum(numel(s) for s in shapes)
         if hook == "batched":
             layouts.append(BucketLayout.batched(total, rank, device, dtype))
@@ -174,7 +180,7 @@ def run(args, out=None) -> int:
         for rank in args.rank:
             for hook in hooks:
                 layouts = model_layouts(args.model, rank, dtype, hook, device, args.bucket_cap_mb,
-                                        args.min_compression_rate)
+                                        args.min_compression_rate, args.first_bucket_mb)
                 layouts = [lay for lay in layouts if lay.num_matrices > 0]
                 groups.append((DTYPE_NAMES[dtype], rank, hook, layouts))
                 for lay in layouts:

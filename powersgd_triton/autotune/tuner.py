@@ -261,7 +261,7 @@ class Tuner:
             dev = torch.device("cuda", torch.cuda.current_device())
         k = str(dev)
         if k not in self._devices:
-            self._devices[k] = device_key(dev if dev.type == "cuda" else None)
+            self._devices[k] = device_key(dev)
         return self._devices[k]
 
     def shipped_entries(self, dk: DeviceKey) -> Dict[str, dict]:
@@ -303,7 +303,9 @@ class Tuner:
 
     # ------------------------------------------------------------------ selection
     @staticmethod
-    def _lookup(sc: ShapeClass, entries: Dict[str, dict], cands: List[dict], nearest: int) -> Optional[Tuple[str, dict]]:
+    def _lookup(
+        sc: ShapeClass, entries: Dict[str, dict], cands: List[dict], nearest: int
+    ) -> Optional[Tuple[str, dict]]:
         """Exact (``nearest=0``) or nearest valid entry for ``sc``: ``(key, entry)`` or None."""
         if nearest <= 0:
             e = entries.get(sc.key)
