@@ -110,7 +110,7 @@ def test_device_names_and_override(monkeypatch):
     monkeypatch.setenv("POWERSGD_TRITON_GPU_NAME", "NVIDIA H200 NVL")
     dk = device_key()
     assert dk.gpu == "h200_nvl"
-    assert dk.library == powersgd_triton.__version__
+    assert dk.library.startswith(powersgd_triton.__version__ + "+")  # version + kernel source hash
     assert f"triton-{dk.triton}" in dk.key and "powersgd_triton-" in dk.key
 
 
@@ -154,6 +154,20 @@ def test_failing_candidates_and_no_tuning_unless_asked(tmp_path):
     c = tuner.choose("project", lay, torch.float32)  # autotune=False: first step never pays for tuning
     assert c.source == "heuristic" and not timer.calls
     assert not (tmp_path / "c" / "autotune-cache.json").exists()
+
+
+def test_no_scratch_memory_falls_back_to_heuristic(monkeypatch):
+    from powersgd_triton.autotune import tuner as tuner_mod
+
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("fake: no memory for scratch buffers")
+
+    monkeypatch.setattr(tuner_mod, "_Workload", oom)
+    tuner = Tuner(cache=False, bench=lambda fn: 1.0, device=fake_device())
+    lay = make_layout()
+    with pytest.warns(AutotuneWarning, match="no scratch buffers"):
+        c = tuner.choose("project", lay, torch.float32, autotune=True)
+    assert c.source == "heuristic" and c.config == candidates("project", lay, torch.float32)[1]
 
 
 def test_stale_cached_config_is_ignored(tmp_path):

@@ -3,8 +3,9 @@
 A tuned config is remembered per (device key, shape class):
 
 * :class:`DeviceKey`: normalized GPU model name (``torch.cuda.get_device_name()``, or ``POWERSGD_TRITON_GPU_NAME``),
-  compute capability, Triton version and library version. Two GPU models never share an entry, and an upgrade of
-  Triton or of this library starts from fresh entries (block sizes tuned for one version can be slow on another).
+  compute capability, Triton version and library version (with a hash of the kernel sources). Two GPU models never
+  share an entry, and an upgrade of Triton or of this library, or an edit of a kernel, starts from fresh entries
+  (block sizes tuned for one version can be slow on another).
 * :class:`ShapeClass`: kernel, gradient dtype, padded rank ``R`` (the constexpr the kernel is compiled with),
   layer-wise or batched, and log2 size classes. For the streaming kernels (``project``, ``project_t``,
   ``reconstruct``) the sizes are the typical row count ``n`` and column count ``m`` (medians weighted by matrix size:
@@ -16,10 +17,12 @@ Size classes are ``round(log2(x))``: layouts within a factor of about 1.4 of eac
 buckets need only a few tuning runs and a tuned entry serves similar models.
 """
 
+import functools
+import hashlib
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -156,14 +159,39 @@ def name_matches(tag: str, gpu: str) -> bool:
     return f"_{tag}_" in f"_{gpu}_"
 
 
+KERNEL_SOURCES = ("lowrank_mm.py", "orthogonalize.py", "reconstruct.py", "triton_ops.py")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source_hash() -> str:
+    """First 10 hex digits of the SHA-256 of the kernel sources: a kernel edit invalidates cached timings even when
+    the library version is unchanged (as during development)."""
+    h = hashlib.sha256()
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+    for name in KERNEL_SOURCES:
+        try:
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(f.read())
+        except OSError:
+            h.update(name.encode())
+    return h.hexdigest()[:10]
+
+
+def _library_version() -> str:
+    return f"{__version__}+{kernel_source_hash()}"
+
+
 @dataclass(frozen=True)
 class DeviceKey:
-    """What a tuned config was measured on. ``key`` is its string form in the JSON cache."""
+    """What a tuned config was measured on. ``key`` is its string form in the JSON cache.
+
+    ``library`` is the package version plus a hash of the kernel sources (``0.1.0+1a2b3c4d5e``).
+    """
 
     gpu: str  # normalized name
     capability: str  # "sm90", "none" without CUDA
     triton: str
-    library: str = __version__
+    library: str = field(default_factory=_library_version)
 
     @property
     def key(self) -> str:

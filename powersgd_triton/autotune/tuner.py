@@ -419,7 +419,12 @@ class Tuner:
         if cands is None:
             cands, heuristic = candidates(kernel, layout, dtype)
         if workload is None and self.timer is None:
-            workload = self._workload(layout, dtype)
+            try:
+                workload = self._workload(layout, dtype)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the scratch buffers
+                self._say_once(f"powersgd_triton autotune: no scratch buffers for {sc} ({type(exc).__name__}: "
+                               f"{exc}); heuristic used", warn=True)
+                return Choice(kernel, sc, dict(heuristic), "heuristic", note="no scratch memory")
         timings: List[Tuple[dict, float]] = []
         for cfg in cands:
             try:
