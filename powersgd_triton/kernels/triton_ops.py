@@ -42,8 +42,9 @@ KERNEL_FUNCTIONS = {
 # Register budget for the broadcast-multiply path: elements of the [BLOCK, BLOCK_K, R] product per program.
 MAX_BROADCAST_ELEMENTS = 16384
 # Orthogonalize keeps a [BLOCK, R] fp32 tile per program and unrolls R columns: at most 16 tile elements per thread
-# (BLOCK * R <= 512 * num_warps). Larger tiles spill and take minutes to compile at R >= 16 (sm_90, triton 3.9:
-# BLOCK 512 / 4 warps / R 16: 220 s; BLOCK 512 / 8 warps / R 32: 450 s), which live tuning would pay per config.
+# (BLOCK * R <= 512 * num_warps). Larger tiles take minutes to compile at R >= 16 (measured, CPU, sm_90, triton 3.9:
+# BLOCK 512 / 4 warps / R 16: 220 s; BLOCK 512 / 8 warps / R 32: 450 s), which live tuning would pay per config, and
+# are likely to spill registers (not measured yet: no GPU run).
 MAX_ORTHO_TILE_PER_WARP = 512
 MIN_DOT_RANK = 16  # tl.dot needs every dim >= 16 for 16-bit inputs on NVIDIA; we pad R to this when USE_DOT.
 
