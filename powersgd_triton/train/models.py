@@ -46,7 +46,7 @@ class MnistMLP(nn.Module):
 class CharLSTM(nn.Module):
     """Character LM: ``forward(ids (B, T)) -> logits (B, T, vocab)``."""
 
-    def __init__(self, vocab_size: int, embed: int = 64, hidden: int = 256, layers: int = 2):
+    def __init__(self, vocab_size: int, embed: int = 64, hidden: int = 128, layers: int = 2):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, embed)
         self.lstm = nn.LSTM(embed, hidden, num_layers=layers, batch_first=True)
