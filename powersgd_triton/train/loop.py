@@ -215,6 +215,14 @@ def check_available(cfg: "TrainConfig") -> None:
         if name in ("powersgd", "batched"):
             our_hooks(name)
     data_mod.check_available(cfg.workload)
+    if cfg.device == "cuda":
+        from . import launch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: CUDA is not available on this machine")
+        n = torch.cuda.device_count()
+        if launch.torchrun_env() is None and cfg.world_size > n:
+            raise ValueError(f"--device cuda uses one GPU per rank: --world-size {cfg.world_size} > {n} GPUs")
     _plan(cfg)  # raises ValueError when a global batch is larger than the training set
 
 
@@ -519,6 +527,12 @@ def rank_main(rank: int, world_size: int, init_method: Optional[str], cfg: Train
     ``init_method=None`` means ``env://`` (torchrun). The per-step losses returned are averaged over the ranks.
     """
     torch.set_num_threads(1)
+    if rank != 0:  # only rank 0 talks; the others log errors only
+        import logging
+        import warnings
+
+        logging.getLogger().setLevel(logging.ERROR)
+        warnings.simplefilter("ignore")
     device = _device_for(cfg, rank if local_rank is None else local_rank)
     timeout = timedelta(seconds=cfg.collective_timeout)
     if init_method is None:
