@@ -101,6 +101,22 @@ def test_compare_is_deterministic_across_hooks_and_counts_bytes(tmp_path):
     assert "one DDP bucket" in proc.stdout
 
 
+@needs_ours
+def test_ours_tracks_pytorchs_hook(tmp_path):
+    """Digits fits one DDP bucket, so ours (default buckets) and PyTorch's hook see the same bucket: same seed,
+    same losses step by step (up to float rounding), same bytes and calls."""
+    out = tmp_path / "m.json"
+    proc = run_cli("train", "--compare", "powersgd,reference", "--steps", "12", "--start-iter", "4", "--no-progress",
+                   "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    runs = json.loads(out.read_text())["runs"]
+    ours, ref = runs["powersgd"], runs["reference"]
+    assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+    assert ours["allreduce_bytes_per_step"] == ref["allreduce_bytes_per_step"]
+    assert ours["allreduce_calls_per_step"] == ref["allreduce_calls_per_step"]
+    assert ours["compression_rate"] == pytest.approx(ref["compression_rate"])
+
+
 def test_failing_rank_fails_the_run_promptly():
     proc = run_cli("train", "--hook", "allreduce", "--no-progress", "--debug-fail-rank", "1",
                    "--debug-fail-step", "2", "--timeout", "100", timeout=90)
