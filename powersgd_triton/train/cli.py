@@ -8,7 +8,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from .loop import COMPARE_HOOKS, HOOK_LABELS, HOOKS, TrainConfig, WORKLOAD_DEFAULTS
 

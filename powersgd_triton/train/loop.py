@@ -13,13 +13,12 @@ PyTorch's hooks and ours call ``dist.all_reduce`` through the module attribute.
 """
 
 import math
-import os
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -141,8 +140,6 @@ class TrainConfig:
 class AllReduceCounter:
     """Replaces ``torch.distributed.all_reduce`` with a wrapper that counts bytes and calls (thread-safe: gloo
     runs ``.then`` callbacks, which issue PyTorch's later all-reduces, on its worker threads)."""
-
-    _ATTRS = ((dist, "all_reduce"),)
 
     def __init__(self):
         self.bytes = 0
