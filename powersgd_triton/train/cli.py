@@ -158,7 +158,10 @@ def format_table(result: Dict[str, Any]) -> str:
         head.append("bytes vs all-reduce")
     rows = [head]
     for name, run in runs.items():
-        row = [HOOK_LABELS.get(name, name), _buckets(run), f"{run['final_test_accuracy']:.4f}"]
+        label = HOOK_LABELS.get(name, name)
+        if run.get("kernel_backend"):
+            label += f" ({run['kernel_backend']} kernels)"
+        row = [label, _buckets(run), f"{run['final_test_accuracy']:.4f}"]
         row.append(f"{run['final_test_bits_per_char']:.3f}" if charlm else f"{run['final_test_loss']:.4f}")
         row += [
             f"{1000 * run['seconds_per_step']:.1f}",

@@ -457,8 +457,13 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
         rate, numel_before, numel_after = state.compression_stats()
         compression_rate = float(rate) if numel_after else 1.0
 
+    # which numeric backend our hooks actually ran ("triton" or "torch"), per bucket
+    kernel_backends = sorted(
+        {str(m.backend) for m in getattr(state, "buckets", {}).values() if getattr(m, "backend", None)}
+    )
     out: Dict[str, Any] = {
         "hook": hook_name,
+        "kernel_backend": ",".join(kernel_backends) or None,
         "hook_function": f"{getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', '')}",
         "final_test_accuracy": test_acc[-1] if test_acc else None,
         "final_test_loss": test_loss[-1] if test_loss else None,
