@@ -31,13 +31,14 @@ the local residual, so it is copied into ``local`` (``F`` floats, one launch) be
 over the bucket (:func:`powersgd_triton.ops.reconstruct` with ``local_p`` / ``local_q``) writes the output
 ``P_avg·Q'ᵀ`` (``P'·Q_avgᵀ``) and the error ``(M + E) - P_local·Q'ᵀ`` (``(M + E) - P'·Q_localᵀ``). Computing the
 error before the all-reduce instead would need a second pass over the bucket. Bucket passes per step: a P step
-reads ``M, E`` and writes ``M + E`` while projecting (``ops.project`` with the error), then reconstructs (read ``M``,
-write ``M, E``); a Q step needs ``M + E`` before ``ops.project_t``, which has no error input: the error is folded in
-by ``ops.project`` with the error (its small P output goes to a scratch buffer and is not used; the fold is the
-same memory traffic, only the rank-r multiply is extra), then ``project_t`` reads the bucket once more.
+reads ``M, E`` and writes ``M + E`` while projecting (``ops.project`` with the error), then reconstructs (read
+``M``, write ``M, E``); a Q step needs ``M + E`` before ``ops.project_t``, which has no error input: the error is
+folded in by ``ops.project`` with the error (its small P output goes to a scratch buffer and is not used; the fold
+is the same memory traffic, only the rank-r multiply is extra), then ``project_t`` reads the bucket once more.
+
 Launches per compressed step and bucket, whatever the number of matrices: P step 1 orthogonalize + 1 project +
-1 copy + 1 pack + all-reduce + 1 divide + 1 unpack + 3 (finiteness flag) + 1 reconstruct + 1 commit; a Q step one
-more (the fold).
+1 copy + 1 pack + all-reduce + 1 divide + 1 unpack + 3 (finiteness flag) + 1 reconstruct + 7 small ones (commit of
+the kept factor, per matrix, see below); a Q step one more (the fold). The commit could be one fused kernel.
 
 First compressed step of a bucket: a P step, from the initial random Q drawn exactly as the standard hook draws it
 (:meth:`PowerSGDState._draw_q`: same seeds, same RNG consumption), so the first P of both hooks is the same.
@@ -49,7 +50,16 @@ so that epsilon means the same thing whatever the world size (PyTorch's hook kee
 division is part of the one launch that averages ``comm``.
 
 Numerics as in :mod:`powersgd_triton.hooks`: float32 accumulation, an all-zero layer stays zero (Gram-Schmidt
-leaves a zero column zero), deterministic kernels on the all-reduced data, Triton and torch backends. A non-finite
+leaves a zero column zero), deterministic kernels on the all-reduced data, Triton and torch backends.
+
+Zero factors are never kept. A matrix whose averaged factor is exactly zero (its ``M + E`` was zero on every rank:
+a layer without gradient at that step, or any layer at the Q step after a non-finite first P step, which leaves the
+kept P at its initial zeros) keeps its previous factor. Committing it would be for ever: ``orth(0) = 0``, so every
+later factor of that matrix would be zero, the layer would never pass a gradient again and its error memory would
+grow without bound. (The standard hooks keep a zero Q in that case; with error feedback it takes a layer that has
+no gradient at the first compressed step, without it any step.)
+
+A non-finite
 step: ``ok`` (a 0-d device bool: the all-reduced factor and uncompressed gradients, i.e. the whole ``comm``, are
 finite) gates the error update and the commit of the kept factor, without a host synchronization; the bucket output
 is non-finite (GradScaler skips the step), the error memory and the kept factors stay as they were. **The phase
@@ -57,7 +67,9 @@ still advances** on such a step: which half-step runs is host control flow and m
 the device flag, and every rank must take the same half-step. Advancing is valid: the next half-step
 orthogonalizes the other kept factor, which is exactly the one the last good step left (after a skipped P step,
 the Q step orthogonalizes the P kept by the P step before; after a skipped Q step, the P step re-orthogonalizes
-the kept Q, bitwise the Q' of the P step before it).
+the kept Q, bitwise the Q' of the P step before it). After a skipped *first* P step the kept P is still zero: the Q
+step then outputs zero for the compressed gradients (they go to the error memory) and keeps nothing, and the next
+P step starts from the initial Q again.
 
 Hyper-parameters: the :class:`~powersgd_triton.PowerSGDState` of the standard hooks, with the same meaning:
 ``matrix_approximation_rank``, ``min_compression_rate`` (the standard hook's test, so both hooks compress the same
@@ -147,12 +159,26 @@ class _HalfStep:
         if self.phase == "p":
             ops.reconstruct(buffer, layout, self.factor, mem.q_work, 1.0, error, flag, local_p=local,
                             backend=backend, config=mem.config("reconstruct"))
-            torch.where(ok, self.factor, mem.p, out=mem.p)
         else:
             ops.reconstruct(buffer, layout, mem.p_work, self.factor, 1.0, error, flag, local_q=local,
                             backend=backend, config=mem.config("reconstruct"))
-            torch.where(ok, self.factor, mem.q, out=mem.q)
+        _commit(ok, self.factor, mem.p if self.phase == "p" else mem.q, layout, self.phase)
         return buffer
+
+
+def _commit(ok: torch.Tensor, new: torch.Tensor, kept: torch.Tensor, layout, which: str) -> None:
+    """``kept_i <- new_i`` for every matrix i whose new factor is not all zero, where the step is finite.
+
+    A matrix whose averaged factor is exactly zero (its ``M + E`` was zero on every rank: a layer without gradient,
+    or a Q step after a non-finite first P step, which leaves the kept P at its initial zeros) keeps its previous
+    factor: committing zero would make every later factor zero (``orth(0) = 0``, ``M·0 = 0``) and the layer would
+    never pass a gradient again, its error memory growing for ever. Per matrix, device-side, a few launches whatever
+    the number of matrices; ``amax`` is exact in any order, so the flags are deterministic.
+    """
+    index = layout.factor_matrix_index(which)
+    peak = new.new_zeros(layout.num_matrices).scatter_reduce_(0, index, new.abs(), "amax")
+    fresh = peak.ne(0).logical_and_(ok).index_select(0, index)
+    torch.where(fresh, new, kept, out=kept)
 
 
 def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

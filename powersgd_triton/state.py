@@ -357,8 +357,9 @@ class PowerSGDState:
         layout = mem.layout
         factor = max(layout.p_numel, layout.q_numel)
         f32 = dict(device=buffer.device, dtype=torch.float32)
-        if mem.comm is None or mem.comm.numel() != factor + layout.uncompressed_numel or mem.comm.device != buffer.device:
-            mem.comm = torch.empty(factor + layout.uncompressed_numel, **f32)
+        numel = factor + layout.uncompressed_numel
+        if mem.comm is None or mem.comm.numel() != numel or mem.comm.device != buffer.device:
+            mem.comm = torch.empty(numel, **f32)
             mem.local = torch.empty(factor, **f32) if mem.error is not None else None
             mem.p_work = torch.empty(layout.p_numel, **f32)
         if mem.q_work is None:
