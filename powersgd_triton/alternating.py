@@ -23,8 +23,9 @@ in the same all-reduce as the factor: one float32 buffer per bucket, ``comm = [f
 is written straight into ``comm[:F]`` by the projection kernel, the uncompressed gradients into ``comm[F:]`` by one
 gather launch (:func:`powersgd_triton.ops.pack_uncompressed`), ``comm[:F + U]`` is all-reduced and divided by the
 world size in one launch, and one scatter launch writes the averaged uncompressed gradients back
-(:func:`powersgd_triton.ops.unpack_uncompressed`). The uncompressed part therefore travels in float32 even for
-float16/bfloat16 buckets (PyTorch's hook all-reduces it in the bucket dtype): one collective instead of two.
+(:func:`powersgd_triton.ops.unpack_uncompressed`). The uncompressed part therefore travels in float32 whatever the
+bucket dtype (PyTorch's hook all-reduces it in the bucket dtype): twice its bytes for float16/bfloat16 buckets, in
+one collective instead of two; float64 uncompressed gradients are rounded to float32.
 
 Order of the numeric work (the cheapest correct one found). The local factor is needed after the all-reduce for
 the local residual, so it is copied into ``local`` (``F`` floats, one launch) before the all-reduce; then ONE pass
@@ -59,12 +60,11 @@ later factor of that matrix would be zero, the layer would never pass a gradient
 grow without bound. (The standard hooks keep a zero Q in that case; with error feedback it takes a layer that has
 no gradient at the first compressed step, without it any step.)
 
-A non-finite
-step: ``ok`` (a 0-d device bool: the all-reduced factor and uncompressed gradients, i.e. the whole ``comm``, are
-finite) gates the error update and the commit of the kept factor, without a host synchronization; the bucket output
-is non-finite (GradScaler skips the step), the error memory and the kept factors stay as they were. **The phase
-still advances** on such a step: which half-step runs is host control flow and must be known without reading
-the device flag, and every rank must take the same half-step. Advancing is valid: the next half-step
+A non-finite step: ``ok`` (a 0-d device bool: the all-reduced factor and uncompressed gradients, i.e. the whole
+``comm``, are finite) gates the error update and the commit of the kept factor, without a host synchronization; the
+bucket output is non-finite (GradScaler skips the step), the error memory and the kept factors stay as they were.
+**The phase still advances** on such a step: which half-step runs is host control flow and must be known without
+reading the device flag, and every rank must take the same half-step. Advancing is valid: the next half-step
 orthogonalizes the other kept factor, which is exactly the one the last good step left (after a skipped P step,
 the Q step orthogonalizes the P kept by the P step before; after a skipped Q step, the P step re-orthogonalizes
 the kept Q, bitwise the Q' of the P step before it). After a skipped *first* P step the kept P is still zero: the Q

@@ -492,6 +492,10 @@ def _contract_worker(rank, world_size):
     except ValueError:
         res["bad_phase"] = True
     mem = state.buckets[0]
+    layout = mem.layout
+    for which, rows in (("p", [s.n for s in layout.matrices]), ("q", [s.m for s in layout.matrices])):
+        want = [i for i, (k, s) in enumerate(zip(rows, layout.matrices)) for _ in range(k * s.rank)]
+        assert layout.factor_matrix_index(which).tolist() == want
     res["nbytes"] = mem.nbytes() == 4 * sum(t.numel() for t in (mem.error, mem.p, mem.q, mem.q_work, mem.comm,
                                                                    mem.local, mem.p_work))
     return res
