@@ -92,7 +92,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .hooks import _all_finite, _allreduce_average, _completed, _use_callback_chain
+from .hooks import _all_finite, _allreduce_average, _commit, _completed, _use_callback_chain
 from .layout import check_gradient_dtype
 from .state import BucketMemory, PowerSGDState
 
@@ -164,21 +164,6 @@ class _HalfStep:
                             backend=backend, config=mem.config("reconstruct"))
         _commit(ok, self.factor, mem.p if self.phase == "p" else mem.q, layout, self.phase)
         return buffer
-
-
-def _commit(ok: torch.Tensor, new: torch.Tensor, kept: torch.Tensor, layout, which: str) -> None:
-    """``kept_i <- new_i`` for every matrix i whose new factor is not all zero, where the step is finite.
-
-    A matrix whose averaged factor is exactly zero (its ``M + E`` was zero on every rank: a layer without gradient,
-    or a Q step after a non-finite first P step, which leaves the kept P at its initial zeros) keeps its previous
-    factor: committing zero would make every later factor zero (``orth(0) = 0``, ``M·0 = 0``) and the layer would
-    never pass a gradient again, its error memory growing for ever. Per matrix, device-side, a few launches whatever
-    the number of matrices; ``amax`` is exact in any order, so the flags are deterministic.
-    """
-    index = layout.factor_matrix_index(which)
-    peak = new.new_zeros(layout.num_matrices).scatter_reduce_(0, index, new.abs(), "amax")
-    fresh = peak.ne(0).logical_and_(ok).index_select(0, index)
-    torch.where(fresh, new, kept, out=kept)
 
 
 def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
