@@ -18,8 +18,9 @@ Nothing here asserts a speed: it builds inputs, runs both hooks the same way, ti
   bucket), :func:`peak_extra_bytes` (CUDA allocator peak, or the CPU profiler's allocation trace).
 * :class:`KernelBench`: the four bucket steps alone on one bucket, ours (:mod:`powersgd_triton.ops`) and PyTorch's
   hook's equivalent code, with the byte model :func:`kernel_bytes` (bytes read + written, each once).
-* :func:`time_cpu`, :func:`time_device` (``triton.testing.do_bench``, median, on CUDA), :func:`environment`,
-  :func:`markdown_table`.
+* :func:`time_cpu`, :func:`time_interleaved` (several functions in turn: fair on a machine whose load drifts),
+  :func:`time_device` (``triton.testing.do_bench``, median, on CUDA), :func:`compare_hooks` (both hooks on a model,
+  interleaved, with counts: what ``powersgd-triton bench`` prints), :func:`environment`, :func:`markdown_table`.
 """
 
 import contextlib
@@ -852,6 +853,62 @@ def time_device(fn: Callable[[], None], device, warmup_ms: float = 25, rep_ms: f
     return time_cpu(fn, reps=cpu_reps, warmup=1)
 
 
+def time_interleaved(fns: Dict[str, Callable[[], None]], rounds: int = 5, warmup: int = 1,
+                     sync: Optional[Callable[[], None]] = None) -> Dict[str, dict]:
+    """Wall-clock medians of several functions timed in turn (order reversed every other round), so that a
+    machine whose load drifts (a shared CPU) biases none of them. Returns :func:`time_cpu`-like stats per name."""
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    if sync:
+        sync()
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    for rnd in range(rounds):
+        for n in (names if rnd % 2 == 0 else names[::-1]):
+            t0 = time.perf_counter()
+            fns[n]()
+            if sync:
+                sync()
+            times[n].append((time.perf_counter() - t0) * 1e3)
+    return {n: _quantiles(v) for n, v in times.items()}
+
+
+def compare_hooks(model: str, rank: int, dtype="fp32", device="cpu", *, backend: str = "auto", rounds: int = 5,
+                  counts: bool = True, shrink: int = 1, bucket_cap_mb: float = 25.0,
+                  first_bucket_mb: float = DDP_FIRST_BUCKET_MB, seed: int = 0) -> List[dict]:
+    """PyTorch's hook against ours on ``model``'s buckets, timed in turn (:func:`time_interleaved`), with counts.
+
+    Each hook gets its own copy of the buckets (same random numbers). On CPU the timing includes no device work;
+    on CUDA each call is followed by a synchronisation (wall clock; ``bench/gpu_check.py`` uses ``do_bench``).
+    Returns one row per implementation (``impl``, ``variant``, times, counts, memory); ``speedup`` on ours' row is
+    PyTorch's median over ours'. Needs a process group (:func:`ensure_process_group`).
+    """
+    device = torch.device(device)
+    steps = {}
+    for impl in IMPLS:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        buckets = model_buckets(model, dtype, device, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
+                                shrink=shrink, generator=gen)
+        steps[impl] = make_step(impl, buckets, rank, backend=backend).warmup(1)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    stats = time_interleaved(steps, rounds=rounds, sync=sync)
+    rows = []
+    for impl, st in steps.items():
+        row = dict(model=model, rank=rank, dtype=str(_dtype(dtype)).replace("torch.", ""), impl=impl,
+                   variant=st.impl, buckets=len(st.buckets), grad_bytes=st.nbytes, **stats[impl])
+        if counts:
+            c = count_step(st, hook_step=st if isinstance(st, HookStep) else None)
+            held = st.memory()
+            with synchronous_collectives(st if isinstance(st, HookStep) else None):
+                peak = peak_extra_bytes(st, device)
+            row.update(aten_compute=c.aten_compute, allreduce_calls=c.allreduce_calls,
+                       allreduce_bytes=c.allreduce_bytes, held_bytes=sum(held.values()), peak_extra_bytes=peak)
+        rows.append(row)
+    rows[-1]["speedup"] = rows[0]["median_ms"] / rows[-1]["median_ms"]
+    return rows
+
+
 # ============================================================================================ reporting
 def _cpu_model() -> str:
     try:
@@ -943,7 +1000,7 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[Tuple[str, str]]) -> 
 __all__ = [
     "CollectiveRecord", "DTYPES", "FakeGradBucket", "HookStep", "IMPLS", "KERNELS", "KernelBench", "MODELS",
     "OpCounter", "OpsStep", "StepCounts", "make_step", "bucket_layout", "count_cuda_kernels", "count_step", "count_triton_launches",
-    "ensure_process_group", "environment", "fmt_bytes", "held_bytes", "kernel_bytes", "make_hook", "markdown_table",
+    "compare_hooks", "ensure_process_group", "environment", "time_interleaved", "fmt_bytes", "held_bytes", "kernel_bytes", "make_hook", "markdown_table",
     "model_bucket_shapes", "model_buckets", "ours_available", "peak_extra_bytes", "random_buffer", "shrink_shapes",
     "synchronous_collectives", "time_cpu", "time_device",
 ]

@@ -135,3 +135,26 @@ def test_markdown_table_and_environment():
     assert "| 1.23 | - |" in text and "| 12345 | x |" in text
     env = B.environment()
     assert env["torch"] == torch.__version__ and env["cpu_count"] >= 1
+
+
+def test_bench_cli_prints_the_side_by_side_table(world1, tmp_path, capsys):
+    from powersgd_triton import cli
+
+    md, js = tmp_path / "t.md", tmp_path / "t.json"
+    code = cli.main(["bench", "--models", "resnet50", "--ranks", "2", "--shrink", "16", "--rounds", "1",
+                     "--markdown", str(md), "--json", str(js)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "PyTorch/ours" in out and "| resnet50 | 2 | float32 | pytorch |" in out
+    import json
+
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["pytorch", "ours"] and rows[1]["speedup"] > 0
+    assert rows[0]["allreduce_calls"] == 3 * rows[0]["buckets"]
+    assert md.read_text().count("| resnet50 |") == 2
+
+
+def test_time_interleaved_alternates():
+    calls = []
+    stats = B.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=2, warmup=0)
+    assert calls == ["a", "b", "b", "a"] and stats["a"]["reps"] == 2
