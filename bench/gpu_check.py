@@ -264,6 +264,28 @@ def _rel(a, b):
     return (a - b).norm().item() / (d if d > 0 else 1.0)
 
 
+def _slices(s):
+    return dict(m=slice(s.offset, s.offset + s.numel), e=slice(s.e_offset, s.e_offset + s.numel),
+                p=slice(s.p_offset, s.p_offset + s.n * s.rank), q=slice(s.q_offset, s.q_offset + s.m * s.rank))
+
+
+def _per_matrix(out, ref, layout, which, scale_fn):
+    """Worst per-matrix error ||out_i - ref_i|| / scale_i, where scale_i bounds the product's size (e.g.
+    ||M_i||·||Q_i|| for P_i = M_i·Q_i): catches a wrong matrix among many big ones, and unlike ||ref_i|| cannot
+    blow up when a small result cancels (a 16x1 bias gives a one-element Q)."""
+    worst = 0.0
+    for s in layout.matrices:
+        sl = _slices(s)[which]
+        d = (out[sl].double() - ref[sl].double()).norm().item()
+        sc = scale_fn(s)
+        worst = max(worst, d / sc if sc > 0 else d)
+    return worst
+
+
+def _norm(x, s, which):
+    return x[_slices(s)[which]].double().norm().item()
+
+
 def _outside_mask(layout):
     """Bool mask of the bucket elements that are not in any compressed matrix (must never change)."""
     mask = torch.ones(layout.numel, dtype=torch.bool, device=DEVICE)
@@ -306,6 +328,9 @@ def check_kernel(variant, kind, dtype, rank, gen):
         reference.project(ref_buf, lay, q.double(), ref_p, err.double() if use_err else None, compute_dtype=f64)
         finite(p_out)
         checks["P"] = (_rel(p_out, ref_p), 1e-4)
+        x = ref_buf if use_err else before
+        checks["P per matrix"] = (_per_matrix(p_out, ref_p, lay, "p", lambda s: _norm(x, s, "m") * _norm(q, s, "q")),
+                                  1e-4)
         checks["bucket"] = (_rel(buf, ref_buf), _tol(dtype) if use_err else 0.0)
     elif variant in ("orthogonalize-p", "orthogonalize-q"):
         which = variant[-1]
@@ -331,6 +356,8 @@ def check_kernel(variant, kind, dtype, rank, gen):
         reference.project_t(before, lay, p.double(), ref_q, compute_dtype=f64)
         finite(q_out)
         checks["Q"] = (_rel(q_out, ref_q), 1e-4)
+        checks["Q per matrix"] = (_per_matrix(q_out, ref_q, lay, "q",
+                                              lambda s: _norm(before, s, "m") * _norm(p, s, "p")), 1e-4)
         checks["bucket untouched"] = (_rel(buf, before), 0.0)
     elif variant.startswith("reconstruct"):
         scale = 0.5  # 1 / world size
@@ -350,9 +377,14 @@ def check_kernel(variant, kind, dtype, rank, gen):
                               flag if has_err else None, compute_dtype=f64)
         finite(buf[~outside])
         checks["bucket"] = (_rel(buf[~outside], ref_buf[~outside]), _tol(dtype))
+        pq = lambda s: scale * _norm(p, s, "p") * _norm(q, s, "q")  # noqa: E731
+        checks["bucket per matrix"] = (_per_matrix(buf, ref_buf, lay, "m", pq), 10 * _tol(dtype))
         if has_err:
             finite(e_out)
             checks["E"] = (_rel(e_out, ref_e), 1e-4) if keep else (_rel(e_out, e_in), 0.0)
+            if keep:
+                checks["E per matrix"] = (_per_matrix(e_out, ref_e, lay, "e",
+                                                      lambda s: _norm(before, s, "m") + pq(s)), 1e-4)
     else:
         raise ValueError(variant)
     if bool(outside.any()):
