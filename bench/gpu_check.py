@@ -555,6 +555,32 @@ def _pg_backend():
     return backend
 
 
+def _hook_counts(row, step, hook_step):
+    counts = B.count_step(step, hook_step=hook_step)
+    d = counts.as_dict()
+    row.update(aten_compute=counts.aten_compute, aten_total=counts.aten_total,
+               allreduce_calls=counts.allreduce_calls, allreduce_bytes=counts.allreduce_bytes,
+               allreduce_per_bucket=d["allreduce_per_bucket"], triton_launches=counts.triton_launches,
+               top_ops=d["top_ops"])
+
+
+def _device_kernels(row, step):
+    """Device kernels of one step from torch.profiler (NCCL's all-reduce kernels included, for both hooks)."""
+    if DEVICE.type != "cuda":
+        row["kernels_per_step"] = None
+        return
+    row["device"] = B.count_cuda_kernels(step)
+    row["kernels_per_step"] = row["device"]["kernels"]
+
+
+def _hook_memory(row, step, hook_step):
+    held = step.memory()
+    row["held_per_bucket"] = {str(k): v for k, v in held.items()}
+    row["held_bytes"] = sum(held.values())
+    with B.synchronous_collectives(hook_step):
+        row["peak_extra_bytes"] = B.peak_extra_bytes(step, DEVICE)
+
+
 def hook_case(model, rank, dtype, cap):
     rows = RESULTS["sections"].setdefault("hooks", {}).setdefault("rows", [])
     pg = _pg_backend()
@@ -585,28 +611,25 @@ def hook_case(model, rank, dtype, cap):
             t = timed(step, min_reps=10, max_ms=2000)
             s0 = steps[0]
             row = dict(case, impl=impl, variant=s0.impl, buckets=len(s0.buckets), grad_bytes=s0.nbytes, **t)
-            counts = B.count_step(s0, hook_step=s0 if isinstance(s0, B.HookStep) else None)
-            row.update(aten_compute=counts.aten_compute, aten_total=counts.aten_total,
-                       allreduce_calls=counts.allreduce_calls, allreduce_bytes=counts.allreduce_bytes,
-                       allreduce_per_bucket=counts.as_dict()["allreduce_per_bucket"],
-                       triton_launches=counts.triton_launches, top_ops=counts.as_dict()["top_ops"])
-            if DEVICE.type == "cuda":
-                row["device"] = B.count_cuda_kernels(s0)
-                row["kernels_per_step"] = row["device"]["kernels"]
-            else:
-                row["kernels_per_step"] = None
-            held = s0.memory()
-            row["held_per_bucket"] = {str(k): v for k, v in held.items()}
-            row["held_bytes"] = sum(held.values())
-            with B.synchronous_collectives(s0 if isinstance(s0, B.HookStep) else None):
-                row["peak_extra_bytes"] = B.peak_extra_bytes(s0, DEVICE)
+            rows.append(row)  # the time is kept even if a count below fails
+            times[impl] = t["median_ms"]
+            log(f"  {key:36s} [{s0.impl}] {t['median_ms']:9.3f} ms/step (median; p20 {t['p20_ms']:.3f}, "
+                f"p80 {t['p80_ms']:.3f})")
+            hs = s0 if isinstance(s0, B.HookStep) else None
+            for what, fn in (("counts", lambda: _hook_counts(row, s0, hs)),
+                             ("device kernels", lambda: _device_kernels(row, s0)),
+                             ("memory", lambda: _hook_memory(row, s0, hs))):
+                try:
+                    fn()
+                except Exception as exc:  # noqa: PERF203
+                    row[f"{what} error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    item_error("hooks", f"{key} {what}", exc)
             row["finite"] = bool(all(torch.isfinite(b.buffer()).all() for b in s0.buckets))
             row["seconds"] = round(time.time() - t0, 1)
-            rows.append(row)
-            times[impl] = t["median_ms"]
-            log(f"  {key:36s} [{s0.impl}] {t['median_ms']:9.3f} ms/step, kernels/step {row['kernels_per_step']}, "
-                f"ATen {counts.aten_compute}, Triton {counts.triton_launches}, all-reduces {counts.allreduce_calls}"
-                f" ({row['seconds']}s)")
+            log(f"  {'':36s} device kernels/step {row.get('kernels_per_step')}, ATen {row.get('aten_compute')}, "
+                f"Triton {row.get('triton_launches')}, all-reduces {row.get('allreduce_calls')}, held "
+                f"{B.fmt_bytes(row.get('held_bytes'))}, peak extra {B.fmt_bytes(row.get('peak_extra_bytes'))} "
+                f"({row['seconds']}s)")
             del steps
         except Exception as exc:
             item_error("hooks", key, exc)
@@ -717,9 +740,9 @@ def summary() -> str:
             ratio = other[0]["median_ms"] / r["median_ms"] if (other and r["impl"] == "ours") else None
             lines.append(f"| {r['model']} | {r['rank']} | {r['dtype']} | {r['variant']} | {r['median_ms']:.3f} | "
                          f"{_fmt(ratio, '.2f')} | {_fmt(r.get('kernels_per_step'), 'd')} | "
-                         f"{_fmt(r.get('triton_launches'), 'd')} | {r['aten_compute']} | {r['allreduce_calls']} "
-                         f"({B.fmt_bytes(r['allreduce_bytes'])}) | {B.fmt_bytes(r['held_bytes'])} | "
-                         f"{B.fmt_bytes(r.get('peak_extra_bytes'))} |")
+                         f"{_fmt(r.get('triton_launches'), 'd')} | {_fmt(r.get('aten_compute'), 'd')} | "
+                         f"{_fmt(r.get('allreduce_calls'), 'd')} ({B.fmt_bytes(r.get('allreduce_bytes'))}) | "
+                         f"{B.fmt_bytes(r.get('held_bytes'))} | {B.fmt_bytes(r.get('peak_extra_bytes'))} |")
     if RESULTS["errors"]:
         lines += ["", "## Errors", ""]
         for key, msg in RESULTS["errors"].items():
