@@ -167,6 +167,25 @@ def summary_tables(cfg) -> str:
             ("pt_held", "PyTorch held"), ("ours_held", "ours held"),
             ("pt_peak", "PyTorch peak extra"), ("ours_peak", "ours peak extra"),
         ]))
+    if hooks:
+        rows = []
+        for (model, rank, dtype), pair in hooks.items():
+            pt, ours = pair.get("pytorch", {}), pair.get("ours", {})
+            indices = sorted({k for r in (pt, ours) for k in r.get("held_per_bucket", {}) if k is not None} |
+                             {k for r in (pt, ours) for k in r.get("allreduce_per_bucket", {}) if k is not None})
+            for i in indices:
+                row = dict(model=model, rank=rank, dtype=dtype, bucket=i)
+                for name, r in (("pt", pt), ("ours", ours)):
+                    calls, nbytes = r.get("allreduce_per_bucket", {}).get(i, (0, 0))
+                    if r:
+                        row[f"{name}_ar"] = f"{calls} / {B.fmt_bytes(nbytes)}"
+                        row[f"{name}_held"] = B.fmt_bytes(r.get("held_per_bucket", {}).get(i, 0))
+                rows.append(row)
+        out.append("\n### Per bucket: all-reduce calls / bytes and memory held by the hook state\n")
+        out.append(B.markdown_table(rows, [
+            ("model", "model"), ("rank", "r"), ("dtype", "dtype"), ("bucket", "bucket"),
+            ("pt_ar", "PyTorch all-reduces / bytes"), ("ours_ar", "ours all-reduces / bytes"),
+            ("pt_held", "PyTorch held"), ("ours_held", "ours held")]))
     kernels = _paired(cfg.results, "kernel", ("model", "rank", "dtype", "kernel"))
     if kernels:
         rows = []

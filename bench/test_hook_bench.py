@@ -91,7 +91,10 @@ def test_hook_step(benchmark, bench_cfg, hook_case):
         rec["launches"] = B.count_cuda_kernels(step)["kernels"]
     elif impl == "ours":
         rec["launches"] = _triton_launches_per_step(cfg, model, dtype, rank)
-    benchmark.extra_info.update({k: v for k, v in rec.items() if k != "bench"})
+    rec["allreduce_per_bucket"] = counts.per_bucket()
+    rec["held_per_bucket"] = dict(held)
+    benchmark.extra_info.update({k: v for k, v in rec.items() if k not in ("bench", "allreduce_per_bucket",
+                                                                           "held_per_bucket")})
     benchmark.extra_info["allreduce_per_bucket"] = counts.as_dict()["allreduce_per_bucket"]
     benchmark.extra_info["held_per_bucket"] = {str(k): v for k, v in held.items()}
     benchmark.extra_info["top_ops"] = counts.as_dict()["top_ops"]
