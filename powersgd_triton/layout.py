@@ -160,8 +160,9 @@ class BucketLayout:
         self.groups = _shape_groups(matrices)
         rows = [[s.offset, s.n, s.m, s.numel, s.rank, s.p_offset, s.q_offset, s.e_offset] for s in matrices]
         self.table = torch.tensor(rows, dtype=torch.int64).reshape(-1, TABLE_WIDTH).to(self.device)
-        self._tiles: Dict[Tuple[str, int], torch.Tensor] = {}
+        self._tiles: Dict[tuple, object] = {}
         self._uncompressed_index: Optional[torch.Tensor] = None
+        self._workspace: Optional[torch.Tensor] = None
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -310,6 +311,66 @@ class BucketLayout:
             else:
                 arr = np.zeros((0, 2), dtype=np.int32)
             t = torch.from_numpy(np.ascontiguousarray(arr)).to(self.device)
+            self._tiles[key] = t
+        return t
+
+    def column_tiles(self, block: int, split_rows: int = 0):
+        """Tile tables of project_t for ``block`` columns per tile and at most ``split_rows`` rows per program.
+
+        Returns ``(tiles, reduce_tiles, workspace_numel)``: ``tiles`` is a device ``int32 (T, 4)`` table
+        ``(matrix, first column, first row, workspace offset or -1)``; matrices with ``n > split_rows`` (when
+        ``split_rows > 0``) are split over rows and write partial sums to a float32 workspace of
+        ``workspace_numel`` elements, which ``reduce_tiles`` (``int32 (T2, 4)``: matrix, first column, workspace
+        offset, number of splits; None when nothing is split) sums in a fixed order. Cached per arguments.
+        """
+        key = ("cols4", int(block), int(split_rows))
+        cached = self._tiles.get(key)
+        if cached is None:
+            tiles, reduce_tiles = [], []
+            ws = 0
+            for i, s in enumerate(self.matrices):
+                nsplit = -(-s.n // split_rows) if split_rows > 0 and s.n > split_rows else 1
+                for c in range(0, s.m, block):
+                    if nsplit == 1:
+                        tiles.append((i, c, 0, -1))
+                    else:
+                        for k in range(nsplit):
+                            tiles.append((i, c, k * split_rows, ws + k * s.m * s.rank))
+                        reduce_tiles.append((i, c, ws, nsplit))
+                if nsplit > 1:
+                    ws += nsplit * s.m * s.rank
+            if ws >= 2**31:
+                raise ValueError("project_t workspace exceeds int32 offsets; use a larger split_rows")
+
+            def dev(rows):
+                return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(self.device)
+
+            cached = (dev(tiles), dev(reduce_tiles) if reduce_tiles else None, ws)
+            self._tiles[key] = cached
+        return cached
+
+    def workspace(self, numel: int) -> torch.Tensor:
+        """A float32 scratch buffer of at least ``numel`` elements on the layout's device, kept for reuse."""
+        ws = self._workspace
+        if ws is None or ws.numel() < numel:
+            ws = torch.empty(max(numel, 1), dtype=torch.float32, device=self.device)
+            self._workspace = ws
+        return ws
+
+    def segment_tiles(self, block: int, to_packed: bool) -> torch.Tensor:
+        """Device ``int64 (T, 3)`` table ``(source offset, destination offset, count)`` of the uncompressed segments
+        in chunks of at most ``block`` elements: bucket -> packed buffer (``to_packed``) or back. Cached."""
+        key = ("segments", int(block), bool(to_packed))
+        t = self._tiles.get(key)
+        if t is None:
+            rows = []
+            packed = 0
+            for off, n in self.uncompressed:
+                for c in range(0, n, block):
+                    count = min(block, n - c)
+                    rows.append((off + c, packed + c, count) if to_packed else (packed + c, off + c, count))
+                packed += n
+            t = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(self.device)
             self._tiles[key] = t
         return t
 

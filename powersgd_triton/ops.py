@@ -148,6 +148,8 @@ def reconstruct(
     error=None,
     update_error=None,
     *,
+    local_p=None,
+    local_q=None,
     backend: str = "auto",
     config=None,
 ) -> None:
@@ -155,17 +157,67 @@ def reconstruct(
 
     One pass over the bucket (no clone of it). ``update_error``: optional 0-d bool device tensor; where it is False
     the error memory is left unchanged (used to keep the state valid on a non-finite step without a host sync).
+    ``local_p`` / ``local_q`` (flat like ``p`` / ``q``, at most one): the error becomes the local residual
+    ``M_i − P_local·Q_iᵀ`` / ``M_i − P_i·Q_localᵀ`` (alternating hook), the output stays ``P_i·(scale·Q_i)ᵀ``.
     Deterministic (no atomics). Padding of the batched view is never stored.
     """
     _check_buffer(buffer, layout)
     _check("p", p, layout.p_numel, buffer.device)
     _check("q", q, layout.q_numel, buffer.device)
     _check("error", error, layout.e_numel, buffer.device)
+    _check("local_p", local_p, layout.p_numel, buffer.device)
+    _check("local_q", local_q, layout.q_numel, buffer.device)
+    if local_p is not None and local_q is not None:
+        raise ValueError("give local_p or local_q, not both")
     if update_error is not None and (update_error.numel() != 1 or update_error.device != buffer.device):
         raise ValueError("update_error must be a one-element tensor on the bucket's device")
     if layout.num_matrices == 0:
         return
     if resolve_backend(backend, buffer) == "triton":
-        _kernels().reconstruct(buffer, layout, p, q, float(scale), error, update_error, config=config)
+        _kernels().reconstruct(
+            buffer, layout, p, q, float(scale), error, update_error, local_p=local_p, local_q=local_q, config=config
+        )
     else:
-        reference.reconstruct(buffer, layout, p, q, float(scale), error, update_error)
+        reference.reconstruct(
+            buffer, layout, p, q, float(scale), error, update_error, local_p=local_p, local_q=local_q
+        )
+
+
+def _check_packed(name, t, layout, device):
+    if t is None or t.dim() != 1 or t.numel() != layout.uncompressed_numel:
+        raise ValueError(f"{name} must be a flat tensor of {layout.uncompressed_numel} elements (uncompressed numel)")
+    if t.device != device or not t.is_contiguous() or not t.is_floating_point():
+        raise ValueError(f"{name} must be a contiguous floating-point tensor on {device}")
+
+
+def pack_uncompressed(buffer, layout: BucketLayout, dst, *, backend: str = "auto") -> None:
+    """Copy the uncompressed gradients of the bucket into ``dst`` (flat, ``layout.uncompressed_numel`` elements,
+    any float dtype, e.g. a slice of the alternating hook's single all-reduce buffer). One launch."""
+    _check_buffer(buffer, layout)
+    _check_packed("dst", dst, layout, buffer.device)
+    if layout.uncompressed_numel == 0:
+        return
+    if resolve_backend(backend, buffer) == "triton":
+        _kernels().copy_segments(buffer, dst, layout, to_packed=True)
+    else:
+        pos = 0
+        for off, n in layout.uncompressed:
+            dst[pos : pos + n].copy_(buffer[off : off + n])
+            pos += n
+
+
+def unpack_uncompressed(src, layout: BucketLayout, buffer, scale: float = 1.0, *, backend: str = "auto") -> None:
+    """Write ``scale * src`` (from :func:`pack_uncompressed`'s layout) back into the bucket's uncompressed
+    positions. One launch."""
+    _check_buffer(buffer, layout)
+    _check_packed("src", src, layout, buffer.device)
+    if layout.uncompressed_numel == 0:
+        return
+    if resolve_backend(backend, buffer) == "triton":
+        _kernels().copy_segments(src, buffer, layout, to_packed=False, scale=scale)
+    else:
+        pos = 0
+        for off, n in layout.uncompressed:
+            seg = src[pos : pos + n]
+            buffer[off : off + n].copy_(seg * scale if scale != 1.0 else seg)
+            pos += n

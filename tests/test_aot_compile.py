@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
     def job(args):
         kernel, dtype_name, rank, variant, arch = args
         dtype = getattr(torch, dtype_name)
-        cfg = T.heuristic_config(kernel, _Layout(rank), dtype)
+        cfg = T.heuristic_config(kernel, _Layout(rank), dtype) if kernel in T.KERNELS else {}
         try:
             c = T.compile_aot(kernel, cfg, dtype, rank, arch, variant)
             return dict(ok=True, kernel=kernel, dtype=dtype_name, rank=rank, arch=arch, shared=c.metadata.shared)
@@ -41,6 +41,8 @@ SCRIPT = textwrap.dedent(
     # every dtype at rank 4; the rank extremes (1: smallest tiles, 32: tl.dot path) in bfloat16
     cases = [("float32", 4), ("float16", 4), ("bfloat16", 4), ("bfloat16", 1), ("bfloat16", 32)]
     jobs = [(k, d, r, v, a) for k in T.KERNELS for d, r in cases for v in T.variants(k) for a in (80, 90)]
+    jobs += [("copy_segments", d, 4, v, a) for d in ("float32", "bfloat16") for v in T.variants("copy_segments")
+             for a in (80, 90)]
     if __name__ == "__main__":
         with ProcessPoolExecutor(max_workers=2) as pool:
             results = list(pool.map(job, jobs))

@@ -54,7 +54,8 @@ def _factor(layout, which, gen, scale=1.0):
 @pytest.mark.parametrize("shapes", SHAPE_SETS, ids=str)
 @pytest.mark.parametrize("rank", [1, 4])
 @pytest.mark.parametrize("with_error", [False, True], ids=["plain", "error"])
-def test_project(dtype, shapes, rank, with_error, rng):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_project(dtype, shapes, rank, with_error, rng, backend):
     buf, whole, grads = make_bucket(SHAPE_SETS[shapes], dtype, rng)
     layout = layerwise(buf, grads, rank)
     q = _factor(layout, "q", rng)
@@ -63,7 +64,7 @@ def test_project(dtype, shapes, rank, with_error, rng):
     reference.project(buf64, layout, q.double(), p64, None if err is None else err.double(), torch.float64)
 
     p, p_whole = guarded(layout.p_numel)
-    ops.project(buf, layout, q, p, err, backend="triton")
+    ops.project(buf, layout, q, p, err, backend=backend)
 
     assert _per_matrix(p, p64, layout, "p") < FP32_TOL
     assert guards_intact(p_whole, layout.p_numel)
@@ -75,7 +76,8 @@ def test_project(dtype, shapes, rank, with_error, rng):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shapes", SHAPE_SETS, ids=str)
 @pytest.mark.parametrize("rank", [1, 4])
-def test_project_t(dtype, shapes, rank, rng):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_project_t(dtype, shapes, rank, rng, backend):
     buf, whole, grads = make_bucket(SHAPE_SETS[shapes], dtype, rng)
     layout = layerwise(buf, grads, rank)
     p = _factor(layout, "p", rng)
@@ -84,7 +86,7 @@ def test_project_t(dtype, shapes, rank, rng):
 
     q, q_whole = guarded(layout.q_numel)
     before = buf.clone()
-    ops.project_t(buf, layout, p, q, backend="triton")
+    ops.project_t(buf, layout, p, q, backend=backend)
 
     assert _per_matrix(q, q64, layout, "q") < FP32_TOL
     assert guards_intact(q_whole, layout.q_numel)
@@ -108,7 +110,8 @@ def _well_conditioned(layout, which, gen):
 @pytest.mark.parametrize("shapes", SHAPE_SETS, ids=str)
 @pytest.mark.parametrize("rank", [1, 3, 4, 8])
 @pytest.mark.parametrize("epsilon", [0.0, 1e-8])
-def test_orthogonalize(which, shapes, rank, epsilon, rng):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_orthogonalize(which, shapes, rank, epsilon, rng, backend):
     buf, _, grads = make_bucket(SHAPE_SETS[shapes], torch.float32, rng)
     layout = layerwise(buf, grads, rank)
     x = _well_conditioned(layout, which, rng)
@@ -116,7 +119,7 @@ def test_orthogonalize(which, shapes, rank, epsilon, rng):
 
     out, out_whole = guarded(x.numel())
     x_before = x.clone()
-    ops.orthogonalize(x, layout, which, epsilon, out=out, backend="triton")
+    ops.orthogonalize(x, layout, which, epsilon, out=out, backend=backend)
 
     assert torch.equal(x, x_before), "out-of-place orthogonalize changed its input"
     assert guards_intact(out_whole, x.numel())
@@ -137,7 +140,8 @@ def test_orthogonalize(which, shapes, rank, epsilon, rng):
 @pytest.mark.parametrize("shapes", SHAPE_SETS, ids=str)
 @pytest.mark.parametrize("rank", [1, 4])
 @pytest.mark.parametrize("mode", ["plain", "error", "error_kept"])
-def test_reconstruct(dtype, shapes, rank, mode, rng):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_reconstruct(dtype, shapes, rank, mode, rng, backend):
     buf, whole, grads = make_bucket(SHAPE_SETS[shapes], dtype, rng)
     layout = layerwise(buf, grads, rank)
     p, q = _factor(layout, "p", rng), _factor(layout, "q", rng)
@@ -159,7 +163,7 @@ def test_reconstruct(dtype, shapes, rank, mode, rng):
     # the kernel needs M(before) for the error; poison only where the error is not computed
     if mode != "plain":
         buf.copy_(untouched)
-    ops.reconstruct(buf, layout, p, q, scale, err, flag if mode == "error_kept" else None, backend="triton")
+    ops.reconstruct(buf, layout, p, q, scale, err, flag if mode == "error_kept" else None, backend=backend)
 
     assert _per_matrix(buf, buf64, layout, "m") < STORE_TOL[dtype]
     assert torch.equal(layout.gather_uncompressed(buf), uncompressed_before), "uncompressed gradients touched"
@@ -183,16 +187,17 @@ def _full_step(buf, layout, q0, err=None, epsilon=0.0, backend="triton"):
     return p, q
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("epsilon", [0.0, 1e-8])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_zero_matrix_stays_zero(epsilon, dtype, rng):
+def test_zero_matrix_stays_zero(epsilon, dtype, rng, backend):
     shapes = [(20, 30), (40, 12), (8,)]
     buf, _, grads = make_bucket(shapes, dtype, rng)
     grads[1].zero_()  # an all-zero layer gradient
     layout = layerwise(buf, grads, 4)
     zero = next(s for s in layout.matrices if s.grad_index == 1)
     err = torch.zeros(layout.e_numel)
-    p, q = _full_step(buf, layout, torch.randn(layout.q_numel, generator=rng), err, epsilon)
+    p, q = _full_step(buf, layout, torch.randn(layout.q_numel, generator=rng), err, epsilon, backend)
     for t in (p, q, buf, err):
         assert torch.isfinite(t).all()
     assert (p[zero.p_offset : zero.p_offset + zero.n * zero.rank] == 0).all()
@@ -200,22 +205,23 @@ def test_zero_matrix_stays_zero(epsilon, dtype, rng):
     assert (grads[1] == 0).all()
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_non_finite_input_is_not_hidden(bad, rng):
+def test_non_finite_input_is_not_hidden(bad, rng, backend):
     shapes = [(20, 30), (40, 12), (25, 25)]
     buf, _, grads = make_bucket(shapes, torch.float32, rng)
     grads[1][3, 4] = bad
     layout = layerwise(buf, grads, 2)
     q = torch.randn(layout.q_numel, generator=rng)
     p = torch.full((layout.p_numel,), float("nan"))
-    ops.project(buf, layout, q, p, backend="triton")
+    ops.project(buf, layout, q, p, backend=backend)
     for s in layout.matrices:
         pi = p[s.p_offset : s.p_offset + s.n * s.rank]
         if s.grad_index == 1:
             assert not torch.isfinite(pi).all()
         else:
             assert torch.isfinite(pi).all()
-    ops.orthogonalize(p, layout, "p", backend="triton")
+    ops.orthogonalize(p, layout, "p", backend=backend)
     bad_p = next(s for s in layout.matrices if s.grad_index == 1)
     assert not torch.isfinite(p[bad_p.p_offset : bad_p.p_offset + bad_p.n * bad_p.rank]).all()
 
@@ -238,7 +244,8 @@ def test_deterministic_bitwise(rng):
 @pytest.mark.parametrize("numel", [37, 1000, 4099])
 @pytest.mark.parametrize("rank", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_batched_view_masks_padding(numel, rank, dtype, rng):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_batched_view_masks_padding(numel, rank, dtype, rng, backend):
     """The whole flat buffer as one s×s matrix, s = ceil(sqrt(N)); padding is read as 0 and never written."""
     buf, whole = guarded(numel, dtype, fill=CANARY)
     buf.copy_(torch.randn(numel, generator=rng).to(dtype))
@@ -256,7 +263,7 @@ def test_batched_view_masks_padding(numel, rank, dtype, rng):
     reference.project_t(buf64, layout, p64, q64, torch.float64)
     reference.reconstruct(buf64, layout, p64, q64, 1.0, err64, None, torch.float64)
 
-    p, q = _full_step(buf, layout, q0, err)
+    p, q = _full_step(buf, layout, q0, err, backend=backend)
     assert guards_intact(whole, numel, fill=CANARY), "padding or memory past the bucket was written"
     assert rel_err(p, p64) < (FP32_TOL if dtype == torch.float32 else 1e-2)
     assert rel_err(buf, buf64) < STORE_TOL[dtype] * (1 if dtype == torch.float32 else 2)
@@ -278,3 +285,123 @@ def test_reference_matches_direct_formulas(rng):
         pi = p[s.p_offset : s.p_offset + s.n * s.rank].view(s.n, s.rank)
         signs = torch.sign((householder * pi).sum(0))
         assert torch.allclose(pi, householder * signs, atol=1e-10)
+
+
+ALT_CONFIGS = {
+    # tensor-core path (r padded to 16) and row-split project_t with its fixed-order reduction
+    "dot_split": {
+        "project": dict(BLOCK_N=16, BLOCK_K=32, USE_DOT=True, num_warps=4, num_stages=1),
+        "project_t": dict(BLOCK_M=32, BLOCK_K=16, SPLIT_ROWS=48, USE_DOT=True, num_warps=4, num_stages=1),
+        "orthogonalize": dict(BLOCK=16, num_warps=4, num_stages=1),
+        "reconstruct": dict(BLOCK_N=16, BLOCK_K=32, USE_DOT=True, num_warps=4, num_stages=1),
+    },
+    "small_tiles_split": {
+        "project": dict(BLOCK_N=8, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1),
+        "project_t": dict(BLOCK_M=16, BLOCK_K=8, SPLIT_ROWS=16, USE_DOT=False, num_warps=4, num_stages=1),
+        "orthogonalize": dict(BLOCK=8, num_warps=4, num_stages=1),
+        "reconstruct": dict(BLOCK_N=8, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1),
+    },
+}
+
+
+@pytest.mark.parametrize("configs", ALT_CONFIGS, ids=str)
+@pytest.mark.parametrize("rank", [1, 4])
+def test_full_step_with_other_configs(configs, rank, rng):
+    """Other block sizes, tl.dot and split-K project_t give the float64 result too (tiles cross matrix edges)."""
+    cfg = ALT_CONFIGS[configs]
+    buf, whole, grads = make_bucket(SHAPE_SETS["mixed"] + SHAPE_SETS["ragged"], torch.float32, rng)
+    layout = layerwise(buf, grads, rank)
+    q0 = torch.randn(layout.q_numel, generator=rng)
+    err = torch.randn(layout.e_numel, generator=rng) * 0.1
+    buf64, err64 = buf.double(), err.double().clone()
+    q64 = reference.orthogonalize(q0.double(), layout, "q", 0.0, out=q0.double().clone(), compute_dtype=torch.float64)
+    p64 = torch.zeros(layout.p_numel, dtype=torch.float64)
+    reference.project(buf64, layout, q64, p64, err64, torch.float64)
+    reference.orthogonalize(p64, layout, "p", 0.0, compute_dtype=torch.float64)
+    reference.project_t(buf64, layout, p64, q64, torch.float64)
+    reference.reconstruct(buf64, layout, p64, q64, 1.0, err64, None, torch.float64)
+
+    q, q_whole = guarded(layout.q_numel)
+    p, p_whole = guarded(layout.p_numel)
+    ops.orthogonalize(q0, layout, "q", out=q, backend="triton", config=cfg["orthogonalize"])
+    ops.project(buf, layout, q, p, err, backend="triton", config=cfg["project"])
+    ops.orthogonalize(p, layout, "p", backend="triton", config=cfg["orthogonalize"])
+    q.fill_(float("nan"))
+    ops.project_t(buf, layout, p, q, backend="triton", config=cfg["project_t"])
+    ops.reconstruct(buf, layout, p, q, 1.0, err, backend="triton", config=cfg["reconstruct"])
+
+    assert _per_matrix(p, p64, layout, "p") < 1e-4
+    assert _per_matrix(q, q64, layout, "q") < 1e-4
+    assert _per_matrix(buf, buf64, layout, "m") < 1e-4
+    assert guards_intact(q_whole, layout.q_numel) and guards_intact(p_whole, layout.p_numel)
+    assert guards_intact(whole, layout.numel, fill=CANARY)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("local", ["p", "q"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reconstruct_local_error(backend, local, dtype, rng):
+    """Alternating hook: output P·(s·Q)ᵀ, error against the local factor (M − P_local·Qᵀ or M − P·Q_localᵀ)."""
+    buf, whole, grads = make_bucket(SHAPE_SETS["ragged"] + SHAPE_SETS["convnet"], dtype, rng)
+    layout = layerwise(buf, grads, 4)
+    p, q = torch.randn(layout.p_numel, generator=rng), torch.randn(layout.q_numel, generator=rng)
+    loc = torch.randn(layout.p_numel if local == "p" else layout.q_numel, generator=rng)
+    kw = {"local_p": loc} if local == "p" else {"local_q": loc}
+    err, err_whole = guarded(layout.e_numel)
+    buf64, err64 = buf.double(), torch.zeros(layout.e_numel, dtype=torch.float64)
+    kw64 = {k: v.double() for k, v in kw.items()}
+    reference.reconstruct(buf64, layout, p.double(), q.double(), 0.5, err64, None, torch.float64, **kw64)
+    for s in layout.matrices:  # independent check of the oracle on one matrix
+        mat = grads[s.grad_index].reshape(s.n, s.m).double()
+        pi = p[s.p_offset : s.p_offset + s.n * s.rank].view(s.n, s.rank).double()
+        qi = q[s.q_offset : s.q_offset + s.m * s.rank].view(s.m, s.rank).double()
+        if local == "p":
+            li = loc[s.p_offset : s.p_offset + s.n * s.rank].view(s.n, s.rank).double()
+            expect = mat - li @ qi.t()
+        else:
+            li = loc[s.q_offset : s.q_offset + s.m * s.rank].view(s.m, s.rank).double()
+            expect = mat - pi @ li.t()
+        assert torch.allclose(err64[s.e_offset : s.e_offset + s.numel].view(s.n, s.m), expect)
+        break
+    ops.reconstruct(buf, layout, p, q, 0.5, err, torch.tensor(True), backend=backend, **kw)
+    assert _per_matrix(buf, buf64, layout, "m") < STORE_TOL[dtype]
+    assert _per_matrix(err, err64, layout, "e") < 1e-5
+    assert guards_intact(err_whole, layout.e_numel)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_pack_unpack_uncompressed(backend, dtype, rng):
+    shapes = [(3000,), (20, 30), (7,), (2, 2), (40, 50), (1500,), (5,)]  # segments longer than one block, too
+    buf, whole, grads = make_bucket(shapes, dtype, rng)
+    layout = layerwise(buf, grads, 2, min_rate=2)
+    assert len(layout.uncompressed) >= 3
+    expected = torch.cat([buf[o : o + n] for o, n in layout.uncompressed]).float()
+    packed, packed_whole = guarded(layout.uncompressed_numel)
+    ops.pack_uncompressed(buf, layout, packed, backend=backend)
+    assert torch.equal(packed, expected)
+    assert guards_intact(packed_whole, layout.uncompressed_numel)
+
+    compressed_before = [buf[s.offset : s.offset + s.numel].clone() for s in layout.matrices]
+    new = torch.randn(layout.uncompressed_numel, generator=rng)
+    ops.unpack_uncompressed(new, layout, buf, 0.5, backend=backend)
+    assert torch.equal(torch.cat([buf[o : o + n] for o, n in layout.uncompressed]), (new * 0.5).to(dtype))
+    for s, before in zip(layout.matrices, compressed_before):
+        assert torch.equal(buf[s.offset : s.offset + s.numel], before)
+    assert guards_intact(whole, layout.numel, fill=CANARY)
+
+
+def test_heuristic_config_is_a_candidate(monkeypatch):
+    """The untuned GPU default is one of the configs the autotuner times and the AOT tests compile."""
+    from powersgd_triton.kernels import triton_ops
+
+    monkeypatch.setattr(triton_ops._env, "interpreter_enabled", lambda: False)
+
+    class _Layout:
+        max_rank = 1
+
+    for rank in range(1, 33):
+        _Layout.max_rank = rank
+        for dtype in DTYPES:
+            for kernel in triton_ops.KERNELS:
+                assert triton_ops.heuristic_config(kernel, _Layout, dtype) in triton_ops.config_space(kernel, rank, dtype)

@@ -93,26 +93,37 @@ def _project_t_kernel(
     buf_ptr,  # bucket buffer, M_i row-major n x m at buf_ptr + off
     p_ptr,  # flat P (float32), P_i row-major n x r
     q_ptr,  # flat Q (float32) output, Q_i row-major m x r
+    ws_ptr,  # float32 workspace for partial sums of split matrices (unused unless SPLIT_ROWS > 0)
     table_ptr,  # int64 [L, 8] layout table
-    tiles_ptr,  # int32 [T, 2] (matrix, first column)
+    tiles_ptr,  # int32 [T, 4] (matrix, first column, first row, workspace offset or -1 to write Q directly)
     R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_ROWS: tl.constexpr,  # 0: one program reduces all n rows; else at most SPLIT_ROWS rows per program
     USE_DOT: tl.constexpr,
 ):
-    """Q_i[cols] = M_i[:, cols]ᵀ · P_i for one tile of BLOCK_M columns, rows reduced in a fixed order."""
+    """Q_i[cols] = M_i[rows, cols]ᵀ · P_i[rows] for one tile of BLOCK_M columns, rows reduced in a fixed order.
+
+    A tall matrix (n > SPLIT_ROWS) is split over rows so that it gets enough programs; its partial sums go to the
+    workspace and :func:`_reduce_splits_kernel` adds them up in a fixed order (no atomics).
+    """
     pid = tl.program_id(0)
-    mat = tl.load(tiles_ptr + 2 * pid).to(tl.int64)
-    col0 = tl.load(tiles_ptr + 2 * pid + 1).to(tl.int64)
+    mat = tl.load(tiles_ptr + 4 * pid).to(tl.int64)
+    col0 = tl.load(tiles_ptr + 4 * pid + 1).to(tl.int64)
+    row_begin = tl.load(tiles_ptr + 4 * pid + 2).to(tl.int64)
+    ws_off = tl.load(tiles_ptr + 4 * pid + 3).to(tl.int64)
     off, n, m, numel, r, p_off, q_off, e_off = _load_matrix_row(table_ptr, mat)
+    row_end = n
+    if SPLIT_ROWS > 0:
+        row_end = tl.minimum(row_begin + SPLIT_ROWS, n)
 
     cols = col0 + tl.arange(0, BLOCK_M).to(tl.int64)
     ranks = tl.arange(0, R)
     col_ok = cols < m
     acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-    for k0 in range(0, n, BLOCK_K):
+    for k0 in range(row_begin, row_end, BLOCK_K):
         rows = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        row_ok = rows < n
+        row_ok = rows < row_end
         lin = rows[:, None] * m + cols[None, :]
         mask = row_ok[:, None] & col_ok[None, :] & (lin < numel)
         x = tl.load(buf_ptr + off + lin, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_M]
@@ -123,4 +134,37 @@ def _project_t_kernel(
         else:
             acc += tl.sum(x[:, :, None] * p[:, None, :], axis=0)
     q_mask = col_ok[:, None] & (ranks[None, :] < r)
-    tl.store(q_ptr + q_off + cols[:, None] * r + ranks[None, :], acc.to(q_ptr.dtype.element_ty), mask=q_mask)
+    local = cols[:, None] * r + ranks[None, :]
+    if SPLIT_ROWS > 0:
+        if ws_off >= 0:
+            tl.store(ws_ptr + ws_off + local, acc, mask=q_mask)
+        else:
+            tl.store(q_ptr + q_off + local, acc.to(q_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        tl.store(q_ptr + q_off + local, acc.to(q_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    ws_ptr,  # float32 workspace: for matrix i, nsplit_i consecutive m_i x r_i partial sums
+    q_ptr,  # flat Q (float32) output
+    table_ptr,  # int64 [L, 8] layout table
+    tiles_ptr,  # int32 [T, 4] (matrix, first column, workspace offset of split 0, number of splits)
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Q_i[cols] = sum over splits s (in order) of the partial sums of project_t: deterministic split-K."""
+    pid = tl.program_id(0)
+    mat = tl.load(tiles_ptr + 4 * pid).to(tl.int64)
+    col0 = tl.load(tiles_ptr + 4 * pid + 1).to(tl.int64)
+    ws_off = tl.load(tiles_ptr + 4 * pid + 2).to(tl.int64)
+    nsplit = tl.load(tiles_ptr + 4 * pid + 3)
+    off, n, m, numel, r, p_off, q_off, e_off = _load_matrix_row(table_ptr, mat)
+    cols = col0 + tl.arange(0, BLOCK_M).to(tl.int64)
+    ranks = tl.arange(0, R)
+    mask = (cols < m)[:, None] & (ranks[None, :] < r)
+    local = cols[:, None] * r + ranks[None, :]
+    acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+    for s in range(0, nsplit):
+        acc += tl.load(ws_ptr + ws_off + s * m * r + local, mask=mask, other=0.0)
+    tl.store(q_ptr + q_off + local, acc.to(q_ptr.dtype.element_ty), mask=mask)

@@ -48,14 +48,22 @@ def project(
 ) -> None:
     """P_i = (M_i + E_i) · Q_i for every i; with ``error`` the sum M_i + E_i is also written back into ``buffer``."""
     for s in layout.matrices:
-        mat = _matrix(buffer, s).to(compute_dtype)
-        if error is not None:
-            mat = mat.clone()
-            flat = mat.view(-1)
-            flat[: s.numel] += _error(error, s).to(compute_dtype)
-            _store_matrix(buffer, s, mat)
-        pf = mat @ _factor(q, s.q_offset, s.m, s.rank).to(compute_dtype)
-        _factor(p, s.p_offset, s.n, s.rank).copy_(pf)
+        dense = s.numel == s.n * s.m
+        view = _matrix(buffer, s)
+        if error is not None and dense and view.dtype == compute_dtype == error.dtype:
+            mat = view.add_(_error(error, s).view(s.n, s.m))  # in place: the bucket now holds M + E
+        else:
+            mat = view.to(compute_dtype)
+            if error is not None:
+                mat = mat.clone()
+                mat.view(-1)[: s.numel] += _error(error, s).to(compute_dtype)
+                _store_matrix(buffer, s, mat)
+        qf = _factor(q, s.q_offset, s.m, s.rank)
+        pv = _factor(p, s.p_offset, s.n, s.rank)
+        if pv.dtype == compute_dtype and qf.dtype == compute_dtype:
+            torch.mm(mat, qf, out=pv)
+        else:
+            pv.copy_(mat @ qf.to(compute_dtype))
 
 
 def project_t(
@@ -68,8 +76,12 @@ def project_t(
     """Q_i = M_iᵀ · P_i for every i."""
     for s in layout.matrices:
         mat = _matrix(buffer, s).to(compute_dtype)
-        qf = mat.t() @ _factor(p, s.p_offset, s.n, s.rank).to(compute_dtype)
-        _factor(q, s.q_offset, s.m, s.rank).copy_(qf)
+        pf = _factor(p, s.p_offset, s.n, s.rank)
+        qv = _factor(q, s.q_offset, s.m, s.rank)
+        if pf.dtype == compute_dtype and qv.dtype == compute_dtype:
+            torch.mm(mat.t(), pf, out=qv)
+        else:
+            qv.copy_(mat.t() @ pf.to(compute_dtype))
 
 
 def gram_schmidt_(x: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
@@ -108,9 +120,15 @@ def orthogonalize(
         first = layout.matrices[g.first]
         off = first.p_offset if which == "p" else first.q_offset
         size = g.count * rows * g.rank
-        block = x[off : off + size].view(g.count, rows, g.rank).to(compute_dtype).clone()
-        gram_schmidt_(block, epsilon)
-        out[off : off + size].copy_(block.reshape(-1))
+        dst = out[off : off + size]
+        if dst.dtype == compute_dtype:
+            if dst.data_ptr() != x.data_ptr():
+                dst.copy_(x[off : off + size])
+            gram_schmidt_(dst.view(g.count, rows, g.rank), epsilon)
+        else:
+            block = x[off : off + size].view(g.count, rows, g.rank).to(compute_dtype).clone()
+            gram_schmidt_(block, epsilon)
+            dst.copy_(block.reshape(-1))
     return out
 
 
@@ -123,20 +141,33 @@ def reconstruct(
     error: Optional[torch.Tensor] = None,
     update_error: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
+    local_p: Optional[torch.Tensor] = None,
+    local_q: Optional[torch.Tensor] = None,
 ) -> None:
     """M_i ← P_i · (scale · Q_i)ᵀ; with ``error`` also E_i ← M_i(before) − P_i · (scale · Q_i)ᵀ.
 
-    ``update_error`` (0-d bool tensor on the device) keeps the old E_i where it is False.
+    ``update_error`` (0-d bool tensor on the device) keeps the old E_i where it is False. With ``local_p``
+    (``local_q``) the error is the local residual E_i ← M_i − P_local,i · Q_iᵀ (M_i − P_i · Q_local,iᵀ).
     """
     for s in layout.matrices:
         before = _matrix(buffer, s).to(compute_dtype)
-        approx = _factor(p, s.p_offset, s.n, s.rank).to(compute_dtype) @ (
-            _factor(q, s.q_offset, s.m, s.rank).to(compute_dtype) * scale
-        ).t()
+        pf = _factor(p, s.p_offset, s.n, s.rank).to(compute_dtype)
+        q_raw = _factor(q, s.q_offset, s.m, s.rank).to(compute_dtype)
+        qs = q_raw * scale if scale != 1.0 else q_raw
+        approx = pf @ qs.t()
         if error is not None:
+            if local_p is not None:
+                approx_e = _factor(local_p, s.p_offset, s.n, s.rank).to(compute_dtype) @ q_raw.t()
+            elif local_q is not None:
+                approx_e = pf @ _factor(local_q, s.q_offset, s.m, s.rank).to(compute_dtype).t()
+            else:
+                approx_e = approx
             e = _error(error, s)
-            new = (before - approx).reshape(-1)[: s.numel].to(e.dtype)
-            if update_error is not None:
-                new = torch.where(update_error, new, e)
-            e.copy_(new)
+            if update_error is None and s.numel == s.n * s.m and e.dtype == compute_dtype:
+                torch.sub(before, approx_e, out=e.view(s.n, s.m))
+            else:
+                new = (before - approx_e).reshape(-1)[: s.numel].to(e.dtype)
+                if update_error is not None:
+                    new = torch.where(update_error, new, e)
+                e.copy_(new)
         _store_matrix(buffer, s, approx)

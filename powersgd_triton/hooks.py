@@ -1,0 +1,236 @@
+"""The PowerSGD DDP communication hooks: ``powerSGD_hook`` (layer-wise) and ``batched_powerSGD_hook``.
+
+Drop-in for ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``: same signature, registered with
+``ddp_model.register_comm_hook(state, hook)``, same numbers as PyTorch's hook (see ``tests/test_hooks_equivalence.py``).
+This module is only the order of the collectives; every numeric step is one call into :mod:`powersgd_triton.ops`
+(one Triton launch per step for the whole bucket on the Triton backend).
+
+A compressed step of one bucket (PowerSGD, Vogels et al. 2019, arXiv 1905.13727, Algorithm 1):
+
+1. all-reduce of the uncompressed gradients, issued first (async) so that it overlaps the rest;
+2. ``Q <- orthogonalize(Q memory)`` into a work buffer (a fresh random Q on first use / without warm start);
+3. ``P = (M + E)·Q``, all-reduce P;  4. orthogonalize P;  5. ``Q = (M + E)ᵀ·P``, all-reduce Q, ``Q /= world``;
+6. ``M <- P·Qᵀ`` and ``E <- (M + E) - P·Qᵀ`` in one pass; commit the warm-start Q.
+
+Step 6's memory updates only happen where ``ok`` (a 0-d device bool: all-reduced Q and uncompressed gradients
+finite) holds, without any host synchronization: a non-finite step yields a non-finite output (GradScaler skips
+it) and leaves the error memory and the warm-start Q as they were.
+
+Collective order. Every rank must issue the same collectives in the same order. On NCCL, futures complete at
+enqueue and ``then()`` callbacks run in order, so the steps are chained with ``then()`` on
+``dist.all_reduce(..., async_op=True).get_future()`` as PyTorch does. On every other backend (gloo, ...), ``then()``
+callbacks run on the backend's worker threads whenever a collective completes, so a collective issued from a
+callback can be ordered differently on different ranks (PyTorch's hook aborts with "Received data size doesn't
+match expected size" on gloo with several buckets). There, the whole step runs in the hook body, waiting for each
+all-reduce, and the hook returns an already completed future.
+
+No ``from __future__ import annotations`` here: DDP checks the hooks' annotations as objects.
+"""
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .layout import check_gradient_dtype
+from .state import BucketMemory, PowerSGDState
+
+__all__ = ["powerSGD_hook", "batched_powerSGD_hook"]
+
+# Tests set this to True/False to force the then()-chain / in-body schedule; None: decide by the backend.
+_FORCE_CALLBACK_CHAIN = None
+
+
+def _use_callback_chain(group, buffer: torch.Tensor) -> bool:
+    if _FORCE_CALLBACK_CHAIN is not None:
+        return bool(_FORCE_CALLBACK_CHAIN)
+    if buffer.device.type != "cuda":
+        return False
+    try:
+        backend = str(dist.get_backend(group))
+    except Exception:  # pragma: no cover - exotic groups
+        return False
+    return backend.lower() == "nccl" or "cuda:nccl" in backend.lower()
+
+
+def _completed(value: torch.Tensor) -> torch.futures.Future:
+    fut = torch.futures.Future(devices=[value.device] if value.device.type == "cuda" else None)
+    fut.set_result(value)
+    return fut
+
+
+def _allreduce_average(group, world_size: int, buffer: torch.Tensor) -> torch.futures.Future:
+    """Plain averaging all-reduce (PyTorch's ``default._allreduce_fut``: divide first, then sum)."""
+    buffer.div_(world_size)
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _all_finite(*tensors: torch.Tensor) -> torch.Tensor:
+    """0-d device bool: every element of every tensor is finite; no host sync, a few launches whatever the size.
+
+    A float64 sum of float32/float16/bfloat16 values cannot overflow (it would need more than 1e269 elements), so
+    it is finite exactly when every element is; ``s * 0 == 0`` is False exactly when ``s`` is inf or NaN.
+    (``torch.isfinite(t).all()`` is five launches per tensor on CUDA: isfinite is a composite op.)
+    """
+    total = None
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        s = t.sum(dtype=torch.float64)
+        total = s if total is None else total.add_(s)
+    return total.mul(0) == 0
+
+
+class _Step:
+    """One compressed step of one bucket; the methods are the pieces between two all-reduces."""
+
+    __slots__ = ("state", "mem", "layout", "buffer", "group", "world_size", "unc", "unc_work", "backend", "eps")
+
+    def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int):
+        self.state = state
+        self.mem = mem
+        self.layout = mem.layout
+        self.buffer = buffer
+        self.group = group
+        self.world_size = world_size
+        self.backend = mem.backend
+        self.eps = float(state.orthogonalization_epsilon)
+        self.unc = None
+        self.unc_work = None
+
+    def start_uncompressed(self) -> None:
+        """Issue the all-reduce of the uncompressed gradients (a view of the bucket when they are one range)."""
+        if self.layout.uncompressed_numel == 0:
+            return
+        self.unc = self.layout.gather_uncompressed(self.buffer)
+        self.unc_work = dist.all_reduce(self.unc, group=self.group, async_op=True)
+
+    def compute_p(self) -> None:
+        """Q from memory (or a fresh random Q), orthogonalized into ``q_work``; ``P = (M + E)·Q``."""
+        state, mem, layout = self.state, self.mem, self.layout
+        if not mem.q_initialized or not state.warm_start:
+            state._draw_q(mem, self.buffer.dtype)
+        if layout.num_matrices == 0:
+            return
+        ops.orthogonalize(
+            mem.q, layout, "q", self.eps, out=mem.q_work, backend=self.backend, config=mem.config("orthogonalize")
+        )
+        ops.project(self.buffer, layout, mem.q_work, mem.p, mem.error, backend=self.backend, config=mem.config("project"))
+
+    def compute_q(self) -> None:
+        """Orthogonalize the all-reduced P; ``Q = (M + E)ᵀ·P`` into ``q_work``."""
+        mem, layout = self.mem, self.layout
+        ops.orthogonalize(mem.p, layout, "p", self.eps, backend=self.backend, config=mem.config("orthogonalize"))
+        ops.project_t(self.buffer, layout, mem.p, mem.q_work, backend=self.backend, config=mem.config("project_t"))
+
+    def finish(self) -> torch.Tensor:
+        """Average, reconstruct, update the memory where the step is finite; the bucket buffer is the output."""
+        state, mem, layout = self.state, self.mem, self.layout
+        compressed = layout.num_matrices > 0
+        if compressed:
+            mem.q_work.div_(self.world_size)
+        if self.unc is not None:
+            self.unc_work.wait()
+            self.unc.div_(self.world_size)
+            layout.scatter_uncompressed(self.buffer, self.unc)
+        if not compressed:
+            return self.buffer
+        keep_memory = mem.error is not None or state.warm_start
+        ok = _all_finite(mem.q_work, self.unc) if keep_memory else None
+        ops.reconstruct(
+            self.buffer,
+            layout,
+            mem.p,
+            mem.q_work,
+            1.0,
+            mem.error,
+            ok if mem.error is not None else None,
+            backend=self.backend,
+            config=mem.config("reconstruct"),
+        )
+        if state.warm_start:
+            torch.where(ok, mem.q_work, mem.q, out=mem.q)
+        return self.buffer
+
+
+def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
+    buffer = bucket.buffer()
+    check_gradient_dtype(buffer.dtype)  # TypeError before anything changes
+    if buffer.dim() != 1:
+        raise ValueError(f"bucket buffer must be 1-D, got shape {tuple(buffer.shape)}")
+    group = state._group()
+    world_size = dist.get_world_size(group)
+
+    if state.iter < state.start_powerSGD_iter:
+        state.maybe_increase_iter(bucket)
+        return _allreduce_average(group, world_size, buffer)
+
+    mem = state._prepare_bucket(bucket, buffer, batched, group)
+    layout = mem.layout
+    state.total_numel_before_compression += layout.numel_before_compression
+    state.total_numel_after_compression += layout.numel_after_compression
+    state._report_compression_stats(bucket)
+
+    step = _Step(state, mem, buffer, group, world_size)
+    compressed = layout.num_matrices > 0
+    step.start_uncompressed()
+    step.compute_p()
+    # Counted here, not in a callback: `iter` is exact whatever the backend and bucket count.
+    state.maybe_increase_iter(bucket)
+
+    if not compressed:
+        if _use_callback_chain(group, buffer) and step.unc_work is not None:
+            return step.unc_work.get_future().then(lambda fut: step.finish())
+        return _completed(step.finish())
+
+    if _use_callback_chain(group, buffer):
+
+        def after_p(fut):
+            step.compute_q()
+            return dist.all_reduce(mem.q_work, group=group, async_op=True).get_future().wait()[0]
+
+        p_fut = dist.all_reduce(mem.p, group=group, async_op=True).get_future()
+        return p_fut.then(after_p).then(lambda fut: step.finish())
+
+    dist.all_reduce(mem.p, group=group, async_op=True).wait()
+    step.compute_q()
+    dist.all_reduce(mem.q_work, group=group, async_op=True).wait()
+    return _completed(step.finish())
+
+
+def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    r"""Layer-wise PowerSGD (drop-in for PyTorch's ``powerSGD_hook``).
+
+    Each gradient of the bucket is viewed as a matrix ``(shape[0], -1)`` and compressed to rank
+    ``min(n, m, state.matrix_approximation_rank)`` when that saves ``state.min_compression_rate``; the other
+    gradients (biases, small tensors) are all-reduced as they are. Plain averaging all-reduce for the first
+    ``state.start_powerSGD_iter`` iterations.
+
+    Args:
+        state: a :class:`~powersgd_triton.PowerSGDState`.
+        bucket: the DDP ``GradBucket`` (its buffer may be fp16/bf16, e.g. under ``fp16_compress_wrapper``).
+
+    Returns:
+        A future whose value is the bucket buffer, holding the averaged (approximated) gradients.
+
+    Raises:
+        TypeError: complex or integer gradients (before anything is changed).
+
+    Example::
+
+        >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        >>> ddp_model.register_comm_hook(state, powerSGD_hook)
+    """
+    return _run(state, bucket, batched=False)
+
+
+def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    r"""Batched PowerSGD (drop-in for PyTorch's ``batched_powerSGD_hook``).
+
+    The whole flat bucket of N elements is compressed as one ``s x s`` matrix, ``s = ceil(sqrt(N))``, zero-padded
+    (the padding is masked, never stored: the bucket is not resized). Faster than :func:`powerSGD_hook` but usually
+    much less accurate unless ``matrix_approximation_rank`` is 1. Unlike PyTorch's, it uses
+    ``state.orthogonalization_epsilon`` and keeps no error memory for the padding.
+
+    Args and returns as :func:`powerSGD_hook`.
+    """
+    return _run(state, bucket, batched=True)

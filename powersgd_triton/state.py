@@ -1,0 +1,472 @@
+"""``PowerSGDState``: the hyper-parameters and per-bucket memory of the PowerSGD DDP hooks.
+
+Drop-in for ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``: the same constructor
+arguments and defaults (plus ``backend``), the same public attributes (``process_group``, ``iter``,
+``total_numel_before_compression``, ``compression_stats()``, ...), the same validation, and the same random
+numbers for the initial Q (a ``numpy.random.RandomState(random_seed)`` seeds a forked CPU torch RNG), so that our
+hooks reproduce PyTorch's outputs.
+
+Per bucket index the state keeps a :class:`BucketMemory`:
+
+* ``layout``: the :class:`~powersgd_triton.layout.BucketLayout` of the bucket, built once on its first compressed
+  step and re-checked on every step; a bucket that no longer matches it (DDP rebuilt its buckets, another model, a
+  dtype swapped in by ``fp16_compress_wrapper``) gets a new layout and fresh memory, with a warning;
+* ``error``: float32 error-feedback memory of the *compressed* gradients only (``layout.e_numel``); the error of an
+  uncompressed gradient cancels in the average, PyTorch stores it anyway (a full copy of the bucket);
+* ``p``: float32 ``P`` (``layout.p_numel``), ``q``: float32 warm-start ``Q`` (``layout.q_numel``), stored as
+  ``Q / world_size`` like PyTorch's ``q_memory_dict``; ``q_work``: the Q of the step in flight, committed to ``q``
+  only when the step's all-reduced values are finite (no host sync).
+
+Persistence: :meth:`PowerSGDState.state_dict` holds only tensors and plain Python types (``torch.load(...,
+weights_only=True)`` reads it); pickling goes through it too. The process group is never saved: a loaded or
+unpickled state uses ``process_group=None``, resolved to the default (WORLD) group when a hook runs, so a state can
+be created and unpickled before ``init_process_group`` (Lightning's spawn strategy pickles it then).
+"""
+
+import logging
+import warnings
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+
+from . import _env
+from .layout import BucketLayout
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "triton", "torch")
+_STATE_DICT_VERSION = 1
+_HYPERPARAMETERS = (
+    "matrix_approximation_rank",
+    "start_powerSGD_iter",
+    "min_compression_rate",
+    "use_error_feedback",
+    "warm_start",
+    "orthogonalization_epsilon",
+    "random_seed",
+    "compression_stats_logging_frequency",
+    "batch_tensors_with_same_shape",
+    "backend",
+    "autotune",
+)
+
+
+class BucketMemory:
+    """Everything the state keeps for one bucket index (see the module docstring)."""
+
+    __slots__ = ("layout", "signature", "backend", "configs", "error", "p", "q", "q_work", "q_initialized")
+
+    def __init__(self):
+        self.layout: Optional[BucketLayout] = None
+        self.signature: Optional[str] = None  # repr(layout.signature); kept when the layout is not (after a load)
+        self.backend: str = "torch"  # resolved backend for this bucket's device
+        self.configs: Dict[str, Optional[dict]] = {}
+        self.error: Optional[torch.Tensor] = None
+        self.p: Optional[torch.Tensor] = None
+        self.q: Optional[torch.Tensor] = None
+        self.q_work: Optional[torch.Tensor] = None
+        self.q_initialized: bool = False
+
+    def config(self, kernel: str) -> Optional[dict]:
+        return self.configs.get(kernel)
+
+    def nbytes(self) -> int:
+        """Persistent bytes held for this bucket (error, P, Q, Q work buffer)."""
+        return sum(t.numel() * t.element_size() for t in (self.error, self.p, self.q, self.q_work) if t is not None)
+
+
+def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
+    kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"`{name}` must be {kind}, got {value!r}")
+
+
+def _resolve_backend(backend: str, buffer: torch.Tensor) -> str:
+    """The backend that runs this bucket: ``"auto"`` -> Triton where it can run (and is installed), else torch."""
+    if backend == "torch":
+        return "torch"
+    can_run = _env.triton_can_run(buffer.device)
+    have_kernels = False
+    if can_run:
+        try:
+            from .kernels import triton_ops  # noqa: F401
+
+            have_kernels = True
+        except ImportError:
+            have_kernels = False
+    if backend == "auto":
+        return "triton" if (can_run and have_kernels) else "torch"
+    # backend == "triton"
+    if not can_run:
+        from .ops import resolve_backend
+
+        resolve_backend("triton", buffer)  # raises the explanatory RuntimeError
+    if not have_kernels:
+        raise RuntimeError("backend='triton': powersgd_triton.kernels.triton_ops cannot be imported")
+    return "triton"
+
+
+class PowerSGDState:
+    r"""Hyper-parameters and per-bucket state of :func:`~powersgd_triton.powerSGD_hook` and
+    :func:`~powersgd_triton.batched_powerSGD_hook`.
+
+    Same arguments and defaults as PyTorch's ``PowerSGDState`` (see its documentation for tuning advice), plus:
+
+    Args:
+        backend: ``"auto"`` (Triton kernels for CUDA tensors, and for CPU tensors under ``TRITON_INTERPRET=1``;
+            torch otherwise), ``"triton"`` or ``"torch"``.
+        autotune: time the kernels' candidate block sizes on this GPU the first time a bucket shape class is seen
+            (seconds, once; cached per GPU model on disk) instead of using shipped/cached configs or the heuristic.
+            Group rank 0 decides for every rank.
+
+    Raises:
+        ValueError: ``start_powerSGD_iter <= 1`` with error feedback or warm start (DDP rebuilds its buckets after
+            the first iteration), ``matrix_approximation_rank < 1``, ``min_compression_rate <= 0``, negative
+            ``orthogonalization_epsilon``, or an unknown ``backend``.
+
+    ``batch_tensors_with_same_shape`` only changes how the initial random Q is drawn (one ``randn`` per shape group,
+    as PyTorch draws it): our kernels always process a whole bucket per launch.
+
+    Differences from PyTorch's state (all deliberate): error memory only for compressed gradients, in float32;
+    P and Q in float32; a non-finite step leaves the memory as it was; ``error_dict`` / ``p_memory_dict`` /
+    ``q_memory_dict`` are read-only views of the flat per-bucket buffers.
+    """
+
+    def __init__(
+        self,
+        process_group,
+        matrix_approximation_rank=1,
+        start_powerSGD_iter=1_000,
+        min_compression_rate=2,
+        use_error_feedback=True,
+        warm_start=True,
+        orthogonalization_epsilon=0,
+        random_seed=0,
+        compression_stats_logging_frequency=10_000,
+        batch_tensors_with_same_shape: bool = False,
+        backend: str = "auto",
+        autotune: bool = False,
+    ):
+        _check_number("matrix_approximation_rank", matrix_approximation_rank, integer=True)
+        if matrix_approximation_rank < 1:
+            raise ValueError(f"`matrix_approximation_rank` must be >= 1, got {matrix_approximation_rank}")
+        _check_number("start_powerSGD_iter", start_powerSGD_iter, integer=True)
+        if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
+            raise ValueError(
+                "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or `warm_start` is enabled, "
+                "because PowerSGD can only be applied after the first two iterations in DDP "
+                f"(got start_powerSGD_iter={start_powerSGD_iter})."
+            )
+        _check_number("min_compression_rate", min_compression_rate)
+        if not min_compression_rate > 0:
+            raise ValueError(f"`min_compression_rate` must be > 0, got {min_compression_rate}")
+        _check_number("orthogonalization_epsilon", orthogonalization_epsilon)
+        if not orthogonalization_epsilon >= 0:
+            raise ValueError(f"`orthogonalization_epsilon` must be >= 0, got {orthogonalization_epsilon}")
+        _check_number("random_seed", random_seed, integer=True)
+        _check_number("compression_stats_logging_frequency", compression_stats_logging_frequency, integer=True)
+        if backend not in BACKENDS:
+            raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}")
+
+        logger.info(
+            "PowerSGD config: matrix_approximation_rank = %s; start_powerSGD_iter = %s; min_compression_rate = %s; "
+            "orthogonalization_epsilon = %s; use_error_feedback = %s; warm_start = %s; random_seed = %s; "
+            "compression_stats_logging_frequency = %s; batch_tensors_with_same_shape = %s; backend = %s",
+            matrix_approximation_rank,
+            start_powerSGD_iter,
+            min_compression_rate,
+            orthogonalization_epsilon,
+            use_error_feedback,
+            warm_start,
+            random_seed,
+            compression_stats_logging_frequency,
+            batch_tensors_with_same_shape,
+            backend,
+        )
+        self.process_group = process_group
+        self.matrix_approximation_rank = int(matrix_approximation_rank)
+        self.start_powerSGD_iter = int(start_powerSGD_iter)
+        self.min_compression_rate = min_compression_rate
+        self.use_error_feedback = bool(use_error_feedback)
+        self.warm_start = bool(warm_start)
+        self.orthogonalization_epsilon = orthogonalization_epsilon
+        self.random_seed = int(random_seed)
+        self.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
+        self.backend = backend
+        self.autotune = bool(autotune)
+        # Seeds of the random initial Qs: one draw per (re)initialization, in the same order on every rank.
+        self.rng = np.random.RandomState(self.random_seed)
+        self.iter = 0
+        self.total_numel_before_compression = 0
+        self.total_numel_after_compression = 0
+        self.compression_stats_logging_frequency = max(1, int(compression_stats_logging_frequency))
+        self.next_stats_report = 0
+        self.buckets: Dict[int, BucketMemory] = {}
+
+    # ------------------------------------------------------------------ PyTorch-compatible API
+    def maybe_increase_iter(self, bucket) -> None:
+        """Count one iteration when the last bucket of a backward pass is processed (as PyTorch does)."""
+        if bucket.is_last():
+            self.iter += 1
+            if self.iter == self.start_powerSGD_iter:
+                logger.info("Start to apply PowerSGD after %s iterations.", self.iter)
+
+    def compression_stats(self):
+        """``(compress_rate, numel_before_compression, numel_after_compression)``, as PyTorch's state returns."""
+        rate = (
+            self.total_numel_before_compression / self.total_numel_after_compression
+            if self.total_numel_after_compression > 0
+            else 0
+        )
+        return rate, self.total_numel_before_compression, self.total_numel_after_compression
+
+    def _report_compression_stats(self, bucket) -> None:
+        if bucket.is_last() and self.iter >= self.next_stats_report:
+            rate, before, after = self.compression_stats()
+            logger.info(
+                "Compression stats: iter %s, total before compression %s, total after compression %s, rate %s",
+                self.iter,
+                before,
+                after,
+                rate,
+            )
+            self.next_stats_report = self.iter + self.compression_stats_logging_frequency
+
+    @property
+    def error_dict(self) -> Dict[int, torch.Tensor]:
+        """Bucket index -> flat float32 error memory of the compressed gradients (read-only view of the state)."""
+        return {i: m.error for i, m in self.buckets.items() if m.error is not None}
+
+    @property
+    def p_memory_dict(self) -> Dict[int, torch.Tensor]:
+        """Bucket index -> flat float32 P (packed in PyTorch's order)."""
+        return {i: m.p for i, m in self.buckets.items() if m.p is not None}
+
+    @property
+    def q_memory_dict(self) -> Dict[int, torch.Tensor]:
+        """Bucket index -> flat float32 warm-start Q, divided by the world size (PyTorch's order and scale)."""
+        return {i: m.q for i, m in self.buckets.items() if m.q is not None}
+
+    # ------------------------------------------------------------------ internal, used by the hooks
+    def _group(self):
+        """The process group the hooks use: ``process_group``, or WORLD when it is None (resolved at call time)."""
+        if self.process_group is not None:
+            return self.process_group
+        import torch.distributed as dist
+
+        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        if group is None:
+            raise RuntimeError(
+                "PowerSGDState.process_group is None and the default process group is not initialized: "
+                "call torch.distributed.init_process_group() before training"
+            )
+        return group
+
+    def _prepare_bucket(self, bucket, buffer: torch.Tensor, batched: bool, group) -> BucketMemory:
+        """Memory of this bucket with a layout that matches ``buffer``; (re)built when it does not.
+
+        Called from the hook body only (building a layout may run the autotuner's collective on first use).
+        """
+        index = bucket.index()
+        mem = self.buckets.get(index)
+        rank = self.matrix_approximation_rank
+        gradients = None
+        if mem is not None and mem.layout is not None:
+            layout = mem.layout
+            if layout.device == buffer.device:
+                if batched:
+                    ok = layout.batched and layout.signature == ("batched", buffer.numel(), buffer.dtype, rank)
+                else:
+                    gradients = bucket.gradients()
+                    ok = layout.matches_gradients(buffer, gradients, rank, self.min_compression_rate)
+                if ok:
+                    return mem
+        if batched:
+            layout = BucketLayout.batched(buffer.numel(), rank, buffer.device, buffer.dtype)
+        else:
+            if gradients is None:
+                gradients = bucket.gradients()
+            layout = BucketLayout.from_gradients(buffer, gradients, rank, self.min_compression_rate)
+        signature = repr(layout.signature)
+        if mem is not None and mem.layout is None and mem.signature == signature:
+            self._adopt_loaded(mem, layout, buffer)  # first step after load_state_dict / unpickling
+        else:
+            if mem is not None:
+                warnings.warn(
+                    f"PowerSGD: bucket {index} no longer matches the layout its memory was built for "
+                    f"(DDP rebuilt its buckets, a different model, or a different gradient dtype); rebuilding it "
+                    f"and resetting its error-feedback and warm-start memory. New layout: {layout}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            mem = BucketMemory()
+            self._allocate(mem, layout, buffer)
+            self.buckets[index] = mem
+        mem.layout = layout
+        mem.signature = signature
+        mem.backend = _resolve_backend(self.backend, buffer)
+        if mem.backend == "triton":
+            from .autotune import configs_for_layout
+
+            mem.configs = configs_for_layout(layout, buffer.dtype, buffer.device, group, autotune=self.autotune)
+        else:
+            mem.configs = {}
+        return mem
+
+    def _allocate(self, mem: BucketMemory, layout: BucketLayout, buffer: torch.Tensor) -> None:
+        f32 = dict(device=buffer.device, dtype=torch.float32)
+        mem.error = torch.zeros(layout.e_numel, **f32) if self.use_error_feedback else None
+        mem.p = torch.zeros(layout.p_numel, **f32)
+        mem.q = torch.zeros(layout.q_numel, **f32)
+        mem.q_work = torch.empty(layout.q_numel, **f32)
+        mem.q_initialized = False
+
+    def _adopt_loaded(self, mem: BucketMemory, layout: BucketLayout, buffer: torch.Tensor) -> None:
+        """Move loaded memory onto the bucket's device; allocate whatever the load did not provide."""
+        f32 = dict(device=buffer.device, dtype=torch.float32)
+
+        def fit(t: Optional[torch.Tensor], numel: int, zero: bool) -> torch.Tensor:
+            if t is not None and t.numel() == numel:
+                return t.to(**f32).contiguous()
+            return torch.zeros(numel, **f32) if zero else torch.empty(numel, **f32)
+
+        if self.use_error_feedback:
+            mem.error = fit(mem.error, layout.e_numel, True)
+        else:
+            mem.error = None
+        mem.p = fit(mem.p, layout.p_numel, True)
+        if mem.q is None or mem.q.numel() != layout.q_numel:
+            mem.q_initialized = False
+        mem.q = fit(mem.q, layout.q_numel, True)
+        mem.q_work = torch.empty(layout.q_numel, **f32)
+
+    def _draw_q(self, mem: BucketMemory, dtype: torch.dtype) -> None:
+        """Fill ``mem.q`` with PyTorch's random initial Q (not yet orthogonalized); consumes one seed of ``rng``.
+
+        PyTorch seeds a forked CPU RNG with ``rng.randint(1_000_000_000)`` and draws ``randn`` in the bucket's dtype
+        per compressed matrix (``(1, m, r)``), per shape group (``(B, m, r)``) with
+        ``batch_tensors_with_same_shape``, or ``(s, r)`` for the batched hook. The draw happens on the CPU and
+        reaches the device in ONE copy. The seed is consumed even when the bucket compresses nothing, as PyTorch does.
+        """
+        seed = int(self.rng.randint(1_000_000_000))
+        layout = mem.layout
+        mem.q_initialized = True
+        if layout.q_numel == 0:
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            chunks = []
+            if layout.batched:
+                s = layout.matrices[0]
+                chunks.append(torch.randn(s.m, s.rank, device="cpu", dtype=dtype))
+            elif self.batch_tensors_with_same_shape:
+                for g in layout.groups:
+                    chunks.append(torch.randn(g.count, g.m, g.rank, device="cpu", dtype=dtype))
+            else:
+                for s in layout.matrices:
+                    chunks.append(torch.randn(1, s.m, s.rank, device="cpu", dtype=dtype))
+        host = torch.cat([c.reshape(-1) for c in chunks]).to(torch.float32)
+        mem.q.copy_(host)
+
+    # ------------------------------------------------------------------ persistence
+    def _config(self) -> Dict[str, Any]:
+        return {name: getattr(self, name) for name in _HYPERPARAMETERS}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything needed to resume exactly: iteration counter, statistics, RNG, per-bucket memory.
+
+        Only tensors and plain Python types (``torch.load(..., weights_only=True)`` reads it); the tensors are the
+        state's own (not copies), on their devices, like ``nn.Module.state_dict()``. Error memory is per rank: save
+        every rank's state to resume exactly. The process group is not saved.
+        """
+        name, keys, pos, has_gauss, cached = self.rng.get_state()
+        buckets = {}
+        for index, mem in self.buckets.items():
+            buckets[int(index)] = {
+                "signature": mem.signature,
+                "error": None if mem.error is None else mem.error.detach(),
+                "p": None if mem.p is None else mem.p.detach(),
+                "q": None if mem.q is None else mem.q.detach(),
+                "q_initialized": bool(mem.q_initialized),
+            }
+        return {
+            "version": _STATE_DICT_VERSION,
+            "config": {k: (v if not isinstance(v, np.generic) else v.item()) for k, v in self._config().items()},
+            "iter": int(self.iter),
+            "total_numel_before_compression": int(self.total_numel_before_compression),
+            "total_numel_after_compression": int(self.total_numel_after_compression),
+            "next_stats_report": int(self.next_stats_report),
+            "rng": {
+                "name": str(name),
+                "keys": [int(k) for k in keys],
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
+            "buckets": buckets,
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (the hyper-parameters stay the constructor's).
+
+        The loaded memory is adopted on each bucket's next compressed step if the bucket still has the layout it
+        was saved with (else it is reset, with a warning); tensors are copied, and moved to the bucket's device then.
+        """
+        version = state_dict.get("version")
+        if version != _STATE_DICT_VERSION:
+            raise ValueError(f"unsupported PowerSGDState state_dict version {version!r}")
+        saved = state_dict.get("config", {})
+        differing = sorted(k for k, v in saved.items() if k in _HYPERPARAMETERS and getattr(self, k) != v)
+        if differing:
+            warnings.warn(
+                "PowerSGDState.load_state_dict: hyper-parameters differ from the saved state "
+                f"({', '.join(differing)}); keeping this state's values",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        rng = state_dict["rng"]
+        self.rng.set_state(
+            (
+                rng["name"],
+                np.asarray(rng["keys"], dtype=np.uint32),
+                int(rng["pos"]),
+                int(rng["has_gauss"]),
+                float(rng["cached_gaussian"]),
+            )
+        )
+        self.iter = int(state_dict["iter"])
+        self.total_numel_before_compression = int(state_dict["total_numel_before_compression"])
+        self.total_numel_after_compression = int(state_dict["total_numel_after_compression"])
+        self.next_stats_report = int(state_dict["next_stats_report"])
+        self.buckets = {}
+        for index, saved_mem in state_dict["buckets"].items():
+            mem = BucketMemory()
+            mem.signature = saved_mem["signature"]
+            for name in ("error", "p", "q"):
+                t = saved_mem.get(name)
+                setattr(mem, name, None if t is None else t.detach().clone())
+            mem.q_initialized = bool(saved_mem["q_initialized"]) and mem.q is not None
+            self.buckets[int(index)] = mem
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickle everything but the process group (see :meth:`state_dict`)."""
+        logger.info("NOTE: Process group is not serializable and excluded from a saved state.")
+        return {"config": self._config(), "state": self.state_dict()}
+
+    def __setstate__(self, pickled: Dict[str, Any]) -> None:
+        """Restore a pickled state; the process group becomes None (the default group, resolved when a hook runs).
+
+        Works before ``init_process_group``.
+        """
+        PowerSGDState.__init__(self, None, **pickled["config"])
+        self.load_state_dict(pickled["state"])
+        logger.info(
+            "NOTE: Process group will be set to the default group (i.e. the world size) when the hook runs. "
+            "If a different group is desired, please set `self.process_group` after PowerSGD state is loaded."
+        )
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={getattr(self, k)!r}" for k in _HYPERPARAMETERS)
+        return f"PowerSGDState({args}, iter={self.iter}, buckets={len(self.buckets)})"

@@ -1,0 +1,168 @@
+"""Small multi-rank harness for the hook tests: gloo ranks on 127.0.0.1, forked from the pytest process.
+
+``run_ranks(fn, world_size, tmp_path)`` forks ``world_size`` children; each sets ``torch.set_num_threads(1)``
+(forked OpenMP pools deadlock otherwise), joins a gloo group through a FileStore in ``tmp_path``, runs
+``fn(rank, world_size, *args, **kwargs)``, sends its (picklable) result back, then barriers and destroys the group
+(ending without that intermittently aborts a rank). The parent joins with a timeout and kills the children on
+expiry or as soon as one rank fails, and re-raises the child's traceback. pytest-timeout is the backstop.
+
+Also :class:`FakeBucket`, a duck-typed ``dist.GradBucket`` (``GradBucket`` cannot be built from Python).
+"""
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import sys
+import time
+import traceback
+import uuid
+from typing import Callable, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def _child(fn, rank, world_size, store_path, timeout, q, args, kwargs):
+    code = 0
+    try:
+        torch.set_num_threads(1)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+        )
+        result = fn(rank, world_size, *args, **kwargs)
+        q.put((rank, True, pickle.dumps(result)))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        code = 1
+        try:
+            q.put((rank, False, traceback.format_exc()))
+        except Exception:
+            pass
+    finally:
+        try:
+            q.close()
+            q.join_thread()
+        except Exception:
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_ranks(fn: Callable, world_size: int, tmp_path, *args, timeout: float = 90.0, **kwargs) -> List:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked gloo ranks; results by rank."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    store_path = os.path.join(str(tmp_path), f"store-{uuid.uuid4().hex}")
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, store_path, timeout, q, args, kwargs), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} timed out after {timeout}s")
+            try:
+                rank, ok, payload = q.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                if dead:
+                    raise RuntimeError(f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = pickle.loads(payload)
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise RuntimeError(f"ranks exited abnormally after returning their results: {bad}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+        q.close()
+    return [results[r] for r in range(world_size)]
+
+
+class FakeBucket:
+    """Duck-typed ``dist.GradBucket``: a flat buffer and per-gradient contiguous views into it (as DDP's are)."""
+
+    def __init__(self, buffer: torch.Tensor, shapes: Sequence[Sequence[int]], index: int = 0, is_last: bool = True):
+        self._buffer = buffer
+        self._shapes = [tuple(s) for s in shapes]
+        self._index = index
+        self._is_last = is_last
+        numel = sum(_numel(s) for s in self._shapes)
+        if buffer.numel() != numel:
+            raise ValueError(f"buffer has {buffer.numel()} elements, shapes need {numel}")
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def gradients(self) -> List[torch.Tensor]:
+        out, off = [], 0
+        for s in self._shapes:
+            n = _numel(s)
+            out.append(self._buffer[off : off + n].view(s))
+            off += n
+        return out
+
+    def parameters(self) -> List[torch.Tensor]:
+        return [torch.empty(s) for s in self._shapes]
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def bucket_numel(shapes) -> int:
+    return sum(_numel(s) for s in shapes)
+
+
+def triton_backend_skip_reason():
+    """Why the "triton" backend cannot be tested here (None when it can)."""
+    try:
+        from powersgd_triton.kernels import triton_ops  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return f"powersgd_triton.kernels.triton_ops is not importable ({type(exc).__name__}: {exc})"
+    from powersgd_triton import _env
+
+    if not _env.triton_can_run(torch.device("cpu")):
+        return "Triton kernels cannot run on CPU tensors here (set TRITON_INTERPRET=1 before triton is imported)"
+    return None
+
+
+def backend_params():
+    """pytest params for the ops backends: "torch" always, "triton" skipped when its kernels cannot run."""
+    import pytest
+
+    reason = triton_backend_skip_reason()
+    return [
+        pytest.param("torch", id="torch"),
+        pytest.param("triton", id="triton", marks=pytest.mark.skipif(reason is not None, reason=reason or "")),
+    ]

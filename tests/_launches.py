@@ -1,0 +1,94 @@
+"""Count what one compressed step of a hook launches: bucket kernels, other device ops, collectives.
+
+The four bucket steps of :mod:`powersgd_triton.ops` are one Triton launch each on the GPU; here they run on the torch
+backend, so each call into them is counted as one kernel launch and what happens inside is not counted. Every
+other ATen op that is not a view is counted as one launch (on CUDA each is one kernel, or none for metadata ops);
+``c10d`` ops are counted as collectives. PyTorch's hook is counted the same way (its QR is one ATen op here, several
+kernels on a GPU).
+"""
+
+import contextlib
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import powersgd_triton.ops as ops_module
+
+_FREE = {"aten::lift_fresh", "aten::empty.memory_format", "aten::empty_strided", "aten::_local_scalar_dense"}
+
+
+class CountLaunches(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+        self.collectives = Counter()
+        self.kernels = Counter()
+        self.all_reduces = 0
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            name = func.name()
+            if func.namespace == "c10d" or name.startswith("c10d::"):
+                self.collectives[name] += 1
+            elif not getattr(func, "is_view", False) and name not in _FREE:
+                self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total_ops(self) -> int:
+        return sum(self.ops.values())
+
+
+@contextlib.contextmanager
+def synchronous_all_reduce(counter: CountLaunches):
+    """Within the block, ``dist.all_reduce`` is counted and completes before it returns.
+
+    Its future is then already complete, so ``then()`` callbacks (PyTorch's hook issues its P and Q steps from
+    them) run inline on the calling thread, where the (thread-local) dispatch mode sees their ops.
+    """
+    import torch.distributed as dist
+
+    original = dist.all_reduce
+
+    def wrapped(tensor, *args, **kwargs):
+        counter.all_reduces += 1
+        counter.paused += 1
+        try:
+            work = original(tensor, *args, **kwargs)
+            if work is not None:
+                work.wait()
+            return work
+        finally:
+            counter.paused -= 1
+
+    dist.all_reduce = wrapped
+    try:
+        yield counter
+    finally:
+        dist.all_reduce = original
+
+
+@contextlib.contextmanager
+def counting_bucket_kernels(counter: CountLaunches):
+    """Within the block, each call of ops.project/orthogonalize/project_t/reconstruct counts as one launch."""
+    saved = {}
+    for name in ("project", "orthogonalize", "project_t", "reconstruct"):
+        original = getattr(ops_module, name)
+        saved[name] = original
+
+        def wrapped(*args, __original=original, __name=name, **kwargs):
+            counter.kernels[__name] += 1
+            counter.paused += 1
+            try:
+                return __original(*args, **kwargs)
+            finally:
+                counter.paused -= 1
+
+        setattr(ops_module, name, wrapped)
+    try:
+        yield counter
+    finally:
+        for name, original in saved.items():
+            setattr(ops_module, name, original)

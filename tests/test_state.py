@@ -1,0 +1,270 @@
+"""PowerSGDState and the hooks' contract, in-process (no process group needed)."""
+
+import ast
+import inspect
+import io
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+
+import powersgd_triton
+from _dist import FakeBucket, bucket_numel
+from powersgd_triton import PowerSGDState, batched_powerSGD_hook, hooks, powerSGD_hook
+
+pytestmark = pytest.mark.timeout(60)
+
+SHAPES = [(40, 48), (12,), (16, 8, 3, 3), (16,)]
+
+
+def test_public_names():
+    for name in ("PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook"):
+        assert name in powersgd_triton.__all__
+        assert getattr(powersgd_triton, name) is not None
+
+
+def test_defaults_and_attributes_match_pytorch():
+    ours_sig = inspect.signature(PowerSGDState.__init__).parameters
+    theirs_sig = inspect.signature(torch_psgd.PowerSGDState.__init__).parameters
+    for name, p in theirs_sig.items():
+        assert name in ours_sig, name
+        assert ours_sig[name].default == p.default, name
+    assert list(ours_sig)[: len(theirs_sig)] == list(theirs_sig)  # same positional order
+    assert ours_sig["backend"].default == "auto"
+    ours, theirs = PowerSGDState(None), torch_psgd.PowerSGDState(None)
+    for attr in (
+        "process_group",
+        "matrix_approximation_rank",
+        "start_powerSGD_iter",
+        "min_compression_rate",
+        "use_error_feedback",
+        "warm_start",
+        "orthogonalization_epsilon",
+        "batch_tensors_with_same_shape",
+        "iter",
+        "total_numel_before_compression",
+        "total_numel_after_compression",
+        "compression_stats_logging_frequency",
+        "next_stats_report",
+    ):
+        assert getattr(ours, attr) == getattr(theirs, attr), attr
+    assert ours.compression_stats() == theirs.compression_stats()
+    assert ours.rng.randint(1_000_000_000) == theirs.rng.randint(1_000_000_000)
+    assert ours.error_dict == {} and ours.p_memory_dict == {} and ours.q_memory_dict == {}
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(start_powerSGD_iter=1), "start_powerSGD_iter"),
+        (dict(start_powerSGD_iter=0, warm_start=False), "start_powerSGD_iter"),
+        (dict(start_powerSGD_iter=1, use_error_feedback=False), "start_powerSGD_iter"),
+        (dict(matrix_approximation_rank=0), "matrix_approximation_rank"),
+        (dict(matrix_approximation_rank=-2), "matrix_approximation_rank"),
+        (dict(matrix_approximation_rank=1.5), "matrix_approximation_rank"),
+        (dict(min_compression_rate=0), "min_compression_rate"),
+        (dict(min_compression_rate=-1.0), "min_compression_rate"),
+        (dict(orthogonalization_epsilon=-1e-8), "orthogonalization_epsilon"),
+        (dict(orthogonalization_epsilon=float("nan")), "orthogonalization_epsilon"),
+        (dict(backend="cuda"), "backend"),
+        (dict(backend=None), "backend"),
+    ],
+)
+def test_bad_arguments(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        PowerSGDState(None, **kwargs)
+
+
+def test_valid_corner_arguments():
+    s = PowerSGDState(None, start_powerSGD_iter=1, use_error_feedback=False, warm_start=False)
+    assert s.start_powerSGD_iter == 1
+    s = PowerSGDState(None, min_compression_rate=0.5, orthogonalization_epsilon=1e-8, backend="torch")
+    assert s.min_compression_rate == 0.5 and s.backend == "torch"
+    PowerSGDState(process_group=None, matrix_approximation_rank=np.int64(4), compression_stats_logging_frequency=0)
+
+
+def test_hooks_module_has_no_postponed_annotations():
+    tree = ast.parse(inspect.getsource(hooks))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            assert all(a.name != "annotations" for a in node.names)
+
+
+@pytest.mark.parametrize("hook", [powerSGD_hook, batched_powerSGD_hook])
+def test_hook_signature_passes_ddp_checks(hook):
+    sig = inspect.signature(hook)
+    assert list(sig.parameters) == ["state", "bucket"]
+    assert sig.parameters["bucket"].annotation is dist.GradBucket
+    assert sig.return_annotation == torch.futures.Future[torch.Tensor]
+    assert hook.__qualname__ == hook.__name__  # module-level function
+    assert pickle.loads(pickle.dumps(hook)) is hook
+
+
+@pytest.mark.parametrize("hook", [powerSGD_hook, batched_powerSGD_hook])
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int32, torch.int64, torch.bool])
+@pytest.mark.parametrize("compressing", [False, True])
+def test_bad_gradient_dtype_raises_before_any_change(hook, dtype, compressing):
+    state = PowerSGDState(None, start_powerSGD_iter=2, backend="torch")
+    if compressing:
+        state.iter = 5
+    before = state.state_dict()
+    data = (torch.arange(bucket_numel(SHAPES)) % 3).to(dtype)
+    bucket = FakeBucket(data.clone(), SHAPES)
+    with pytest.raises(TypeError, match=str(dtype).replace("torch.", "")):
+        hook(state, bucket)
+    assert torch.equal(bucket.buffer(), data)
+    after = state.state_dict()
+    assert after["iter"] == before["iter"] and after["buckets"] == {} and after["rng"] == before["rng"]
+    assert state.compression_stats() == (0, 0, 0)
+
+
+def test_hook_without_process_group_explains():
+    state = PowerSGDState(None, start_powerSGD_iter=2, backend="torch")
+    bucket = FakeBucket(torch.ones(bucket_numel(SHAPES)), SHAPES)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        powerSGD_hook(state, bucket)
+
+
+def _populated_state(**kwargs):
+    """A state whose bucket memory was built and filled without communication (torch backend, no group)."""
+    state = PowerSGDState(None, start_powerSGD_iter=2, backend="torch", **kwargs)
+    state.iter = 7
+    for index in (0, 3):
+        bucket = FakeBucket(torch.randn(bucket_numel(SHAPES)), SHAPES, index=index)
+        mem = state._prepare_bucket(bucket, bucket.buffer(), False, None)
+        state._draw_q(mem, torch.float32)
+        if mem.error is not None:
+            mem.error.normal_()
+        mem.p.normal_()
+    state.rng.randint(10)
+    return state
+
+
+def _same(a: PowerSGDState, b: PowerSGDState):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        if key != "buckets":
+            assert sa[key] == sb[key], key
+    assert sa["buckets"].keys() == sb["buckets"].keys()
+    for index in sa["buckets"]:
+        x, y = sa["buckets"][index], sb["buckets"][index]
+        assert x.keys() == y.keys()
+        for k in x:
+            if isinstance(x[k], torch.Tensor):
+                assert torch.equal(x[k], y[k]), (index, k)
+            else:
+                assert x[k] == y[k], (index, k)
+
+
+@pytest.mark.parametrize("use_error_feedback", [True, False])
+def test_state_dict_round_trip_weights_only(use_error_feedback):
+    state = _populated_state(use_error_feedback=use_error_feedback, matrix_approximation_rank=2)
+    buf = io.BytesIO()
+    torch.save(state.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    fresh = PowerSGDState(None, start_powerSGD_iter=2, backend="torch", use_error_feedback=use_error_feedback,
+                          matrix_approximation_rank=2)
+    fresh.load_state_dict(loaded)
+    _same(state, fresh)
+    assert fresh.rng.randint(1_000_000_000) == state.rng.randint(1_000_000_000)
+    # Loaded tensors are copies: the loaded state does not alias the dict it was loaded from.
+    assert fresh.buckets[0].q.data_ptr() != loaded["buckets"][0]["q"].data_ptr()
+
+
+def test_load_state_dict_warns_on_other_hyperparameters():
+    state = _populated_state()
+    other = PowerSGDState(None, start_powerSGD_iter=2, matrix_approximation_rank=4, backend="torch")
+    with pytest.warns(RuntimeWarning, match="matrix_approximation_rank"):
+        other.load_state_dict(state.state_dict())
+
+
+def test_pickle_round_trip_without_process_group():
+    assert not dist.is_initialized()
+    state = _populated_state(matrix_approximation_rank=2, random_seed=5, orthogonalization_epsilon=1e-8)
+    state.process_group = object()  # not picklable, and not pickled
+    clone = pickle.loads(pickle.dumps(state))
+    assert clone.process_group is None  # resolved to the default group when a hook runs
+    for attr in ("matrix_approximation_rank", "random_seed", "orthogonalization_epsilon", "backend", "iter"):
+        assert getattr(clone, attr) == getattr(state, attr)
+    state.process_group = None
+    _same(state, clone)
+    buf = io.BytesIO()
+    torch.save(state, buf)  # the PyTorch docs' checkpoint recipe
+    buf.seek(0)
+    _same(state, torch.load(buf, weights_only=False))
+
+
+def test_pickle_fresh_state_before_init_process_group():
+    state = PowerSGDState(None, start_powerSGD_iter=10)
+    clone = pickle.loads(pickle.dumps(state))
+    assert clone.iter == 0 and clone.buckets == {} and clone.start_powerSGD_iter == 10
+
+
+def test_memory_is_only_for_compressed_gradients():
+    state = _populated_state(matrix_approximation_rank=2)
+    mem = state.buckets[0]
+    layout = mem.layout
+    # (40, 48) and (16, 72) are compressed at rank 2; the two biases are not.
+    assert layout.e_numel == 40 * 48 + 16 * 72
+    assert mem.error.numel() == layout.e_numel and mem.error.dtype == torch.float32
+    assert mem.p.numel() == (40 + 16) * 2 and mem.q.numel() == (48 + 72) * 2
+    assert state.error_dict[0] is mem.error and state.q_memory_dict[3] is state.buckets[3].q
+
+
+def test_layout_mismatch_rebuilds_with_warning():
+    state = _populated_state()
+    other = [(10, 30), (30, 10)]
+    bucket = FakeBucket(torch.randn(bucket_numel(other)), other, index=0)
+    with pytest.warns(RuntimeWarning, match="bucket 0 no longer matches"):
+        mem = state._prepare_bucket(bucket, bucket.buffer(), False, None)
+    assert mem.layout.e_numel == 600 and not mem.q_initialized and torch.count_nonzero(mem.error) == 0
+    # Same bucket again: reused, no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert state._prepare_bucket(bucket, bucket.buffer(), False, None) is mem
+    # A dtype swapped in by fp16_compress_wrapper is a different layout.
+    half = FakeBucket(bucket.buffer().half(), other, index=0)
+    with pytest.warns(RuntimeWarning, match="no longer matches"):
+        state._prepare_bucket(half, half.buffer(), False, None)
+
+
+def test_q_draw_matches_pytorch_random_numbers():
+    """The initial Q consumes state.rng and the forked CPU RNG exactly as PyTorch's hook does."""
+    for batch in (False, True):
+        state = PowerSGDState(None, start_powerSGD_iter=2, matrix_approximation_rank=2, backend="torch",
+                              batch_tensors_with_same_shape=batch)
+        shapes = [(40, 48), (12,), (40, 48), (64, 36)]
+        bucket = FakeBucket(torch.randn(bucket_numel(shapes)), shapes)
+        mem = state._prepare_bucket(bucket, bucket.buffer(), False, None)
+        global_before = torch.random.get_rng_state()
+        state._draw_q(mem, torch.float32)
+        assert torch.equal(torch.random.get_rng_state(), global_before)  # the global RNG is untouched
+        rng = np.random.RandomState(0)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rng.randint(1_000_000_000))
+            if batch:
+                want = [torch.randn(2, 48, 2), torch.randn(1, 36, 2)]
+            else:
+                want = [torch.randn(1, 48, 2), torch.randn(1, 48, 2), torch.randn(1, 36, 2)]
+        assert torch.equal(mem.q, torch.cat([w.reshape(-1) for w in want]))
+
+
+def test_backend_resolution():
+    from _dist import triton_backend_skip_reason
+    from powersgd_triton.state import _resolve_backend
+
+    cpu = torch.zeros(4)
+    assert _resolve_backend("torch", cpu) == "torch"
+    if triton_backend_skip_reason() is None:
+        assert _resolve_backend("triton", cpu) == "triton"
+        assert _resolve_backend("auto", cpu) == "triton"
+    else:
+        with pytest.raises(RuntimeError, match="triton"):
+            _resolve_backend("triton", cpu)
+        assert _resolve_backend("auto", cpu) == "torch"
