@@ -12,7 +12,8 @@ Sections (each one catches and records its own failures, then the run goes on; e
 3. ``correctness``: every compiled kernel variant against a float64 torch oracle on fresh random inputs, outputs
    poisoned with NaN before the launch (every element must be written), regions outside the compressed matrices
    checked untouched; real ResNet-50 and GPT-2 buckets, ragged shapes (with an all-zero layer) and the batched view;
-   ranks 1/4/16; fp32, bf16, fp16.
+   ranks 1/4/16; fp32, bf16, fp16; also the local-residual reconstruct (alternating hook) and the one-launch
+   pack/unpack of the uncompressed gradients.
 4. ``kernels``: each kernel's achieved bandwidth (byte model: bytes read + written, once each) on the 25 MB buckets
    of ResNet-50 and GPT-2, as a fraction of the measured copy bandwidth; PyTorch's hook's code for the same step
    beside it (rank 4).
@@ -116,6 +117,16 @@ def save() -> None:
         os.replace(tmp, out / "gpu_check.md")
     except Exception as exc:  # never let reporting kill the run
         print(f"(could not write results: {exc})", flush=True)
+
+
+_LAST_SAVE = [0.0]
+
+
+def maybe_save() -> None:
+    """save() at most every 5 s: a run killed by the hard stop still leaves its items so far."""
+    if time.time() - _LAST_SAVE[0] > 5.0:
+        _LAST_SAVE[0] = time.time()
+        save()
 
 
 def run_section(name: str, fn, need_s: float) -> None:
@@ -363,18 +374,24 @@ def check_kernel(variant, kind, dtype, rank, gen):
         scale = 0.5  # 1 / world size
         has_err = variant != "reconstruct"
         keep = variant != "reconstruct+error,flag=0"
+        local = {"reconstruct+error,local_p": "p", "reconstruct+error,local_q": "q"}.get(variant)
+        loc = None
+        if local is not None:  # the alternating hook's local residual
+            loc = B.random_buffer(lay.p_numel if local == "p" else lay.q_numel, f32, DEVICE, gen)
+        lkw = {} if local is None else {f"local_{local}": loc}
+        lkw64 = {} if local is None else {f"local_{local}": loc.double()}
         flag = torch.tensor(keep, device=DEVICE)
         e_in = err.clone()
         e_out = torch.full_like(err, nan) if (has_err and keep) else err
         if not has_err:  # the kernel only writes M: poison the compressed regions
             buf.masked_fill_(~outside, nan)
         ops.reconstruct(buf, lay, p, q, scale, e_out if has_err else None, flag if has_err else None,
-                        backend="triton")
+                        backend="triton", **lkw)
         sync()
         ref_buf = before.clone()
         ref_e = e_in.double().clone()
         reference.reconstruct(ref_buf, lay, p.double(), q.double(), scale, ref_e if has_err else None,
-                              flag if has_err else None, compute_dtype=f64)
+                              flag if has_err else None, compute_dtype=f64, **lkw64)
         finite(buf[~outside])
         checks["bucket"] = (_rel(buf[~outside], ref_buf[~outside]), _tol(dtype))
         pq = lambda s: scale * _norm(p, s, "p") * _norm(q, s, "q")  # noqa: E731
@@ -383,8 +400,30 @@ def check_kernel(variant, kind, dtype, rank, gen):
             finite(e_out)
             checks["E"] = (_rel(e_out, ref_e), 1e-4) if keep else (_rel(e_out, e_in), 0.0)
             if keep:
+                lp = (lambda s: _norm(loc, s, "p") * _norm(q, s, "q")) if local == "p" else \
+                     (lambda s: _norm(p, s, "p") * _norm(loc, s, "q")) if local == "q" else pq
                 checks["E per matrix"] = (_per_matrix(e_out, ref_e, lay, "e",
-                                                      lambda s: _norm(before, s, "m") + pq(s)), 1e-4)
+                                                      lambda s: _norm(before, s, "m") + lp(s)), 1e-4)
+    elif variant in ("pack", "unpack"):
+        res["uncompressed_numel"] = un = lay.uncompressed_numel
+        if un:
+            idx = torch.cat([torch.arange(o, o + n, device=DEVICE) for o, n in lay.uncompressed])
+            if variant == "pack":
+                dst = torch.full((un,), nan, dtype=f32, device=DEVICE)
+                ops.pack_uncompressed(buf, lay, dst, backend="triton")
+                sync()
+                finite(dst)
+                checks["packed"] = (_rel(dst, before[idx]), 0.0)  # a copy: exact
+                checks["bucket untouched"] = (_rel(buf, before), 0.0)
+            else:
+                src = B.random_buffer(un, f32, DEVICE, gen)
+                buf.index_fill_(0, idx, nan)  # poison the destination
+                ops.unpack_uncompressed(src, lay, buf, 0.5, backend="triton")
+                sync()
+                finite(buf[idx])
+                checks["unpacked"] = (_rel(buf[idx], src.double() * 0.5), 0.0 if dtype == f32 else _tol(dtype))
+                checks["matrices untouched"] = (float((buf[~outside] != before[~outside]).sum()), 0.0)
+                outside = outside & False  # the uncompressed part was written on purpose
     else:
         raise ValueError(variant)
     if bool(outside.any()):
@@ -396,25 +435,21 @@ def check_kernel(variant, kind, dtype, rank, gen):
 
 
 CORR_VARIANTS = ("project+error", "project", "orthogonalize-q", "orthogonalize-p", "project_t",
-                 "reconstruct+error", "reconstruct+error,flag=0", "reconstruct")
+                 "reconstruct+error", "reconstruct+error,flag=0", "reconstruct", "reconstruct+error,local_p",
+                 "reconstruct+error,local_q", "pack", "unpack")
 
 
 def correctness_plan():
+    """Cases in order of importance (the time cap cuts the tail): real buckets first, then ragged/batched, ranks."""
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
-    plan = []
-    # most important first: real ResNet-50 bucket at rank 4, fp32 then bf16
-    for dtype in (f32, bf16):
-        plan += [(v, "resnet50", dtype, 4) for v in CORR_VARIANTS]
-    for dtype in (f32, bf16):
-        plan += [(v, "ragged", dtype, 4) for v in CORR_VARIANTS]
-    for rank in (1, 16):
-        for dtype in (f32, bf16):
-            plan += [(v, "ragged", dtype, rank) for v in CORR_VARIANTS]
-    plan += [(v, "batched", f32, 4) for v in CORR_VARIANTS]
-    plan += [(v, "batched", bf16, 1) for v in CORR_VARIANTS]
-    plan += [(v, "ragged", f16, 4) for v in CORR_VARIANTS]
-    plan += [(v, "gpt2", dtype, 4) for dtype in (f32, bf16) for v in ("project+error", "project_t", "reconstruct+error")]
-    plan += [(v, "resnet50", f32, 16) for v in CORR_VARIANTS]
+    every = lambda kind, dtype, rank: [(v, kind, dtype, rank) for v in CORR_VARIANTS]  # noqa: E731
+    plan = every("resnet50", f32, 4) + every("resnet50", bf16, 4)
+    plan += [(v, "gpt2", dtype, 4) for dtype in (f32, bf16)
+             for v in ("project+error", "project_t", "reconstruct+error", "pack", "unpack")]
+    plan += every("ragged", f32, 4) + every("batched", f32, 4) + every("batched", bf16, 1)
+    plan += every("ragged", f32, 1) + every("ragged", f32, 16) + every("resnet50", f32, 16)
+    plan += every("ragged", bf16, 4) + every("ragged", bf16, 1) + every("ragged", bf16, 16)
+    plan += every("ragged", f16, 4)
     if DRY:  # the interpreter is slow: every variant once, then one case of each other layout kind
         plan = [(v, "resnet50", f32, 4) for v in CORR_VARIANTS] + [
             ("project+error", "ragged", f32, 16), ("orthogonalize-p", "ragged", f32, 4),
@@ -445,6 +480,7 @@ def section_correctness():
             continue
         r["seconds"] = round(time.time() - t0, 2)
         rows.append(r)
+        maybe_save()
         worst = max(r["checks"].items(), key=lambda kv: kv[1])
         log(f"  {'ok  ' if r['ok'] else 'FAIL'} {key:48s} worst {worst[0]}={worst[1]:.2e} "
             f"nonfinite={r['nonfinite']} ({r['seconds']}s)")
@@ -512,6 +548,7 @@ def kernel_rows(model, dtype, rank, with_pytorch, cap):
                            impl=impl, matrices=kb.layout.num_matrices, bytes=nbytes, **t, gb_s=gbs,
                            frac_copy=(gbs / cbw) if cbw else None)
                 rows.append(row)
+                maybe_save()
                 frac = f"{100 * row['frac_copy']:.0f}% of copy" if cbw else ""
                 log(f"  {key:50s} {t['median_ms']:8.3f} ms {gbs:8.1f} GB/s {frac}")
         del kb, bucket
@@ -626,6 +663,7 @@ def hook_case(model, rank, dtype, cap):
                     item_error("hooks", f"{key} {what}", exc)
             row["finite"] = bool(all(torch.isfinite(b.buffer()).all() for b in s0.buckets))
             row["seconds"] = round(time.time() - t0, 1)
+            maybe_save()
             log(f"  {'':36s} device kernels/step {row.get('kernels_per_step')}, ATen {row.get('aten_compute')}, "
                 f"Triton {row.get('triton_launches')}, all-reduces {row.get('allreduce_calls')}, held "
                 f"{B.fmt_bytes(row.get('held_bytes'))}, peak extra {B.fmt_bytes(row.get('peak_extra_bytes'))} "
