@@ -216,6 +216,18 @@ def _full_step(buf, layout, q0, err=None, epsilon=0.0, backend="triton"):
     return p, q
 
 
+def _oracle_step(buf, layout, q0, err):
+    """The float64 oracle of :func:`_full_step` on copies: returns (P, Q, bucket, error)."""
+    buf64, err64 = buf.double(), err.double().clone()
+    q64 = reference.orthogonalize(q0.double(), layout, "q", 0.0, out=q0.double().clone(), compute_dtype=torch.float64)
+    p64 = torch.zeros(layout.p_numel, dtype=torch.float64)
+    reference.project(buf64, layout, q64, p64, err64, torch.float64)
+    reference.orthogonalize(p64, layout, "p", 0.0, compute_dtype=torch.float64)
+    reference.project_t(buf64, layout, p64, q64, torch.float64)
+    reference.reconstruct(buf64, layout, p64, q64, 1.0, err64, None, torch.float64)
+    return p64, q64, buf64, err64
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("epsilon", [0.0, 1e-8])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -284,13 +296,7 @@ def test_batched_view_masks_padding(numel, rank, dtype, rng, backend):
     q0 = torch.randn(layout.q_numel, generator=rng)
     err = torch.randn(layout.e_numel, generator=rng) * 0.1
 
-    buf64, err64 = buf.double(), err.double().clone()
-    q64 = reference.orthogonalize(q0.double(), layout, "q", 0.0, out=q0.double().clone(), compute_dtype=torch.float64)
-    p64 = torch.zeros(layout.p_numel, dtype=torch.float64)
-    reference.project(buf64, layout, q64, p64, err64, torch.float64)
-    reference.orthogonalize(p64, layout, "p", 0.0, compute_dtype=torch.float64)
-    reference.project_t(buf64, layout, p64, q64, torch.float64)
-    reference.reconstruct(buf64, layout, p64, q64, 1.0, err64, None, torch.float64)
+    p64, q64, buf64, err64 = _oracle_step(buf, layout, q0, err)
 
     p, q = _full_step(buf, layout, q0, err, backend=backend)
     assert guards_intact(whole, numel, fill=CANARY), "padding or memory past the bucket was written"
@@ -342,13 +348,7 @@ def test_full_step_with_other_configs(configs, rank, rng):
     layout = layerwise(buf, grads, rank)
     q0 = torch.randn(layout.q_numel, generator=rng)
     err = torch.randn(layout.e_numel, generator=rng) * 0.1
-    buf64, err64 = buf.double(), err.double().clone()
-    q64 = reference.orthogonalize(q0.double(), layout, "q", 0.0, out=q0.double().clone(), compute_dtype=torch.float64)
-    p64 = torch.zeros(layout.p_numel, dtype=torch.float64)
-    reference.project(buf64, layout, q64, p64, err64, torch.float64)
-    reference.orthogonalize(p64, layout, "p", 0.0, compute_dtype=torch.float64)
-    reference.project_t(buf64, layout, p64, q64, torch.float64)
-    reference.reconstruct(buf64, layout, p64, q64, 1.0, err64, None, torch.float64)
+    p64, q64, buf64, err64 = _oracle_step(buf, layout, q0, err)
 
     q, q_whole = guarded(layout.q_numel)
     p, p_whole = guarded(layout.p_numel)
