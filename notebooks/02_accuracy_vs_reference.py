@@ -50,12 +50,15 @@ try:
 except ImportError:  # a checkout without `pip install -e .`
     sys.path.insert(0, os.path.abspath(".."))
 
+import warnings
+
 import matplotlib.pyplot as plt
 import torch
 
 from powersgd_triton.analysis import IMPL_LABELS, approximation_errors, select, series
 
 torch.set_num_threads(1)
+warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm in a kernel without ipywidgets
 plt.rcParams.update({"figure.dpi": 80, "font.size": 8})
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
