@@ -30,9 +30,13 @@ own memory; warm start is on except for ``ours_cold``. Two modes:
 
 The first ``start_powerSGD_iter = 2`` hook calls (plain all-reduce, required with warm start) happen on the first
 gradient and are not recorded.
+
+Also :func:`results_sections` / :func:`gpu_results`: the dated sections and markdown tables of a benchmark results
+file (``bench/RESULTS.md``), which ``notebooks/03_speed_vs_reference`` shows for GPUs.
 """
 
 import math
+import re
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -296,3 +300,79 @@ def series(records: Sequence[Dict[str, Any]], **where) -> Tuple[List[int], List[
     """``(steps, errors)`` of the records matching ``where`` (one layer, one impl, one rank), sorted by step."""
     rows = sorted(select(records, **where), key=lambda rec: rec["step"])
     return [rec["step"] for rec in rows], [rec["error"] for rec in rows]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measured tables of bench/RESULTS.md (notebooks/03 shows the GPU ones)
+
+_GPU_WORDS = re.compile(r"\b(gpu|cuda|h100|h200|a100|l40s?|rtx|sm_?\d\d)\b", re.IGNORECASE)
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def _table(lines: List[str]) -> Optional[Dict[str, Any]]:
+    def cells(line: str) -> List[str]:
+        return [c.strip() for c in line.strip().strip("|").split("|")]
+
+    if len(lines) < 2 or not set(lines[1].replace("|", "").strip()) <= set("-: "):
+        return None
+    columns = cells(lines[0])
+    rows = [dict(zip(columns, cells(line))) for line in lines[2:]]
+    return {"columns": columns, "rows": rows}
+
+
+def results_sections(text: str) -> List[Dict[str, Any]]:
+    """The ``## `` sections of a benchmark results file (``bench/RESULTS.md``) with their markdown tables.
+
+    Each section: ``heading``, ``date`` (the first ``YYYY-MM-DD`` of the heading, else of the body, else None),
+    ``machine`` (the text after ``Machine:`` on the first line that starts with it, else None), ``gpu`` (the heading
+    names a GPU: GPU, CUDA, H100, H200, A100, ...), and ``tables``: ``{"title": the closest ``###`` heading above (or
+    the section heading), "columns": [...], "rows": [{column: cell}]}``.
+    """
+    sections: List[Dict[str, Any]] = []
+    current: Optional[Dict[str, Any]] = None
+    subtitle = ""
+    block: List[str] = []
+
+    def flush_table():
+        nonlocal block
+        if current is not None and block:
+            t = _table(block)
+            if t is not None:
+                t["title"] = subtitle or current["heading"]
+                current["tables"].append(t)
+        block = []
+
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("|"):
+            block.append(stripped)
+            continue
+        flush_table()
+        if line.startswith("## "):
+            heading = line[3:].strip()
+            current = {"heading": heading, "date": None, "machine": None, "gpu": bool(_GPU_WORDS.search(heading)),
+                       "tables": [], "_body": []}
+            sections.append(current)
+            subtitle = ""
+        elif line.startswith("### ") and current is not None:
+            subtitle = line[4:].strip()
+        elif current is not None:
+            current["_body"].append(line)
+            if current["machine"] is None and stripped.startswith("Machine:"):
+                current["machine"] = stripped[len("Machine:"):].strip()
+    flush_table()
+    for s in sections:
+        body = "\n".join(s.pop("_body"))
+        m = _DATE.search(s["heading"]) or _DATE.search(body)
+        s["date"] = m.group(0) if m else None
+    return sections
+
+
+def gpu_results(path: str) -> List[Dict[str, Any]]:
+    """The GPU sections (with at least one table) of the results file at ``path``; ``[]`` if it does not exist."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return []
+    return [s for s in results_sections(text) if s["gpu"] and s["tables"]]

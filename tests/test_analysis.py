@@ -83,3 +83,63 @@ def test_real_gradients_two_ranks(mode, kernels):
         assert errors[-1] <= 1.05 * err["svd", big, steps]
     assert res["compression_rate"]["ours/r2"] == pytest.approx(res["compression_rate"]["reference/r2"])
     assert res["compression_rate"]["ours/r2"] > 10
+
+
+RESULTS = """# Benchmark results
+
+Intro text with a date 2020-01-01 that belongs to no section.
+
+## CPU, 2026-11-29
+
+Machine: a 2-core VM.
+
+### 1. Hook step
+
+| model | r | PyTorch ms | ours ms |
+| --- | --- | --- | --- |
+| resnet50 | 4 | 328 | 194 |
+
+## GPU: NVIDIA H200
+
+Machine: one H200 (132 SMs), driver 570.
+Measured on 2026-12-01.
+
+| model | r | PyTorch ms | ours ms | PyTorch/ours |
+|:---|---:|---|---|---|
+| resnet50 | 4 | 30.1 | 4.2 | 7.2x |
+| gpt2 | 4 | 80 | 9 | 8.9x |
+text after the table
+
+### Kernels
+| kernel | GB/s |
+| --- | --- |
+| project | 3000 |
+
+## H100 runs, 2026-12-02
+
+(no tables yet)
+
+## Notes
+| not | a table |
+"""
+
+
+def test_results_sections_and_gpu_tables(tmp_path):
+    sections = analysis.results_sections(RESULTS)
+    assert [s["heading"] for s in sections] == ["CPU, 2026-11-29", "GPU: NVIDIA H200", "H100 runs, 2026-12-02", "Notes"]
+    cpu, gpu, h100, notes = sections
+    assert not cpu["gpu"] and gpu["gpu"] and h100["gpu"] and not notes["gpu"]
+    assert cpu["date"] == "2026-11-29" and gpu["date"] == "2026-12-01" and notes["date"] is None
+    assert cpu["machine"] == "a 2-core VM." and gpu["machine"].startswith("one H200")
+    assert cpu["tables"][0]["title"] == "1. Hook step"
+    assert cpu["tables"][0]["rows"] == [{"model": "resnet50", "r": "4", "PyTorch ms": "328", "ours ms": "194"}]
+    t1, t2 = gpu["tables"]
+    assert t1["title"] == "GPU: NVIDIA H200" and t1["columns"][-1] == "PyTorch/ours" and len(t1["rows"]) == 2
+    assert t1["rows"][1]["PyTorch/ours"] == "8.9x"
+    assert t2["title"] == "Kernels" and t2["rows"] == [{"kernel": "project", "GB/s": "3000"}]
+    assert h100["tables"] == [] and notes["tables"] == []  # a single line is no table
+
+    path = tmp_path / "RESULTS.md"
+    path.write_text(RESULTS)
+    assert [s["heading"] for s in analysis.gpu_results(str(path))] == ["GPU: NVIDIA H200"]
+    assert analysis.gpu_results(str(tmp_path / "missing.md")) == []
