@@ -61,7 +61,7 @@ WORLD = 2
 # one GPU per rank on CUDA (nccl); gloo ranks on CPU
 DEVICE = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= WORLD else "cpu"
 RANKS = (1, 2, 4)
-WORKLOADS = {"digits": dict(epochs=10)}
+WORKLOADS = {"digits": dict(epochs=10 if FULL else 6)}
 if FULL:
     WORKLOADS["charlm"] = dict(steps=300)
 print(f"device {DEVICE}, {WORLD} ranks, PowerSGD ranks {RANKS}, workloads {list(WORKLOADS)}")
