@@ -58,12 +58,9 @@ def project(
                 mat = mat.clone()
                 mat.view(-1)[: s.numel] += _error(error, s).to(compute_dtype)
                 _store_matrix(buffer, s, mat)
-        qf = _factor(q, s.q_offset, s.m, s.rank)
-        pv = _factor(p, s.p_offset, s.n, s.rank)
-        if pv.dtype == compute_dtype and qf.dtype == compute_dtype:
-            torch.mm(mat, qf, out=pv)
-        else:
-            pv.copy_(mat @ qf.to(compute_dtype))
+        qf = _factor(q, s.q_offset, s.m, s.rank).to(compute_dtype)
+        # (Qᵀ·Mᵀ)ᵀ: the skinny product runs 3-10x faster this way round on CPU BLAS (bench/RESULTS.md §4)
+        _factor(p, s.p_offset, s.n, s.rank).copy_(torch.mm(qf.t(), mat.t()).t())
 
 
 def project_t(
@@ -76,12 +73,8 @@ def project_t(
     """Q_i = M_iᵀ · P_i for every i."""
     for s in layout.matrices:
         mat = _matrix(buffer, s).to(compute_dtype)
-        pf = _factor(p, s.p_offset, s.n, s.rank)
-        qv = _factor(q, s.q_offset, s.m, s.rank)
-        if pf.dtype == compute_dtype and qv.dtype == compute_dtype:
-            torch.mm(mat.t(), pf, out=qv)
-        else:
-            qv.copy_(mat.t() @ pf.to(compute_dtype))
+        pf = _factor(p, s.p_offset, s.n, s.rank).to(compute_dtype)
+        _factor(q, s.q_offset, s.m, s.rank).copy_(torch.mm(pf.t(), mat).t())  # (Pᵀ·M)ᵀ, as in project
 
 
 def gram_schmidt_(x: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
@@ -149,25 +142,37 @@ def reconstruct(
     ``update_error`` (0-d bool tensor on the device) keeps the old E_i where it is False. With ``local_p``
     (``local_q``) the error is the local residual E_i ← M_i − P_local,i · Q_iᵀ (M_i − P_i · Q_local,iᵀ).
     """
+    if error is not None and update_error is not None and update_error.device.type == "cpu":
+        # a CPU flag is read for free: skip the error update, or do it without torch.where
+        if not bool(update_error):
+            error = None
+        update_error = None
     for s in layout.matrices:
-        before = _matrix(buffer, s).to(compute_dtype)
         pf = _factor(p, s.p_offset, s.n, s.rank).to(compute_dtype)
         q_raw = _factor(q, s.q_offset, s.m, s.rank).to(compute_dtype)
         qs = q_raw * scale if scale != 1.0 else q_raw
+        err_left, err_right = pf, qs
+        if local_p is not None:
+            err_left, err_right = _factor(local_p, s.p_offset, s.n, s.rank).to(compute_dtype), q_raw
+        elif local_q is not None:
+            err_right = _factor(local_q, s.q_offset, s.m, s.rank).to(compute_dtype)
+        view = buffer[s.offset : s.offset + s.numel]
+        e = None if error is None else _error(error, s)
+        fast = s.numel == s.n * s.m and view.dtype == compute_dtype and update_error is None
+        if fast and (e is None or e.dtype == compute_dtype):
+            m_view = view.view(s.n, s.m)
+            if e is not None:  # E = M - A·Bᵀ in place, then M = P·(sQ)ᵀ: no temporaries of M's size
+                e_view = e.view(s.n, s.m)
+                e_view.copy_(m_view)
+                e_view.addmm_(err_left, err_right.t(), alpha=-1.0)
+            torch.mm(pf, qs.t(), out=m_view)
+            continue
+        before = _matrix(buffer, s).to(compute_dtype)
         approx = pf @ qs.t()
-        if error is not None:
-            if local_p is not None:
-                approx_e = _factor(local_p, s.p_offset, s.n, s.rank).to(compute_dtype) @ q_raw.t()
-            elif local_q is not None:
-                approx_e = pf @ _factor(local_q, s.q_offset, s.m, s.rank).to(compute_dtype).t()
-            else:
-                approx_e = approx
-            e = _error(error, s)
-            if update_error is None and s.numel == s.n * s.m and e.dtype == compute_dtype:
-                torch.sub(before, approx_e, out=e.view(s.n, s.m))
-            else:
-                new = (before - approx_e).reshape(-1)[: s.numel].to(e.dtype)
-                if update_error is not None:
-                    new = torch.where(update_error, new, e)
-                e.copy_(new)
+        if e is not None:
+            approx_e = approx if err_left is pf and err_right is qs else err_left @ err_right.t()
+            new = (before - approx_e).reshape(-1)[: s.numel].to(e.dtype)
+            if update_error is not None:
+                new = torch.where(update_error, new, e)
+            e.copy_(new)
         _store_matrix(buffer, s, approx)

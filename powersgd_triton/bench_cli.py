@@ -1,0 +1,76 @@
+"""``powersgd-triton bench``: PyTorch's ``powerSGD_hook`` against ours on real models' buckets, side by side.
+
+World size 1 (an in-process gloo group; nccl on a GPU), DDP-like 25 MB buckets, the two hooks timed in turn
+(:func:`powersgd_triton.benchmarking.compare_hooks`), with the counts (ATen compute ops, all-reduce calls and bytes,
+memory held and peak). Prints a markdown table; ``--json``/``--markdown`` also write it. For the pytest-benchmark
+tables see ``bench/``; for a full GPU check ``bench/gpu_check.py``.
+
+    powersgd-triton bench --models resnet50 --ranks 4 --dtypes fp32 --rounds 7
+"""
+
+import json
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="time PyTorch's powerSGD_hook against ours (world size 1)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="resnet50", help="comma list: resnet50,bert-base,gpt2,vit-b16")
+    p.add_argument("--ranks", default="4", help="comma list of ranks (default 4)")
+    p.add_argument("--dtypes", default="fp32", help="comma list of fp32,bf16,fp16 (default fp32)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per hook (default 5)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument("--backend", default="auto", help="our backend: auto, triton or torch (default auto)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--shrink", type=int, default=1, help="divide channel dims (quick runs)")
+    p.add_argument("--no-counts", action="store_true", help="times only")
+    p.add_argument("--json", default=None, help="write the rows and the environment as JSON")
+    p.add_argument("--markdown", default=None, help="write the table as markdown")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+
+    from . import benchmarking as B
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    backend = args.backend
+    if backend == "auto" and device.type == "cpu":
+        backend = "torch"  # never the interpreter for timings, even where TRITON_INTERPRET=1 is set
+    pg = B.ensure_process_group()
+    rows = []
+    for model in [m for m in args.models.split(",") if m]:
+        for dtype in [d for d in args.dtypes.split(",") if d]:
+            for rank in [int(r) for r in args.ranks.split(",") if r]:
+                rows += B.compare_hooks(model, rank, dtype, device, backend=backend, rounds=args.rounds,
+                                        counts=not args.no_counts, shrink=args.shrink,
+                                        bucket_cap_mb=25.0 if args.shrink == 1 else 25.0 / args.shrink ** 2)
+    env = B.environment(device)
+    for r in rows:
+        for k in ("held_bytes", "peak_extra_bytes", "allreduce_bytes", "grad_bytes"):
+            if k in r:
+                r[k + "_h"] = B.fmt_bytes(r[k])
+        if "speedup" in r:
+            r["speedup_h"] = f"{r['speedup']:.2f}x"
+    cols = [("model", "model"), ("rank", "r"), ("dtype", "dtype"), ("variant", "hook"), ("buckets", "buckets"),
+            ("median_ms", "median ms"), ("p20_ms", "p20"), ("p80_ms", "p80"), ("speedup_h", "PyTorch/ours"),
+            ("aten_compute", "ATen compute ops"), ("allreduce_calls", "all-reduces"),
+            ("allreduce_bytes_h", "all-reduce bytes"), ("held_bytes_h", "held"), ("peak_extra_bytes_h", "peak extra")]
+    head = (f"{env['date']}; {env['cpu']} ({env['cpus_usable']} CPUs usable, torch threads {env['torch_threads']}, "
+            f"load {tuple(round(x, 1) for x in env.get('load_avg', ()))}); python {env['python']}, torch "
+            f"{env['torch']}, triton {env.get('triton')}; device {device}"
+            + (f" ({env.get('gpu')})" if device.type == "cuda" else "") + f"; process group {pg}; our backend "
+            f"{backend}; {args.rounds} rounds in turn")
+    table = B.markdown_table(rows, cols)
+    print(head + "\n\n" + table)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(head + "\n\n" + table + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            options = {k: v for k, v in vars(args).items() if k != "func"}
+            json.dump({"environment": env, "rows": rows, "options": options}, f, indent=1, default=str)
+    return 0
+

@@ -1,0 +1,160 @@
+"""The benchmark infrastructure (powersgd_triton.benchmarking): fake buckets, counters, byte model. Fast, CPU only."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from powersgd_triton import benchmarking as B
+from powersgd_triton.shapes import model_shapes, numel
+
+
+@pytest.fixture
+def world1():
+    """An in-process gloo world of size 1, torn down afterwards unless someone else made it."""
+    mine = not dist.is_initialized()
+    B.ensure_process_group("gloo")
+    yield
+    if mine and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_fake_bucket_views_and_api(rng):
+    shapes = [(4, 3, 3, 3), (4,), (10, 4)]
+    buf = B.random_buffer(sum(numel(s) for s in shapes), torch.float32, "cpu", rng)
+    b = B.FakeGradBucket(buf, shapes, index=2, num_buckets=3)
+    grads = b.gradients()
+    assert [tuple(g.shape) for g in grads] == shapes
+    assert all(g.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for g in grads)
+    grads[2][0, 0] = 123.0
+    assert buf[4 * 27 + 4].item() == 123.0
+    assert b.buffer() is buf and b.index() == 2 and b.is_last()
+    assert [tuple(p.shape) for p in b.parameters()] == shapes
+    assert all(p.device.type == "meta" for p in b.parameters())
+    new = buf.clone().to(torch.bfloat16)
+    b.set_buffer(new)
+    assert b.buffer() is new and b.gradients()[0].dtype == torch.bfloat16
+    assert b.gradients()[2].untyped_storage().data_ptr() == new.untyped_storage().data_ptr()
+    with pytest.raises(ValueError):
+        b.set_buffer(torch.zeros(3))
+    with pytest.raises(ValueError):
+        B.FakeGradBucket(buf, shapes, index=3, num_buckets=3)
+
+
+def test_model_buckets_cover_the_model_in_reverse_order(rng):
+    buckets = B.model_buckets("resnet50", "fp32", shrink=8, bucket_cap_mb=0.1, first_bucket_mb=0.01, generator=rng)
+    shapes = B.shrink_shapes(model_shapes("resnet50"), 8)
+    flat = [s for b in buckets for s in b.shapes]
+    assert flat == list(reversed(shapes))
+    assert [b.index() for b in buckets] == list(range(len(buckets)))
+    assert [b.is_last() for b in buckets] == [False] * (len(buckets) - 1) + [True]
+    assert all(bool((b.buffer() != 0).any()) for b in buckets)  # random, never zeros
+    # DDP-like 25 MB buckets of the full model: 5 buckets for ResNet-50 (1 MB first bucket, then 25 MB)
+    assert len(B.model_bucket_shapes("resnet50")) == 5
+    bf16 = B.model_bucket_shapes("gpt2", torch.bfloat16)
+    assert len(bf16) < len(B.model_bucket_shapes("gpt2"))  # 25 MB of 2-byte elements hold twice as many
+
+
+def test_kernel_bytes_model(rng):
+    shapes = [(8, 6), (5,), (16, 12)]
+    buf = B.random_buffer(sum(numel(s) for s in shapes), torch.float32, "cpu", rng)
+    layout = B.bucket_layout(B.FakeGradBucket(buf, shapes), 2, min_compression_rate=1)
+    mn, p, q = 48 + 192, (8 + 16) * 2 * 4, (6 + 12) * 2 * 4
+    assert layout.e_numel == mn
+    assert B.kernel_bytes("project", layout, torch.float32) == mn * 4 * 3 + p + q
+    assert B.kernel_bytes("project", layout, torch.float32, error=False) == mn * 4 + p + q
+    assert B.kernel_bytes("orthogonalize", layout, torch.float32) == 2 * p
+    assert B.kernel_bytes("project_t", layout, torch.bfloat16) == mn * 2 + p + q
+    assert B.kernel_bytes("reconstruct", layout, torch.bfloat16) == p + q + mn * (2 + 2 + 4)
+    with pytest.raises(ValueError):
+        B.kernel_bytes("nope", layout, torch.float32)
+
+
+def test_pytorch_hook_step_counts(world1, rng):
+    buckets = B.model_buckets("resnet50", "fp32", shrink=8, bucket_cap_mb=0.5, first_bucket_mb=0.02, generator=rng)
+    step = B.HookStep("pytorch", buckets, 2).warmup(1)
+    assert step.state.iter >= 2
+    counts = B.count_step(step, hook_step=step)
+    # PyTorch's layer-wise hook: uncompressed, P and Q all-reduces for every bucket
+    assert counts.per_bucket().keys() == {b.index() for b in buckets}
+    assert all(calls == 3 for calls, _ in counts.per_bucket().values())
+    assert counts.aten_compute > 10 * len(buckets)
+    assert counts.by_op.get("aten.bmm.out", 0) > 0
+    held = B.held_bytes(step.state)
+    for b in buckets:  # error memory (a whole bucket) + P + Q, all in the bucket's dtype
+        assert held[b.index()] > b.nbytes
+    with B.synchronous_collectives(step):
+        peak = B.peak_extra_bytes(step, "cpu")
+    assert peak is None or peak > 0
+
+
+def test_kernel_bench_runs_both_sides(rng):
+    shapes = [(32, 16, 3, 3), (32,), (64, 32)]
+    buf = B.random_buffer(sum(numel(s) for s in shapes), torch.float32, "cpu", rng)
+    kb = B.KernelBench(B.FakeGradBucket(buf, shapes), 4, generator=rng)
+    for kernel in B.KERNELS:
+        kb.ours(kernel, backend="torch")()
+        kb.pytorch(kernel)()
+        assert kb.bytes(kernel) > 0
+    assert torch.isfinite(buf).all() and torch.isfinite(kb.p).all() and torch.isfinite(kb.pt_p).all()
+
+
+def test_triton_launches_counted_without_running(rng):
+    pytest.importorskip("triton")
+    from powersgd_triton import _env
+
+    if not _env.interpreter_enabled():
+        pytest.skip("needs the interpreter (TRITON_INTERPRET=1, set by tests/conftest.py)")
+    shapes = [(64, 48), (7,), (33, 20), (33, 20)]
+    buf = B.random_buffer(sum(numel(s) for s in shapes), torch.float32, "cpu", rng)
+    kb = B.KernelBench(B.FakeGradBucket(buf, shapes), 4, generator=rng)
+    before = kb.p.clone()
+    with B.count_triton_launches(execute=False) as n:
+        for kernel in B.KERNELS:
+            kb.ours(kernel, backend="triton")()
+    assert n["n"] == 4 and set(n["by"]) == {"_project_kernel", "_orthogonalize_kernel", "_project_t_kernel",
+                                             "_reconstruct_kernel"}
+    assert torch.equal(kb.p, before)  # nothing ran
+    with B.count_triton_launches() as n:
+        kb.ours("project", backend="triton")()
+    assert n["n"] == 1 and not torch.equal(kb.p, before)
+
+
+def test_op_counter_kinds():
+    x = torch.randn(8, 8)
+    with B.OpCounter() as ops:
+        y = x.t()
+        z = torch.empty(3)
+        (y @ x).add_(1)
+    assert ops.by_kind["view"] >= 1 and ops.by_kind["alloc"] >= 1 and ops.compute == 2
+    assert z.numel() == 3
+
+
+def test_markdown_table_and_environment():
+    text = B.markdown_table([{"a": 1.23456, "b": None}, {"a": 12345.0, "b": "x"}], [("a", "A"), ("b", "B")])
+    assert text.splitlines()[0] == "| A | B |"
+    assert "| 1.23 | - |" in text and "| 12345 | x |" in text
+    env = B.environment()
+    assert env["torch"] == torch.__version__ and env["cpu_count"] >= 1
+
+
+def test_bench_cli_prints_the_side_by_side_table(world1, tmp_path, capsys):
+    from powersgd_triton import cli
+
+    md, js = tmp_path / "t.md", tmp_path / "t.json"
+    code = cli.main(["bench", "--models", "resnet50", "--ranks", "2", "--shrink", "16", "--rounds", "1",
+                     "--markdown", str(md), "--json", str(js)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "PyTorch/ours" in out and "| resnet50 | 2 | float32 | pytorch |" in out
+    import json
+
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["pytorch", "ours"] and rows[1]["speedup"] > 0
+    assert rows[0]["allreduce_calls"] == 3 * rows[0]["buckets"]
+    assert md.read_text().count("| resnet50 |") == 2
+
+
+def test_time_interleaved_alternates():
+    calls = []
+    stats = B.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=2, warmup=0)
+    assert calls == ["a", "b", "b", "a"] and stats["a"]["reps"] == 2
