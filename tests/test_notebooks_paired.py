@@ -19,8 +19,12 @@ def _cells(nb):
     return [(c["cell_type"], c["source"].rstrip("\n"), sorted(c.get("metadata", {}).get("tags", []))) for c in nb["cells"]]
 
 
-def test_there_are_notebooks():
-    assert SOURCES, f"no NN_name.py notebooks in {NOTEBOOKS}"
+EXPECTED = ("01_quickstart", "02_accuracy_vs_reference", "03_speed_vs_reference", "04_convergence", "05_autotuning")
+
+
+def test_the_notebooks_are_there():
+    names = [os.path.basename(p)[:-3] for p in SOURCES]
+    assert set(EXPECTED) <= set(names), sorted(set(EXPECTED) - set(names))
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=os.path.basename)
