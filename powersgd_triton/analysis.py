@@ -4,7 +4,8 @@ plots).
 :func:`approximation_errors` starts ``world_size`` gloo ranks with the train command's launcher. Every rank builds
 the train command's model for a workload (``digits``: the small convnet, ``charlm``: the character LSTM; see
 :mod:`powersgd_triton.train.models`), computes its *local* gradient on its own share of each global batch (the
-train command's batching), and hands that gradient, as a one-bucket stand-in for DDP's ``GradBucket``, to
+train command's batching), and hands that gradient, in a one-bucket stand-in for DDP's ``GradBucket``
+(:class:`powersgd_triton.benchmarking.FakeGradBucket`), to
 
 * ``"ours"``: :func:`powersgd_triton.powerSGD_hook`,
 * ``"reference"``: PyTorch's ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook``,
@@ -56,34 +57,6 @@ IMPL_LABELS = {
 MODES = ("fixed", "trajectory")
 TRAJECTORY_LR = {"digits": 0.1, "mnist5k": 0.1, "charlm": 1.0}  # plain SGD, no momentum
 START_ITER = 2
-
-
-class _Bucket:
-    """A one-bucket stand-in for ``dist.GradBucket``: a flat buffer and row-major views of the gradients in it."""
-
-    def __init__(self, buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]]):
-        self._buffer = buffer
-        self._views = []
-        off = 0
-        for s in shapes:
-            n = math.prod(s)
-            self._views.append(buffer[off : off + n].view(s))
-            off += n
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def gradients(self) -> List[torch.Tensor]:
-        return list(self._views)
-
-    def index(self) -> int:
-        return 0
-
-    def is_last(self) -> bool:
-        return True
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:  # pragma: no cover - wrappers only
-        self._buffer.copy_(tensor)
 
 
 @dataclass
@@ -177,6 +150,7 @@ def _make_state(impl: str, rank: int, cfg: ApproximationConfig):
 
 
 def _rank_main(rank: int, world_size: int, init_method: str, cfg: ApproximationConfig) -> Optional[Dict[str, Any]]:
+    from .benchmarking import FakeGradBucket
     from .train import data as data_mod
     from .train.loop import TrainConfig, _batch, _loss, _plan
     from .train.models import build_model
@@ -207,7 +181,7 @@ def _rank_main(rank: int, world_size: int, init_method: str, cfg: ApproximationC
             for r in cfg.ranks:
                 state, hook = _make_state(impl, r, cfg)
                 buf = torch.empty(offsets[-1], device=device)
-                runners[(impl, r)] = (state, hook, _Bucket(buf, list(shapes.values())))
+                runners[(impl, r)] = (state, hook, FakeGradBucket(buf, list(shapes.values())))
         layers = {r: compressed_layers(shapes, r, cfg.min_compression_rate) for r in cfg.ranks}
         index = {name: i for i, (name, _) in enumerate(params)}
 

@@ -1,7 +1,6 @@
 """benchmarking.make_hook / compare_hooks with the alternating hook (what notebooks/03 times)."""
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from powersgd_triton import benchmarking as B
