@@ -162,7 +162,7 @@ class _HalfStep:
         else:
             ops.reconstruct(buffer, layout, mem.p_work, self.factor, 1.0, error, flag, local_q=local,
                             backend=backend, config=mem.config("reconstruct"))
-        _commit(ok, self.factor, mem.p if self.phase == "p" else mem.q, layout, self.phase)
+        _commit(ok, self.factor, mem.p if self.phase == "p" else mem.q, layout, self.phase, backend)
         return buffer
 
 

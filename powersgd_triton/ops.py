@@ -221,3 +221,28 @@ def unpack_uncompressed(src, layout: BucketLayout, buffer, scale: float = 1.0, *
             seg = src[pos : pos + n]
             buffer[off : off + n].copy_(seg * scale if scale != 1.0 else seg)
             pos += n
+
+
+def commit_factor(new, kept, layout: BucketLayout, which: str, ok, *, backend: str = "auto") -> None:
+    """Warm-start update: ``kept_i <- new_i`` for every matrix i whose new factor (``which`` = "p" or "q") is not all
+    zero, and only where ``ok`` (one-element bool device tensor: the step was finite) holds. One launch, no host sync.
+
+    A factor that is exactly zero (the layer had no gradient on any rank) is not kept: ``orth(0) = 0`` and
+    ``M·0 = 0`` would keep that layer at zero for good.
+    """
+    if which not in ("p", "q"):
+        raise ValueError(f"which must be 'p' or 'q', got {which!r}")
+    numel = layout.p_numel if which == "p" else layout.q_numel
+    _check("new", new, numel, kept.device)
+    _check("kept", kept, numel, kept.device)
+    if ok.numel() != 1 or ok.device != kept.device:
+        raise ValueError("ok must be a one-element tensor on the factors' device")
+    if layout.num_matrices == 0:
+        return
+    if resolve_backend(backend, kept) == "triton":
+        _kernels().commit_factor(new, kept, layout, which, ok)
+    else:
+        index = layout.factor_matrix_index(which)
+        peak = new.new_zeros(layout.num_matrices).scatter_reduce_(0, index, new.abs(), "amax")
+        fresh = peak.ne(0).logical_and_(ok.reshape(())).index_select(0, index)
+        torch.where(fresh, new, kept, out=kept)

@@ -43,6 +43,7 @@ SCRIPT = textwrap.dedent(
     jobs = [(k, d, r, v, a) for k in T.KERNELS for d, r in cases for v in T.variants(k) for a in (80, 90)]
     jobs += [("copy_segments", d, 4, v, a) for d in ("float32", "bfloat16") for v in T.variants("copy_segments")
              for a in (80, 90)]
+    jobs += [("commit_factor", "float32", 4, v, a) for v in T.variants("commit_factor") for a in (80, 90)]
     if __name__ == "__main__":
         with ProcessPoolExecutor(max_workers=2) as pool:
             results = list(pool.map(job, jobs))

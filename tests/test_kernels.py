@@ -434,3 +434,26 @@ def test_heuristic_config_is_a_candidate(monkeypatch):
         for dtype in DTYPES:
             for kernel in triton_ops.KERNELS:
                 assert triton_ops.heuristic_config(kernel, _Layout, dtype) in triton_ops.config_space(kernel, rank, dtype)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("which", ["p", "q"])
+@pytest.mark.parametrize("finite", [True, False])
+def test_commit_factor(backend, which, finite, rng):
+    """Warm-start update: new factors replace kept ones per matrix, except all-zero ones and on non-finite steps."""
+    buf, _, grads = make_bucket(SHAPE_SETS["mixed"] + SHAPE_SETS["convnet"], torch.float32, rng)
+    layout = layerwise(buf, grads, 4)
+    numel = layout.p_numel if which == "p" else layout.q_numel
+    kept = torch.randn(numel, generator=rng)
+    new = torch.randn(numel, generator=rng)
+    zero = layout.matrices[1]
+    zsl = _slice(zero, which)
+    new[zsl] = 0.0  # this matrix had no gradient: keep its old factor
+    before = kept.clone()
+    ops.commit_factor(new, kept, layout, which, torch.tensor(finite), backend=backend)
+    if not finite:
+        assert torch.equal(kept, before)
+        return
+    for s in layout.matrices:
+        sl = _slice(s, which)
+        assert torch.equal(kept[sl], before[sl] if s is zero else new[sl])

@@ -79,3 +79,36 @@ def _orthogonalize_kernel(
             tl.store(out_ptr + base + ptrs, new.to(out_ptr.dtype.element_ty), mask=mask)
             c = _column(new, ranks, j + 1)
             sumsq += c * c
+
+
+@triton.jit
+def _commit_factor_kernel(
+    new_ptr,  # flat factor of this step (float32)
+    kept_ptr,  # flat factor kept between steps (float32), updated in place
+    flag_ptr,  # uint8 flag: the step is finite (0: keep everything)
+    table_ptr,  # int64 [L, 8] layout table
+    ROWS_COL: tl.constexpr,  # 1: P (n rows), 2: Q (m rows)
+    OFF_COL: tl.constexpr,  # 5: P offsets, 6: Q offsets
+    BLOCK: tl.constexpr,
+):
+    """kept_i <- new_i for every matrix i whose new factor is not all zero, where the step is finite.
+
+    One program per matrix: an exact max-abs reduction (order-independent), then a masked copy. A factor that is all
+    zero (the layer had no gradient on any rank) is not kept: orth(0) = 0 and M·0 = 0 would zero it for good.
+    """
+    mat = tl.program_id(0).to(tl.int64)
+    row = table_ptr + mat * 8
+    count = tl.load(row + ROWS_COL) * tl.load(row + 4)
+    base = tl.load(row + OFF_COL)
+    offs = tl.arange(0, BLOCK).to(tl.int64)
+    peak = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, count, BLOCK):
+        x = tl.load(new_ptr + base + k0 + offs, mask=k0 + offs < count, other=0.0).to(tl.float32)
+        peak = tl.maximum(peak, tl.abs(x))
+    # as a [BLOCK] mask: a scalar bool in a mask expression is not portable (the interpreter rejects it)
+    nonzero = (tl.zeros((BLOCK,), dtype=tl.float32) + tl.max(peak, axis=0)) != 0.0
+    ok = tl.load(flag_ptr + tl.zeros((BLOCK,), dtype=tl.int32)) != 0
+    for k0 in range(0, count, BLOCK):
+        mask = k0 + offs < count
+        x = tl.load(new_ptr + base + k0 + offs, mask=mask, other=0.0)
+        tl.store(kept_ptr + base + k0 + offs, x, mask=mask & ok & nonzero)

@@ -30,7 +30,7 @@ import triton
 from .. import _env
 from ..layout import BucketLayout
 from .lowrank_mm import _project_kernel, _project_t_kernel, _reduce_splits_kernel
-from .orthogonalize import _orthogonalize_kernel
+from .orthogonalize import _commit_factor_kernel, _orthogonalize_kernel
 from .reconstruct import _reconstruct_kernel
 from .segments import _copy_segments_kernel
 
@@ -42,6 +42,7 @@ KERNEL_FUNCTIONS = {
     "reconstruct": _reconstruct_kernel,
     "reduce_splits": _reduce_splits_kernel,  # second stage of project_t for split (tall) matrices
     "copy_segments": _copy_segments_kernel,  # pack / unpack of the uncompressed gradients
+    "commit_factor": _commit_factor_kernel,  # warm-start factor update where finite and non-zero
 }
 SEGMENT_BLOCK = 1024
 # Register budget for the broadcast-multiply path: elements of the [BLOCK, BLOCK_K, R] product per program.
@@ -240,6 +241,17 @@ def copy_segments(src, dst, layout: BucketLayout, to_packed: bool, scale: float 
     _copy_segments_kernel[(tiles.shape[0],)](src, dst, tiles, float(scale), BLOCK=SEGMENT_BLOCK, num_warps=4)
 
 
+def commit_factor(new, kept, layout: BucketLayout, which: str, ok) -> None:
+    """One launch: ``kept_i <- new_i`` for every matrix whose new factor is not all zero, if ``ok`` (device flag)."""
+    rows_col, off_col = (1, 5) if which == "p" else (2, 6)
+    flag = ok.reshape(1)
+    if flag.dtype == torch.bool:
+        flag = flag.view(torch.uint8)
+    _commit_factor_kernel[(layout.num_matrices,)](
+        new, kept, flag, layout.table, ROWS_COL=rows_col, OFF_COL=off_col, BLOCK=256, num_warps=4
+    )
+
+
 # ----------------------------------------------------------------------------------------------- AOT compilation
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -255,6 +267,8 @@ def _signature(kernel: str, grad_dtype: torch.dtype) -> Dict[str, str]:
         return dict(ws_ptr=f, q_ptr=f, table_ptr=i64, tiles_ptr=i32)
     if kernel == "copy_segments":
         return dict(src_ptr=g, dst_ptr=f, tiles_ptr=i64, scale="fp32")
+    if kernel == "commit_factor":
+        return dict(new_ptr=f, kept_ptr=f, flag_ptr="*u8", table_ptr=i64)
     if kernel == "orthogonalize":
         return dict(x_ptr=f, out_ptr=f, table_ptr=i64, eps="fp32")
     return dict(
@@ -273,6 +287,8 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
         return c
     if kernel == "copy_segments":
         return {"BLOCK": SEGMENT_BLOCK}
+    if kernel == "commit_factor":
+        return {"BLOCK": 256, "ROWS_COL": variant.get("ROWS_COL", 2), "OFF_COL": variant.get("OFF_COL", 6)}
     c.update({k: config[k] for k in (_tile_key(kernel), "BLOCK_K", "USE_DOT")})
     if kernel == "project_t":
         c["SPLIT_ROWS"] = variant.get("SPLIT_ROWS", config.get("SPLIT_ROWS", 0))
@@ -329,4 +345,6 @@ def variants(kernel: str) -> Iterable[dict]:
         return [dict(SPLIT_ROWS=0), dict(SPLIT_ROWS=DEFAULT_SPLIT_ROWS)]
     if kernel == "copy_segments":
         return [dict(to_packed=True), dict(to_packed=False)]
+    if kernel == "commit_factor":
+        return [dict(ROWS_COL=1, OFF_COL=5), dict(ROWS_COL=2, OFF_COL=6)]
     return [dict()]
