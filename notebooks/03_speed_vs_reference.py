@@ -243,9 +243,9 @@ if speedups:
 #
 # * ours and PyTorch's hook all-reduce the same number of tensors and bytes (fp32); the alternating hook one
 #   all-reduce per bucket, and fewer bytes;
-# * our Triton backend launches at most 5 kernels per bucket (project, two orthogonalizations, project_t,
-#   reconstruct; the alternating hook at most 6), whatever the number of matrices, and in total fewer launches than
-#   PyTorch's hook issues ATen ops (on a GPU: fewer device kernels);
+# * our Triton backend launches a handful of kernels per bucket (at most 8: project, two orthogonalizations,
+#   project_t, reconstruct, the warm-start commit; a few more or less for the alternating hook), whatever the number
+#   of matrices, and in total fewer launches than PyTorch's hook issues ATen ops (on a GPU: fewer device kernels);
 # * every timing is a positive number (speed itself is not asserted: CPU timings on a shared machine swing by 2×).
 
 # %%
@@ -253,7 +253,7 @@ for (model, rank), e in launches.items():
     p, o, a = (by[model, rank, impl] for impl in IMPLS)
     assert (p["allreduce_calls"], p["allreduce_bytes"]) == (o["allreduce_calls"], o["allreduce_bytes"]), model
     assert a["allreduce_calls"] == a["buckets"] and a["allreduce_bytes"] < o["allreduce_bytes"], model
-    assert 0 < e["ours_triton"] <= 5 * e["buckets"] and 0 < e["alternating_triton"] <= 6 * e["buckets"], (model, e)
+    assert 0 < e["ours_triton"] <= 8 * e["buckets"] and 0 < e["alternating_triton"] <= 8 * e["buckets"], (model, e)
     for impl in ("ours", "alternating"):
         assert e[f"{impl}_triton"] + e[f"{impl}_aten"] < e["pytorch_aten"], (model, impl, e)
         if CUDA:
