@@ -41,7 +41,8 @@ from .shapes import Shape, ddp_buckets, model_shapes, numel
 
 MODELS = ("resnet50", "bert-base", "gpt2", "vit-b16")
 KERNELS = ("project", "orthogonalize", "project_t", "reconstruct")
-IMPLS = ("pytorch", "ours")
+IMPLS = ("pytorch", "ours")  # what compare_hooks and bench/ run by default
+ALL_IMPLS = IMPLS + ("alternating",)  # make_hook also knows powersgd_triton.alternating_powerSGD_hook
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DDP_FIRST_BUCKET_MB = 1.0  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES, also used after DDP rebuilds its buckets
 
@@ -199,7 +200,8 @@ def ours_available() -> bool:
 
 def make_hook(impl: str, rank: int, *, batched: bool = False, backend: str = "auto", start_powerSGD_iter: int = 2,
               **state_kwargs):
-    """``(state, hook)`` for ``impl`` ("pytorch": torch's own, "ours"), same PowerSGD arguments for both.
+    """``(state, hook)`` for ``impl`` ("pytorch": torch's own, "ours", "alternating": our
+    ``alternating_powerSGD_hook``, layer-wise only), same PowerSGD arguments for all.
 
     Defaults are PyTorch's (``min_compression_rate=2``, error feedback and warm start on, epsilon 0) except
     ``start_powerSGD_iter=2`` (the smallest allowed with error feedback). ``backend`` only applies to ours.
@@ -217,7 +219,13 @@ def make_hook(impl: str, rank: int, *, batched: bool = False, backend: str = "au
         import powersgd_triton as pkg
 
         return pkg.PowerSGDState(backend=backend, **kwargs), (pkg.batched_powerSGD_hook if batched else pkg.powerSGD_hook)
-    raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    if impl == "alternating":
+        import powersgd_triton as pkg
+
+        if batched or not hasattr(pkg, "alternating_powerSGD_hook"):
+            raise RuntimeError("the alternating hook is layer-wise only (and needs powersgd_triton.alternating_powerSGD_hook)")
+        return pkg.PowerSGDState(backend=backend, **kwargs), pkg.alternating_powerSGD_hook
+    raise ValueError(f"unknown impl {impl!r}; expected one of {ALL_IMPLS}")
 
 
 class HookStep:
@@ -876,17 +884,20 @@ def time_interleaved(fns: Dict[str, Callable[[], None]], rounds: int = 5, warmup
 
 def compare_hooks(model: str, rank: int, dtype="fp32", device="cpu", *, backend: str = "auto", rounds: int = 5,
                   counts: bool = True, shrink: int = 1, bucket_cap_mb: float = 25.0,
-                  first_bucket_mb: float = DDP_FIRST_BUCKET_MB, seed: int = 0) -> List[dict]:
+                  first_bucket_mb: float = DDP_FIRST_BUCKET_MB, seed: int = 0,
+                  impls: Sequence[str] = IMPLS) -> List[dict]:
     """PyTorch's hook against ours on ``model``'s buckets, timed in turn (:func:`time_interleaved`), with counts.
 
     Each hook gets its own copy of the buckets (same random numbers). On CPU the timing includes no device work;
     on CUDA each call is followed by a synchronisation (wall clock; ``bench/gpu_check.py`` uses ``do_bench``).
-    Returns one row per implementation (``impl``, ``variant``, times, counts, memory); ``speedup`` on ours' row is
-    PyTorch's median over ours'. Needs a process group (:func:`ensure_process_group`).
+    Returns one row per implementation of ``impls`` (``impl``, ``variant``, times, counts, memory; "pytorch" first),
+    ``speedup`` on every other row: PyTorch's median over that row's. Needs a process group
+    (:func:`ensure_process_group`).
     """
+    impls = ["pytorch"] + [i for i in impls if i != "pytorch"]
     device = torch.device(device)
     steps = {}
-    for impl in IMPLS:
+    for impl in impls:
         gen = torch.Generator(device=device).manual_seed(seed)
         buckets = model_buckets(model, dtype, device, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
                                 shrink=shrink, generator=gen)
@@ -905,7 +916,8 @@ def compare_hooks(model: str, rank: int, dtype="fp32", device="cpu", *, backend:
             row.update(aten_compute=c.aten_compute, allreduce_calls=c.allreduce_calls,
                        allreduce_bytes=c.allreduce_bytes, held_bytes=sum(held.values()), peak_extra_bytes=peak)
         rows.append(row)
-    rows[-1]["speedup"] = rows[0]["median_ms"] / rows[-1]["median_ms"]
+    for row in rows[1:]:
+        row["speedup"] = rows[0]["median_ms"] / row["median_ms"]
     return rows
 
 

@@ -1,0 +1,52 @@
+"""Every notebook in notebooks/ is a jupytext percent-format .py (the source of truth, reviewed in diffs) paired
+with an .ipynb that has the same cells and no outputs (regenerate with ``jupytext --to ipynb notebooks/NN_name.py``).
+"""
+
+import glob
+import json
+import os
+
+import pytest
+
+jupytext = pytest.importorskip("jupytext")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = os.path.join(ROOT, "notebooks")
+SOURCES = sorted(glob.glob(os.path.join(NOTEBOOKS, "[0-9][0-9]_*.py")))
+
+
+def _cells(nb):
+    return [(c["cell_type"], c["source"].rstrip("\n"), sorted(c.get("metadata", {}).get("tags", []))) for c in nb["cells"]]
+
+
+EXPECTED = ("01_quickstart", "02_accuracy_vs_reference", "03_speed_vs_reference", "04_convergence", "05_autotuning")
+
+
+def test_the_notebooks_are_there():
+    names = [os.path.basename(p)[:-3] for p in SOURCES]
+    assert set(EXPECTED) <= set(names), sorted(set(EXPECTED) - set(names))
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=os.path.basename)
+def test_py_and_ipynb_are_paired(source):
+    with open(source) as f:
+        text = f.read()
+    assert "format_name: percent" in text and "formats: ipynb,py:percent" in text, "not a paired percent notebook"
+    ipynb = source[:-3] + ".ipynb"
+    assert os.path.exists(ipynb), f"{os.path.basename(ipynb)} missing: jupytext --to ipynb {source}"
+    from_py = jupytext.reads(text, fmt="py:percent")
+    with open(ipynb) as f:
+        stored = json.load(f)
+    stored_nb = jupytext.reads(json.dumps(stored), fmt="ipynb")
+    assert _cells(from_py) == _cells(stored_nb), f"{os.path.basename(ipynb)} differs from its .py: regenerate it"
+    assert stored["metadata"].get("kernelspec", {}).get("name") == "python3"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=os.path.basename)
+def test_ipynb_has_no_outputs(source):
+    with open(source[:-3] + ".ipynb") as f:
+        stored = json.load(f)
+    for cell in stored["cells"]:
+        if cell["cell_type"] == "code":
+            assert cell.get("outputs", []) == [], "stored with outputs"
+            assert cell.get("execution_count") is None, "stored with execution counts"
