@@ -5,6 +5,7 @@
 | ``TRITON_INTERPRET=1`` | Triton's interpreter: kernels run on CPU tensors (set before ``import triton``) |
 | ``POWERSGD_TRITON_CACHE_DIR`` | folder of the autotuner's per-GPU JSON cache (default: the user cache dir) |
 | ``POWERSGD_TRITON_GPU_NAME`` | override the GPU model name used as the autotuner's cache key |
+| ``POWERSGD_TRITON_CONFIG_DIR`` | extra folder of shipped-format ``<gpu>.json`` autotune defaults, searched before the package's |
 """
 
 import functools

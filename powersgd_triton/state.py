@@ -48,6 +48,7 @@ _HYPERPARAMETERS = (
     "compression_stats_logging_frequency",
     "batch_tensors_with_same_shape",
     "backend",
+    "autotune",
 )
 
 
@@ -155,6 +156,9 @@ class PowerSGDState:
     Args:
         backend: ``"auto"`` (Triton kernels for CUDA tensors, and for CPU tensors under ``TRITON_INTERPRET=1``;
             torch otherwise), ``"triton"`` or ``"torch"``.
+        autotune: time the kernels' candidate block sizes on this GPU the first time a bucket shape class is seen
+            (seconds, once; cached per GPU model on disk) instead of using shipped/cached configs or the heuristic.
+            Group rank 0 decides for every rank.
 
     Raises:
         ValueError: ``start_powerSGD_iter <= 1`` with error feedback or warm start (DDP rebuilds its buckets after
@@ -182,6 +186,7 @@ class PowerSGDState:
         compression_stats_logging_frequency=10_000,
         batch_tensors_with_same_shape: bool = False,
         backend: str = "auto",
+        autotune: bool = False,
     ):
         _check_number("matrix_approximation_rank", matrix_approximation_rank, integer=True)
         if matrix_approximation_rank < 1:
@@ -229,6 +234,7 @@ class PowerSGDState:
         self.random_seed = int(random_seed)
         self.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
         self.backend = backend
+        self.autotune = bool(autotune)
         # Seeds of the random initial Qs: one draw per (re)initialization, in the same order on every rank.
         self.rng = np.random.RandomState(self.random_seed)
         self.iter = 0
@@ -391,7 +397,7 @@ class PowerSGDState:
         if mem.backend == "triton":
             from .autotune import configs_for_layout
 
-            mem.configs = configs_for_layout(layout, buffer.dtype, buffer.device, group)
+            mem.configs = configs_for_layout(layout, buffer.dtype, buffer.device, group, autotune=self.autotune)
         else:
             mem.configs = {}
         if bucket.is_last():

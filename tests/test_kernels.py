@@ -389,3 +389,19 @@ def test_pack_unpack_uncompressed(backend, dtype, rng):
     for s, before in zip(layout.matrices, compressed_before):
         assert torch.equal(buf[s.offset : s.offset + s.numel], before)
     assert guards_intact(whole, layout.numel, fill=CANARY)
+
+
+def test_heuristic_config_is_a_candidate(monkeypatch):
+    """The untuned GPU default is one of the configs the autotuner times and the AOT tests compile."""
+    from powersgd_triton.kernels import triton_ops
+
+    monkeypatch.setattr(triton_ops._env, "interpreter_enabled", lambda: False)
+
+    class _Layout:
+        max_rank = 1
+
+    for rank in range(1, 33):
+        _Layout.max_rank = rank
+        for dtype in DTYPES:
+            for kernel in triton_ops.KERNELS:
+                assert triton_ops.heuristic_config(kernel, _Layout, dtype) in triton_ops.config_space(kernel, rank, dtype)

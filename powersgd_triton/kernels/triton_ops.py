@@ -46,10 +46,15 @@ KERNEL_FUNCTIONS = {
 SEGMENT_BLOCK = 1024
 # Register budget for the broadcast-multiply path: elements of the [BLOCK, BLOCK_K, R] product per program.
 MAX_BROADCAST_ELEMENTS = 16384
-MIN_DOT_RANK = 16
+# Orthogonalize keeps a [BLOCK, R] fp32 tile per program and unrolls R columns: at most 16 tile elements per thread
+# (BLOCK * R <= 512 * num_warps). Larger tiles take minutes to compile at R >= 16 (measured, CPU, sm_90, triton 3.9:
+# BLOCK 512 / 4 warps / R 16: 220 s; BLOCK 512 / 8 warps / R 32: 450 s), which live tuning would pay per config, and
+# are likely to spill registers (not measured yet: no GPU run).
+MAX_ORTHO_TILE_PER_WARP = 512
+MIN_DOT_RANK = 16  # tl.dot needs every dim >= 16 for 16-bit inputs on NVIDIA; we pad R to this when USE_DOT.
 # project_t splits matrices taller than this over several programs (GPT-2's 50257-row embedding would otherwise
 # get only m / BLOCK_M programs).
-DEFAULT_SPLIT_ROWS = 2048  # tl.dot needs every dim >= 16 for 16-bit inputs on NVIDIA; we pad R to this when USE_DOT.
+DEFAULT_SPLIT_ROWS = 2048
 
 INTERPRETER_CONFIGS: Dict[str, dict] = {
     "project": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
@@ -71,8 +76,8 @@ def _tile_key(kernel: str) -> str:
 
 # Candidate (tile, BLOCK_K) pairs; filtered per rank by the register budget of the broadcast path.
 _BROADCAST_TILES = {
-    "project": [(16, 128), (32, 64), (32, 128), (64, 32), (64, 64), (128, 32)],
-    "reconstruct": [(16, 128), (32, 64), (32, 128), (64, 32), (64, 64), (128, 32)],
+    "project": [(16, 128), (32, 32), (32, 64), (32, 128), (64, 32), (64, 64), (128, 32)],
+    "reconstruct": [(16, 128), (32, 32), (32, 64), (32, 128), (64, 32), (64, 64), (128, 32)],
     "project_t": [(32, 64), (64, 16), (64, 32), (64, 64), (128, 16), (128, 32)],
 }
 _DOT_TILES = [(64, 32), (64, 64), (128, 32)]
@@ -83,12 +88,19 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
 
     Broadcast-multiply tiles are kept while ``tile * BLOCK_K * R <= MAX_BROADCAST_ELEMENTS`` (registers);
     ``tl.dot`` tiles are offered from rank 8 on (below that, padding r to 16 only multiplies the FMAs).
+    Orthogonalize tiles are kept while ``BLOCK * R <= MAX_ORTHO_TILE_PER_WARP * num_warps`` (BLOCK 64 always).
     Raises ``ValueError`` for an unknown kernel name.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     if kernel == "orthogonalize":
-        return [dict(BLOCK=b, num_warps=w, num_stages=1) for b in (64, 128, 256, 512) for w in (4, 8)]
+        r = padded_rank(max_rank)
+        return [
+            dict(BLOCK=b, num_warps=w, num_stages=1)
+            for b in (64, 128, 256, 512)
+            for w in (4, 8)
+            if b * r <= MAX_ORTHO_TILE_PER_WARP * w or b == 64
+        ]
     tile = _tile_key(kernel)
     out = []
     r = padded_rank(max_rank)

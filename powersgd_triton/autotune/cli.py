@@ -1,0 +1,243 @@
+"""``powersgd-triton autotune``: tune the shape classes of a model's gradients, show or clear the cache.
+
+::
+
+    powersgd-triton autotune --model resnet50|bert-base|gpt2|vit-b16 [--rank R ...] [--dtype D ...]
+                             [--hook layerwise|batched|both] [--bucket-cap-mb MB] [--force] [--export PATH]
+    powersgd-triton autotune --show
+    powersgd-triton autotune --clear
+
+The model's gradient shapes come from :mod:`powersgd_triton.shapes` (no download), split into DDP-like buckets; every
+distinct shape class of the four kernels is tuned once (progress bar on stderr) and a table is printed: chosen
+config, its time, the heuristic's time and the speed-up, and per (dtype, rank, hook) the summed kernel time of one
+step over all buckets. Results go to the user cache; ``--export PATH`` also writes them as a shipped-format
+``<gpu>.json`` (PATH a file or a folder; an existing file of the same GPU is merged), which is how
+``powersgd_triton/autotune/configs/`` is filled. Without CUDA or under ``TRITON_INTERPRET=1`` nothing is timed: the
+table shows the configs that would be used, and says so.
+"""
+
+import argparse
+import math
+import sys
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .. import _env
+from ..layout import BucketLayout
+from ..shapes import MODELS, ddp_buckets, model_shapes, numel
+from .cache import ConfigCache, export_device_file
+from .keys import DTYPE_NAMES, ShapeClass, parse_dtype, shape_class
+from .tuner import KERNELS, Choice, Tuner
+
+HOOKS = ("layerwise", "batched")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "autotune",
+        help="tune the Triton kernels' block sizes for a model's gradient shapes on this GPU",
+        description="Tune the shape classes of a model's gradients on this GPU (cached per GPU model), "
+        "or show / clear the cache.",
+    )
+    p.add_argument("--model", choices=sorted(MODELS), help="model whose gradient shapes are tuned")
+    p.add_argument("--rank", type=int, nargs="+", default=[4], metavar="R", help="matrix approximation rank(s)")
+    p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["fp32", "fp16", "bf16"], help="gradient dtype(s)")
+    p.add_argument("--hook", choices=["layerwise", "batched", "both"], default="layerwise",
+                   help="powerSGD_hook (layerwise) and/or batched_powerSGD_hook shapes")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default 25)")
+    p.add_argument("--first-bucket-mb", type=float, default=1.0,
+                   help="DDP's smaller first bucket (default 1, DDP's default; 0: none)")
+    p.add_argument("--min-compression-rate", type=float, default=2.0)
+    p.add_argument("--force", action="store_true", help="re-tune shape classes already cached")
+    p.add_argument("--export", metavar="PATH", help="also write the results as a shipped-format <gpu>.json")
+    p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up per candidate")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench measurement time per candidate")
+    p.add_argument("--show", action="store_true", help="print the cache and exit")
+    p.add_argument("--clear", action="store_true", help="empty the cache")
+    p.set_defaults(func=run)
+    return p
+
+
+def make_tuner(args) -> Tuner:
+    """The tuner the command uses (a seam for tests)."""
+    return Tuner(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+
+
+def model_layouts(
+    model: str,
+    rank: int,
+    dtype: torch.dtype,
+    hook: str,
+    device,
+    bucket_cap_mb: float = 25.0,
+    min_compression_rate: float = 2.0,
+    first_bucket_mb: float = 1.0,
+) -> List[BucketLayout]:
+    """Bucket layouts of ``model``'s gradients as DDP would bucket them (``hook``: layerwise or batched)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    layouts = []
+    buckets = ddp_buckets(model_shapes(model), bucket_cap_mb=bucket_cap_mb, element_size=elem,
+                          first_bucket_mb=first_bucket_mb)
+    for shapes in buckets:
+        total = sum(numel(s) for s in shapes)
+        if hook == "batched":
+            layouts.append(BucketLayout.batched(total, rank, device, dtype))
+            continue
+        buf = torch.empty(total, dtype=dtype, device=device)  # never written: only the views' offsets matter
+        grads, off = [], 0
+        for s in shapes:
+            grads.append(buf[off : off + numel(s)].view(s))
+            off += numel(s)
+        layouts.append(BucketLayout.from_gradients(buf, grads, rank, min_compression_rate))
+    return layouts
+
+
+def format_config(cfg: dict) -> str:
+    """Compact form: ``N64 K32 dot w4 s2`` (tile rows/cols, K step, tl.dot, warps, stages)."""
+    parts = []
+    for key, tag in (("BLOCK_N", "N"), ("BLOCK_M", "M"), ("BLOCK", "B"), ("BLOCK_K", "K")):
+        if key in cfg:
+            parts.append(f"{tag}{cfg[key]}")
+    if "USE_DOT" in cfg:
+        parts.append("dot" if cfg["USE_DOT"] else "bcast")
+    parts.append(f"w{cfg.get('num_warps', 4)}")
+    parts.append(f"s{cfg.get('num_stages', 1)}")
+    return " ".join(parts)
+
+
+def _ms(t: Optional[float]) -> str:
+    return "-" if t is None or not math.isfinite(t) else f"{t:.4f}"
+
+
+def _table(headers: List[str], rows: List[List[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), sep] + [line(r) for r in rows])
+
+
+def _class_cells(sc: ShapeClass) -> List[str]:
+    return [sc.kernel, sc.dtype, str(sc.rank), "batched" if sc.batched else "layerwise", str(sc.n), str(sc.m),
+            str(sc.work)]
+
+
+CLASS_HEADERS = ["kernel", "dtype", "R", "hook", "log2 n", "log2 m", "log2 work"]
+
+
+def _show(out) -> int:
+    cache = ConfigCache()
+    devices = list(cache.devices())
+    print(f"autotune cache: {cache.path}", file=out)
+    if not devices:
+        print("(empty)", file=out)
+        return 0
+    for dkey, dev in devices:
+        print(f"\n{dkey}: {len(dev['entries'])} entries", file=out)
+        rows = []
+        for key, e in sorted(dev["entries"].items()):
+            try:
+                cells = _class_cells(ShapeClass.parse(key))
+            except ValueError:
+                cells = [key] + [""] * (len(CLASS_HEADERS) - 1)
+            h, t = e.get("heuristic_ms"), e.get("time_ms")
+            speed = f"{h / t:.2f}x" if h and t else "-"
+            rows.append(cells + [format_config(e["config"]), _ms(t), _ms(h), speed, str(e.get("tuned_at", ""))])
+        print(_table(CLASS_HEADERS + ["config", "ms", "heuristic ms", "speed-up", "tuned at"], rows), file=out)
+    return 0
+
+
+def run(args, out=None) -> int:
+    out = out or sys.stdout
+    if args.clear:
+        cache = ConfigCache()
+        n = cache.clear()
+        print(f"cleared {n} entries from {cache.path}", file=out)
+    if args.show:
+        return _show(out)
+    if args.model is None:
+        if args.clear:
+            return 0
+        print("powersgd-triton autotune: --model is required (or --show / --clear)", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    tuner = make_tuner(args)
+    cuda = torch.cuda.is_available() and not _env.interpreter_enabled()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    can_time, reason = tuner.timing_available(device)
+    dk = tuner.device_key(device)
+    hooks = HOOKS if args.hook == "both" else (args.hook,)
+    print(f"powersgd-triton autotune: model {args.model} on {dk.gpu} ({dk.capability}, triton {dk.triton})", file=out)
+    if not can_time:
+        print(f"no timing: {reason}; showing the configs that would be used (heuristic unless cached)", file=out)
+
+    # Every (dtype, rank, hook) group: its layouts, and one representative layout per new shape class.
+    groups: List[Tuple[str, int, str, List[BucketLayout]]] = []
+    work: Dict[str, Tuple[str, BucketLayout, torch.dtype]] = {}
+    for dname in args.dtype:
+        dtype = parse_dtype(dname)
+        for rank in args.rank:
+            for hook in hooks:
+                layouts = model_layouts(args.model, rank, dtype, hook, device, args.bucket_cap_mb,
+                                        args.min_compression_rate, args.first_bucket_mb)
+                layouts = [lay for lay in layouts if lay.num_matrices > 0]
+                groups.append((DTYPE_NAMES[dtype], rank, hook, layouts))
+                for lay in layouts:
+                    for k in KERNELS:
+                        work.setdefault(shape_class(k, lay, dtype).key, (k, lay, dtype))
+
+    choices: Dict[str, Choice] = {}
+    by_layout: Dict[int, List[str]] = {}
+    for key, (k, lay, dtype) in work.items():
+        by_layout.setdefault(id(lay), []).append(key)
+    with tqdm(total=len(work), desc=f"autotune {args.model}", unit="class", disable=None, file=sys.stderr) as bar:
+        with tuner.session():
+            for keys in by_layout.values():
+                for key in keys:
+                    k, lay, dtype = work[key]
+                    bar.set_postfix_str(f"{k} {key.split('|', 2)[-1]}")
+                    choices[key] = tuner.choose(k, lay, dtype, autotune=can_time, force=args.force and can_time)
+                    bar.update(1)
+
+    rows = []
+    for key, c in choices.items():
+        speed = f"{c.speedup:.2f}x" if c.speedup else "-"
+        rows.append(_class_cells(c.shape_class) + [format_config(c.config), _ms(c.time_ms), _ms(c.heuristic_ms),
+                                                    speed, c.source])
+    print(_table(CLASS_HEADERS + ["config", "ms", "heuristic ms", "speed-up", "source"], rows), file=out)
+
+    # One step of the hook = the four kernels once per bucket.
+    summary = []
+    for dname, rank, hook, layouts in groups:
+        tuned = heur = 0.0
+        complete = True
+        for lay in layouts:
+            for k in KERNELS:
+                c = choices[shape_class(k, lay, parse_dtype(dname)).key]
+                if c.time_ms is None or c.heuristic_ms is None:
+                    complete = False
+                else:
+                    tuned += c.time_ms
+                    heur += c.heuristic_ms
+        if complete and layouts and tuned > 0:
+            summary.append([dname, str(rank), hook, str(len(layouts)), f"{heur:.4f}", f"{tuned:.4f}",
+                            f"{heur / tuned:.2f}x"])
+    if summary:
+        print("\nper step (4 kernels x buckets, summed):", file=out)
+        print(_table(["dtype", "rank", "hook", "buckets", "heuristic ms", "chosen ms", "speed-up"], summary),
+              file=out)
+
+    if args.export:
+        measured = {key: c.entry() for key, c in choices.items()
+                    if c.source in ("tuned", "cache", "shipped") and c.time_ms is not None}
+        if not measured:
+            print("nothing measured on this device: not exporting", file=out)
+            return 1
+        extra = {"name": torch.cuda.get_device_name(device) if cuda else dk.gpu}
+        if cuda:
+            extra["sm_count"] = torch.cuda.get_device_properties(device).multi_processor_count
+        extra["torch"] = torch.__version__
+        path = export_device_file(args.export, dk, measured, extra)
+        print(f"exported {len(measured)} entries to {path}", file=out)
+    return 0

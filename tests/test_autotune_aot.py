@@ -1,0 +1,73 @@
+"""Every autotuner candidate config compiles ahead of time for sm_80 and sm_90 (no GPU needed).
+
+Runs ``python -m powersgd_triton.autotune.aot`` in a subprocess with ``TRITON_INTERPRET`` unset (the tests' process
+has interpreted kernels) and a fresh ``TRITON_CACHE_DIR`` (so every kernel really compiles), on 2 processes:
+bf16, rank 4 (broadcast-multiply path), 8 (both paths offered; the heuristic's own tile at ranks 5-8) and 16
+(``tl.dot`` path) for the three matmul kernels, rank 4 for orthogonalize (its candidate dicts are the same at every
+rank, its compile time grows ~R^2: see the slow test). Each config also gets the heuristic config of its rank.
+About 170 compilations, 1-3 minutes on 2 shared cores.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNELS = ("project", "orthogonalize", "project_t", "reconstruct")
+
+
+def _run_aot(tmp_path, *args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=REPO, TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), TRITON_DEFAULT_FP_FUSION="1")
+    out_json = tmp_path / "aot.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "powersgd_triton.autotune.aot", "--jobs", "2", "--dtypes", "bf16", "--archs", "80", "90",
+         "--json", str(out_json), *args],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=570,
+    )
+    assert out_json.exists(), proc.stdout + proc.stderr
+    return proc, json.loads(out_json.read_text())
+
+
+def _config_key(c):
+    return json.dumps(c, sort_keys=True)
+
+
+@pytest.mark.timeout(600)
+def test_every_candidate_compiles_for_sm80_and_sm90(tmp_path):
+    from powersgd_triton.kernels import triton_ops as ops
+
+    proc, results = _run_aot(tmp_path, "--ranks", "4", "8", "16", "--ranks-for", "orthogonalize=4")
+    failed = [r for r in results if not r["ok"]]
+    assert proc.returncode == 0 and not failed, proc.stdout[-4000:] + proc.stderr[-4000:]
+    compiled = {(r["kernel"], _config_key(r["config"]), r["arch"]) for r in results}
+    # every config the space offers at any rank, and every heuristic, was compiled for both targets
+    for kernel in KERNELS:
+        for rank in (1, 2, 3, 4, 5, 8, 16, 32):
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                space = list(ops.config_space(kernel, rank, dtype))
+                fake_layout = type("L", (), {"max_rank": rank})()
+                space.append(ops.heuristic_config(kernel, fake_layout, dtype))
+                for cfg in space:
+                    for arch in (80, 90):
+                        assert (kernel, _config_key(cfg), arch) in compiled, (kernel, rank, dtype, cfg, arch)
+    # both paths of the matmul kernels at their own padded rank
+    paths = {(r["kernel"], r["config"].get("USE_DOT"), r["R"]) for r in results}
+    for kernel in ("project", "project_t", "reconstruct"):
+        assert (kernel, False, 4) in paths and (kernel, True, 16) in paths
+    assert all(r["shared"] > 0 for r in results)
+    print(proc.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(os.environ.get("POWERSGD_TRITON_SLOW_TESTS") != "1", reason="set POWERSGD_TRITON_SLOW_TESTS=1")
+def test_orthogonalize_candidates_compile_at_rank16(tmp_path):
+    """Orthogonalize unrolls R columns: at R=16 its 5 candidates take ~2-3 minutes of CPU per target."""
+    proc, results = _run_aot(tmp_path, "--kernels", "orthogonalize", "--ranks", "16")
+    assert proc.returncode == 0 and all(r["ok"] for r in results), proc.stdout[-4000:]
+    assert len(results) == 10
