@@ -29,7 +29,7 @@ STEPS = 16  # 2 epochs of 8 steps per rank
 
 def _fit(out, *extra, timeout=150):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK",
-                                                            "LOCAL_RANK", "NODE_RANK")}
+                                                            "LOCAL_RANK", "NODE_RANK", "TRITON_INTERPRET")}
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning")
     proc = subprocess.Popen([sys.executable, SCRIPT, str(out), *extra], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
