@@ -1,6 +1,7 @@
 """Lightning ``Trainer.fit`` on 2 CPU processes with ``PowerSGDDDPStrategy`` (run as a script by the tests).
 
-``python tests/_lightning_fit.py OUT_DIR [--epochs N] [--resume CKPT] [--start-method popen|spawn|fork]``: every
+``python tests/_lightning_fit.py OUT_DIR [--epochs N] [--resume CKPT] [--start-method popen|spawn|fork] [--gpu]``:
+(``--gpu``: Lightning's own ``DDPStrategy`` on the GPUs, up to 2, as PyTorch's hook is used there) every
 rank writes ``OUT_DIR/rank{r}.json`` with what the hook did (``state.iter``, compression stats, the comm hook DDP
 logged, the bucket count, warnings raised during training) and ``OUT_DIR/params{r}.pt``; Lightning checkpoints go to
 ``OUT_DIR/ckpt`` (one per epoch, with the per-rank hook state next to them).
@@ -80,16 +81,19 @@ def main():
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--start-method", default="popen")
+    ap.add_argument("--gpu", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     pl.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(128, 32, generator=g), torch.randn(128, 4, generator=g))
-    state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=3, backend="torch")
-    strategy = PowerSGDDDPStrategy(ddp_comm_state=state, ddp_comm_hook=powerSGD_hook, start_method=args.start_method)
+    state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=3,
+                          backend="auto" if args.gpu else "torch")
+    strategy_cls = pl.strategies.DDPStrategy if args.gpu else PowerSGDDDPStrategy
+    strategy = strategy_cls(ddp_comm_state=state, ddp_comm_hook=powerSGD_hook, start_method=args.start_method)
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
+        accelerator="gpu" if args.gpu else "cpu",
+        devices=min(2, torch.cuda.device_count()) if args.gpu else 2,
         strategy=strategy,
         max_epochs=args.epochs,
         logger=False,

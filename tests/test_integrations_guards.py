@@ -191,3 +191,22 @@ def test_package_imports_no_framework():
     )
     env = dict(os.environ, PYTHONPATH=ROOT)
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60, cwd=ROOT)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (PyTorch's bf16 wrapper is CUDA-only)")
+def test_pytorch_wrappers_compose_with_our_hook_on_cuda():
+    """PyTorch's fp16_compress_wrapper and bf16_compress_wrapper, and ours, around our hook on NCCL (world size 1)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_wrappers_world1.py"), "cuda"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    import json
+
+    rows = {r["wrapper"]: r for r in map(json.loads, proc.stdout.strip().splitlines())}
+    assert set(rows) == {"torch_fp16", "torch_bf16", "ours_bf16"}
+    for name, r in rows.items():
+        assert r["iter"] == 8 and r["finite"] and r["loss_went_down"], r
+        assert r["memory_dtypes"] == ["torch.float32"], r
+        assert r["bucket_dtype"] == ("torch.float16" if name == "torch_fp16" else "torch.bfloat16"), r
+    assert rows["torch_bf16"]["logged"] == "bf16_compress_wrapper.<locals>.bf16_compress_wrapper_hook"

@@ -72,6 +72,22 @@ def test_fit_on_cpu_runs_our_hook_and_resumes_exactly(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(params[rank], resumed_params[rank])), rank
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_lightning_ddpstrategy_registers_our_hook_on_gpu(tmp_path):
+    """On CUDA, Lightning's own DDPStrategy registers our hook exactly as it registers PyTorch's."""
+    devices = min(2, torch.cuda.device_count())
+    out = tmp_path / "gpu"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, SCRIPT, str(out), "--gpu"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for rank in range(devices):
+        r = json.loads((out / f"rank{rank}.json").read_text())
+        assert r["comm_hook"] == "powerSGD_hook" and r["iter"] == r["global_step"]
+        assert r["stats"][0] > 1 and r["warnings"] == []
+
+
 def test_strategy_pickles_before_init_process_group():
     """Lightning's spawn launcher pickles the strategy, hook state included, before any process group exists."""
     state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=7)
