@@ -465,10 +465,20 @@ class PowerSGDState:
         """
         if layout.batched or params is None:
             return None  # the batched view mixes all parameters of a bucket: its memory cannot follow them
+        old = self.buckets.get(index)
+        if layout.num_matrices == 0:
+            # Nothing compressed: no memory to carry, only whether the initial Q seed was consumed. A bucket seen for
+            # the first time consumes one, as PyTorch's hook does (the RNG stream stays PyTorch's).
+            if old is None:
+                return None
+            new = BucketMemory()
+            self._allocate(new, layout, buffer)
+            new.q_initialized = old.q_initialized
+            return new
         strict = any(m.strict for m in list(self._retired) + list(self.buckets.values()))
         sources = self._sources()
         if not sources:
-            if strict and layout.num_matrices > 0:
+            if strict:
                 raise ValueError(
                     f"PowerSGD: bucket {index} has compressed parameters {self._describe_matrices(layout, params)} "
                     "but the loaded hook state holds no memory for them (the state was saved from another model, "
@@ -510,8 +520,6 @@ class PowerSGDState:
             new.p[s.p_offset : s.p_offset + s.n * s.rank].copy_(mem.p[p_off : p_off + n * r])
             new.q[s.q_offset : s.q_offset + s.m * s.rank].copy_(mem.q[q_off : q_off + m * r])
             initialized.append(mem.q_initialized)
-        if not initialized:  # nothing compressed here: as initialized as the memory it comes from
-            initialized = [m.q_initialized for m, _ in sources.values()]
         new.q_initialized = all(initialized)
         logger.info("PowerSGD: bucket %s changed layout; its memory followed its %s matrices", index, len(rows))
         return new

@@ -231,3 +231,45 @@ def test_hook_state_file_loads_weights_only(tmp_path):
         save_hook_state(state, model, str(tmp_path))
     with pytest.raises(TypeError, match="PowerSGDState"):
         save_hook_state(object(), model, str(tmp_path), rank=0, world_size=1)
+
+
+class _ParamBucket:
+    """A duck-typed bucket whose parameters() are the same nn.Parameters on every call, as DDP's are."""
+
+    def __init__(self, params, index, is_last):
+        self._params = params
+        self._buffer = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+        self._index, self._is_last = index, is_last
+
+    def buffer(self):
+        return self._buffer
+
+    def gradients(self):
+        out, off = [], 0
+        for p in self._params:
+            out.append(self._buffer[off : off + p.numel()].view(p.shape))
+            off += p.numel()
+        return out
+
+    def parameters(self):
+        return self._params
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._is_last
+
+
+def test_first_seen_bucket_without_compressed_matrices_draws_its_seed():
+    """A new bucket that compresses nothing is not 'migrated' from other buckets: it consumes its initial-Q seed,
+    as PyTorch's hook does, so the RNG stream (and every later Q) stays PyTorch's."""
+    model = _model()
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    state = _state()
+    b0, b1 = _ParamBucket(weights, 0, False), _ParamBucket(biases, 1, True)
+    mem0 = state._prepare_bucket(b0, b0.buffer(), False, None)
+    state._draw_q(mem0, torch.float32)
+    mem1 = state._prepare_bucket(b1, b1.buffer(), False, None)
+    assert mem1.layout.num_matrices == 0 and not mem1.q_initialized  # the hook will draw (and consume a seed)
