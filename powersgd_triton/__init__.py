@@ -10,5 +10,13 @@ __version__ = "0.1.0"
 from .layout import BucketLayout  # noqa: E402
 from .state import PowerSGDState  # noqa: E402
 from .hooks import batched_powerSGD_hook, powerSGD_hook  # noqa: E402
+from .alternating import alternating_powerSGD_hook  # noqa: E402
 
-__all__ = ["BucketLayout", "PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook", "__version__"]
+__all__ = [
+    "BucketLayout",
+    "PowerSGDState",
+    "powerSGD_hook",
+    "batched_powerSGD_hook",
+    "alternating_powerSGD_hook",
+    "__version__",
+]

@@ -80,6 +80,21 @@ def _all_finite(*tensors: torch.Tensor) -> torch.Tensor:
     return total.mul(0) == 0
 
 
+def _commit(ok: torch.Tensor, new: torch.Tensor, kept: torch.Tensor, layout, which: str) -> None:
+    """``kept_i <- new_i`` for every matrix i whose new factor is not all zero, where the step is finite.
+
+    A matrix whose averaged factor is exactly zero (its ``M + E`` was zero on every rank: a layer without gradient,
+    or, in the alternating hook, a Q step after a non-finite first P step, which leaves the kept P at its initial
+    zeros) keeps its previous factor: committing zero would make every later factor zero (``orth(0) = 0``,
+    ``M·0 = 0``) and the layer would never pass a gradient again, its error memory growing for ever. Per matrix, device-side, a few launches whatever
+    the number of matrices; ``amax`` is exact in any order, so the flags are deterministic.
+    """
+    index = layout.factor_matrix_index(which)
+    peak = new.new_zeros(layout.num_matrices).scatter_reduce_(0, index, new.abs(), "amax")
+    fresh = peak.ne(0).logical_and_(ok).index_select(0, index)
+    torch.where(fresh, new, kept, out=kept)
+
+
 class _Step:
     """One compressed step of one bucket; the methods are the pieces between two all-reduces."""
 
@@ -148,7 +163,7 @@ class _Step:
             config=mem.config("reconstruct"),
         )
         if state.warm_start:
-            torch.where(ok, mem.q_work, mem.q, out=mem.q)
+            _commit(ok, mem.q_work, mem.q, layout, "q")
         return self.buffer
 
 

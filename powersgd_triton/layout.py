@@ -383,6 +383,20 @@ class BucketLayout:
             self._uncompressed_index = torch.from_numpy(idx).to(self.device)
         return self._uncompressed_index
 
+    def factor_matrix_index(self, which: str) -> torch.Tensor:
+        """Device ``int64`` tensor of ``p_numel`` (``which="p"``) or ``q_numel`` (``"q"``) elements: the index of the
+        matrix each element of the flat P (Q) belongs to (for per-matrix reductions over a factor). Cached."""
+        if which not in ("p", "q"):
+            raise ValueError(f"which must be 'p' or 'q', got {which!r}")
+        key = ("factor_matrix_index", which)
+        t = self._tiles.get(key)
+        if t is None:
+            sizes = [(s.n if which == "p" else s.m) * s.rank for s in self.matrices]
+            idx = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+            t = torch.from_numpy(idx).to(self.device)
+            self._tiles[key] = t
+        return t
+
     def gather_uncompressed(self, buffer: torch.Tensor) -> torch.Tensor:
         """The uncompressed gradients as one contiguous tensor (a view when they form one range, else a gather)."""
         if not self.uncompressed:

@@ -15,7 +15,10 @@ Per bucket index the state keeps a :class:`BucketMemory`:
   uncompressed gradient cancels in the average, PyTorch stores it anyway (a full copy of the bucket);
 * ``p``: float32 ``P`` (``layout.p_numel``), ``q``: float32 warm-start ``Q`` (``layout.q_numel``), stored as
   ``Q / world_size`` like PyTorch's ``q_memory_dict``; ``q_work``: the Q of the step in flight, committed to ``q``
-  only when the step's all-reduced values are finite (no host sync).
+  only when the step's all-reduced values are finite (no host sync);
+* for :func:`~powersgd_triton.alternating_powerSGD_hook`: ``p`` / ``q`` are the kept factors (the averaged P of
+  the last P step, the averaged Q of the last Q step or the initial random Q), ``error`` the local residual, and
+  ``phase`` (``"p"`` or ``"q"``) the half-step the bucket takes next; its communication buffers are transient.
 
 Persistence: :meth:`PowerSGDState.state_dict` holds only tensors and plain Python types (``torch.load(...,
 weights_only=True)`` reads it); pickling goes through it too. The process group is never saved: a loaded or
@@ -56,19 +59,9 @@ class BucketMemory:
     """Everything the state keeps for one bucket index (see the module docstring)."""
 
     __slots__ = (
-        "layout",
-        "signature",
-        "backend",
-        "configs",
-        "error",
-        "p",
-        "q",
-        "q_work",
-        "q_initialized",
-        "params",
-        "param_names",
-        "matrices",
-        "strict",
+        "layout", "signature", "backend", "configs", "error", "p", "q", "q_work", "q_initialized",
+        "phase", "comm", "local", "p_work",
+        "params", "param_names", "matrices", "strict",
     )
 
     def __init__(self):
@@ -89,13 +82,23 @@ class BucketMemory:
         self.q: Optional[torch.Tensor] = None
         self.q_work: Optional[torch.Tensor] = None
         self.q_initialized: bool = False
+        # Alternating hook only (see powersgd_triton.alternating): the half-step the next compressed call takes
+        # ("p" or "q"; saved), and three transient float32 buffers allocated on its first call (not saved):
+        # `comm` (factor + uncompressed gradients, the one all-reduced buffer), `local` (this rank's factor, for
+        # the local-residual error) and `p_work` (the orthogonalized kept P of a Q step; a P step orthogonalizes
+        # the kept Q into `q_work`).
+        self.phase: str = "p"
+        self.comm: Optional[torch.Tensor] = None
+        self.local: Optional[torch.Tensor] = None
+        self.p_work: Optional[torch.Tensor] = None
 
     def config(self, kernel: str) -> Optional[dict]:
         return self.configs.get(kernel)
 
     def nbytes(self) -> int:
-        """Persistent bytes held for this bucket (error, P, Q, Q work buffer)."""
-        return sum(t.numel() * t.element_size() for t in (self.error, self.p, self.q, self.q_work) if t is not None)
+        """Persistent bytes held for this bucket (error, P, Q, work and communication buffers)."""
+        tensors = (self.error, self.p, self.q, self.q_work, self.comm, self.local, self.p_work)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
@@ -474,6 +477,7 @@ class PowerSGDState:
             new = BucketMemory()
             self._allocate(new, layout, buffer)
             new.q_initialized = old.q_initialized
+            new.phase = old.phase
             return new
         strict = any(m.strict for m in list(self._retired) + list(self.buckets.values()))
         sources = self._sources()
@@ -500,6 +504,9 @@ class PowerSGDState:
                 missing.append((self._param_name(params[s.grad_index]) or f"gradient {s.grad_index}") + " (error)")
                 continue
             rows.append((s, mem, row))
+        phases = sorted({mem.phase for _, mem, _ in rows})
+        if len(phases) > 1:  # alternating hook: the matrices of one bucket must take the same half-step next
+            wrong.append(f"memory from buckets in different alternating phases {phases}")
         if missing or wrong:
             if strict:
                 what = []
@@ -521,6 +528,7 @@ class PowerSGDState:
             new.q[s.q_offset : s.q_offset + s.m * s.rank].copy_(mem.q[q_off : q_off + m * r])
             initialized.append(mem.q_initialized)
         new.q_initialized = all(initialized)
+        new.phase = phases[0]
         logger.info("PowerSGD: bucket %s changed layout; its memory followed its %s matrices", index, len(rows))
         return new
 
@@ -599,6 +607,19 @@ class PowerSGDState:
         mem.q = fit(mem.q, layout.q_numel, True)
         mem.q_work = torch.empty(layout.q_numel, **f32)
 
+    def _allocate_alternating(self, mem: BucketMemory, buffer: torch.Tensor) -> None:
+        """The alternating hook's transient buffers for ``mem`` (once per layout; after a load, on first use)."""
+        layout = mem.layout
+        factor = max(layout.p_numel, layout.q_numel)
+        f32 = dict(device=buffer.device, dtype=torch.float32)
+        numel = factor + layout.uncompressed_numel
+        if mem.comm is None or mem.comm.numel() != numel or mem.comm.device != buffer.device:
+            mem.comm = torch.empty(numel, **f32)
+            mem.local = torch.empty(factor, **f32) if mem.error is not None else None
+            mem.p_work = torch.empty(layout.p_numel, **f32)
+        if mem.q_work is None:
+            mem.q_work = torch.empty(layout.q_numel, **f32)
+
     def _draw_q(self, mem: BucketMemory, dtype: torch.dtype) -> None:
         """Fill ``mem.q`` with PyTorch's random initial Q (not yet orthogonalized); consumes one seed of ``rng``.
 
@@ -659,6 +680,7 @@ class PowerSGDState:
                 "p": None if mem.p is None else mem.p.detach(),
                 "q": None if mem.q is None else mem.q.detach(),
                 "q_initialized": bool(mem.q_initialized),
+                "phase": mem.phase,
                 # which parameter each gradient of the bucket is (names of the bound model; None: unknown) and
                 # where each compressed matrix's memory lies: lets the memory follow its parameters on resume
                 "param_names": names,
@@ -733,6 +755,10 @@ class PowerSGDState:
                 t = saved_mem.get(name)
                 setattr(mem, name, None if t is None else t.detach().clone())
             mem.q_initialized = bool(saved_mem["q_initialized"]) and mem.q is not None
+            phase = saved_mem.get("phase", "p")  # absent in state dicts saved before the alternating hook
+            if phase not in ("p", "q"):
+                raise ValueError(f"bucket {index}: phase must be 'p' or 'q', got {phase!r}")
+            mem.phase = phase
             self.buckets[int(index)] = mem
 
     def __getstate__(self) -> Dict[str, Any]:

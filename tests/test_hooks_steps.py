@@ -145,6 +145,28 @@ def test_all_zero_layer_stays_zero_with_epsilon_0(tmp_path, backend):
         assert not all(finite for finite, _ in theirs[2:])  # PyTorch's hook: NaN (its except branch is dead code)
 
 
+def _zero_then_live_worker(rank, world_size, backend):
+    shapes = [(24, 32), (8,), (32, 24)]
+    state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, backend=backend)
+    res = []
+    for step in range(6):
+        data = _data(step, rank, 0, bucket_numel(shapes))
+        if step < 3:
+            data[:768] = 0.0  # no gradient for the first layer on any rank during the first compressed steps
+        o = powerSGD_hook(state, FakeBucket(data, shapes)).wait()
+        res.append((bool(torch.isfinite(o).all()), float(o[:768].abs().sum())))
+    return res
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_layer_that_was_zero_gets_gradients_again(tmp_path, backend):
+    """A zero Q is never kept as warm start (it would stay zero for ever: orth(0) = 0, M·0 = 0)."""
+    for res in run_ranks(_zero_then_live_worker, 2, tmp_path, backend, timeout=60):
+        assert all(finite for finite, _ in res)
+        assert [total == 0 for _, total in res[:3]] == [True] * 3
+        assert all(total > 0 for _, total in res[3:])
+
+
 def _chain_worker(rank, world_size, backend, hook_name):
     hook = HOOKS[hook_name]
     outs = {}

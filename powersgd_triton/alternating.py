@@ -1,0 +1,232 @@
+"""The alternating PowerSGD DDP hook: one half power-iteration and ONE all-reduce per bucket per step.
+
+PyTorch's ``powerSGD_hook`` (and our :func:`~powersgd_triton.powerSGD_hook`) runs a full power-iteration step per
+SGD step: three all-reduces per bucket, one after the other (uncompressed gradients, P, Q). The PowerSGD authors'
+later implementation (epfml/powersgd, and ``HalfRankKReducer`` of the paper code) and ACP-SGD (Zhang et al., ICDCS
+2023, arXiv 2306.08881) take one *half* step per SGD step instead, alternating the factor they compute; the
+warm-started factors carry the power iteration across SGD steps. Here, for each compressed matrix ``M`` (``n x m``,
+rank ``r``) of a bucket, with error memory ``E`` and the kept factors ``P`` (``n x r``) and ``Q`` (``m x r``):
+
+* **P step**: ``Q' = orth(Q)`` (the kept Q is identical on every rank: it came from an all-reduce, or from the
+  seeded initial draw); ``P_local = (M + E)·Q'``; all-reduce ``P``; ``M <- (P_sum / W)·Q'ᵀ``;
+  ``E <- (M + E) - P_local·Q'ᵀ``; keep ``P <- P_sum / W``.
+* **Q step**: ``P' = orth(P)``; ``Q_local = (M + E)ᵀ·P'``; all-reduce ``Q``; ``M <- P'·(Q_sum / W)ᵀ``;
+  ``E <- (M + E) - P'·Q_localᵀ``; keep ``Q <- Q_sum / W``.
+
+The output is the average of the ranks' projections of ``M + E`` onto the span of the orthonormal factor; the
+error is each rank's *local* residual (the part of its own ``M + E`` outside that span), so every rank's error
+memory goes to zero when the gradients are exactly rank r (epfml commit 1707180; ACP-SGD). Error memory is kept for
+the compressed gradients only.
+
+One all-reduce per bucket per compressed step. The uncompressed gradients (biases, norms, small matrices) travel
+in the same all-reduce as the factor: one float32 buffer per bucket, ``comm = [factor | uncompressed]``. The factor
+is written straight into ``comm[:F]`` by the projection kernel, the uncompressed gradients into ``comm[F:]`` by one
+gather launch (:func:`powersgd_triton.ops.pack_uncompressed`), ``comm[:F + U]`` is all-reduced and divided by the
+world size in one launch, and one scatter launch writes the averaged uncompressed gradients back
+(:func:`powersgd_triton.ops.unpack_uncompressed`). The uncompressed part therefore travels in float32 whatever the
+bucket dtype (PyTorch's hook all-reduces it in the bucket dtype): twice its bytes for float16/bfloat16 buckets, in
+one collective instead of two; float64 uncompressed gradients are rounded to float32.
+
+Order of the numeric work (the cheapest correct one found). The local factor is needed after the all-reduce for
+the local residual, so it is copied into ``local`` (``F`` floats, one launch) before the all-reduce; then ONE pass
+over the bucket (:func:`powersgd_triton.ops.reconstruct` with ``local_p`` / ``local_q``) writes the output
+``P_avg·Q'ᵀ`` (``P'·Q_avgᵀ``) and the error ``(M + E) - P_local·Q'ᵀ`` (``(M + E) - P'·Q_localᵀ``). Computing the
+error before the all-reduce instead would need a second pass over the bucket. Bucket passes per step: a P step
+reads ``M, E`` and writes ``M + E`` while projecting (``ops.project`` with the error), then reconstructs (read
+``M``, write ``M, E``); a Q step needs ``M + E`` before ``ops.project_t``, which has no error input: the error is
+folded in by ``ops.project`` with the error (its small P output goes to a scratch buffer and is not used; the fold
+is the same memory traffic, only the rank-r multiply is extra), then ``project_t`` reads the bucket once more.
+
+Launches per compressed step and bucket, whatever the number of matrices: P step 1 orthogonalize + 1 project +
+1 copy + 1 pack + all-reduce + 1 divide + 1 unpack + 3 (finiteness flag) + 1 reconstruct + 7 small ones (commit of
+the kept factor, per matrix, see below); a Q step one more (the fold). The commit could be one fused kernel.
+
+First compressed step of a bucket: a P step, from the initial random Q drawn exactly as the standard hook draws it
+(:meth:`PowerSGDState._draw_q`: same seeds, same RNG consumption), so the first P of both hooks is the same.
+epfml/powersgd starts with a Q step from a random P; the two are symmetric.
+
+Scale of the kept factors. They are only ever used through ``orth()``, which is invariant to a positive scale
+except for ``orthogonalization_epsilon`` (``col / (norm + eps)``). The averaged factor (sum / world size) is kept,
+so that epsilon means the same thing whatever the world size (PyTorch's hook keeps ``Q / world_size`` too); the
+division is part of the one launch that averages ``comm``.
+
+Numerics as in :mod:`powersgd_triton.hooks`: float32 accumulation, an all-zero layer stays zero (Gram-Schmidt
+leaves a zero column zero), deterministic kernels on the all-reduced data, Triton and torch backends.
+
+Zero factors are never kept. A matrix whose averaged factor is exactly zero (its ``M + E`` was zero on every rank:
+a layer without gradient at that step, or any layer at the Q step after a non-finite first P step, which leaves the
+kept P at its initial zeros) keeps its previous factor. Committing it would be for ever: ``orth(0) = 0``, so every
+later factor of that matrix would be zero, the layer would never pass a gradient again and its error memory would
+grow without bound. (The standard hooks keep a zero Q in that case; with error feedback it takes a layer that has
+no gradient at the first compressed step, without it any step.)
+
+A non-finite step: ``ok`` (a 0-d device bool: the all-reduced factor and uncompressed gradients, i.e. the whole
+``comm``, are finite) gates the error update and the commit of the kept factor, without a host synchronization; the
+bucket output is non-finite (GradScaler skips the step), the error memory and the kept factors stay as they were.
+**The phase still advances** on such a step: which half-step runs is host control flow and must be known without
+reading the device flag, and every rank must take the same half-step. Advancing is valid: the next half-step
+orthogonalizes the other kept factor, which is exactly the one the last good step left (after a skipped P step,
+the Q step orthogonalizes the P kept by the P step before; after a skipped Q step, the P step re-orthogonalizes
+the kept Q, bitwise the Q' of the P step before it). After a skipped *first* P step the kept P is still zero: the Q
+step then outputs zero for the compressed gradients (they go to the error memory) and keeps nothing, and the next
+P step starts from the initial Q again.
+
+Hyper-parameters: the :class:`~powersgd_triton.PowerSGDState` of the standard hooks, with the same meaning:
+``matrix_approximation_rank``, ``min_compression_rate`` (the standard hook's test, so both hooks compress the same
+matrices at the same settings), ``start_powerSGD_iter`` (plain averaging all-reduce before, one per bucket),
+``use_error_feedback``, ``orthogonalization_epsilon``, ``random_seed``, ``backend``. ``warm_start=False`` is
+refused: the kept factors are the algorithm. ``compression_stats()`` counts what is actually sent: per compressed
+step the elements of that step's factor (``sum n_i r_i`` on P steps, ``sum m_i r_i`` on Q steps) plus the
+uncompressed gradients, so its rate is about twice the standard hook's at the same rank.
+
+Collective order: the single all-reduce is issued from the hook body, so ranks issue collectives in the same order
+on every backend. As in :mod:`powersgd_triton.hooks`, on NCCL the rest of the step is a ``then()`` callback; on
+other backends the hook waits for the all-reduce and finishes in its body (callbacks would run on gloo's worker
+threads). The all-reduce is ``torch.distributed.all_reduce`` looked up at call time (the bench and train commands
+count calls and bytes by wrapping it).
+
+No ``from __future__ import annotations`` here: DDP checks the hooks' annotations as objects.
+"""
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .hooks import _all_finite, _allreduce_average, _commit, _completed, _use_callback_chain
+from .layout import check_gradient_dtype
+from .state import BucketMemory, PowerSGDState
+
+__all__ = ["alternating_powerSGD_hook"]
+
+
+class _HalfStep:
+    """One compressed half-step of one bucket: the work before and after its all-reduce."""
+
+    __slots__ = ("state", "mem", "layout", "buffer", "world_size", "backend", "eps", "phase", "factor", "unc", "sent",
+                 "local")
+
+    def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, world_size: int):
+        layout = mem.layout
+        self.state = state
+        self.mem = mem
+        self.layout = layout
+        self.buffer = buffer
+        self.world_size = world_size
+        self.backend = mem.backend
+        self.eps = float(state.orthogonalization_epsilon)
+        self.phase = mem.phase
+        f = layout.p_numel if self.phase == "p" else layout.q_numel
+        u = layout.uncompressed_numel
+        self.factor = mem.comm[:f]
+        self.unc = mem.comm[f : f + u]
+        self.sent = mem.comm[: f + u]
+        self.local = mem.local[:f] if mem.local is not None else None
+
+    def compute(self) -> None:
+        """This rank's factor into ``comm[:F]`` (and ``local``), the uncompressed gradients into ``comm[F:]``."""
+        state, mem, layout, buffer, backend = self.state, self.mem, self.layout, self.buffer, self.backend
+        if self.phase == "p":
+            if not mem.q_initialized:
+                state._draw_q(mem, buffer.dtype)
+            ops.orthogonalize(mem.q, layout, "q", self.eps, out=mem.q_work, backend=backend,
+                              config=mem.config("orthogonalize"))
+            # P_local = (M + E)·Q'; the bucket now holds M + E.
+            ops.project(buffer, layout, mem.q_work, self.factor, mem.error, backend=backend,
+                        config=mem.config("project"))
+        else:
+            ops.orthogonalize(mem.p, layout, "p", self.eps, out=mem.p_work, backend=backend,
+                              config=mem.config("orthogonalize"))
+            if mem.error is not None:
+                # Fold E into the bucket (project_t has no error input); the P it computes is scratch.
+                ops.project(buffer, layout, mem.q, mem.local[: layout.p_numel], mem.error, backend=backend,
+                            config=mem.config("project"))
+            # Q_local = (M + E)ᵀ·P'
+            ops.project_t(buffer, layout, mem.p_work, self.factor, backend=backend, config=mem.config("project_t"))
+        if self.local is not None:
+            self.local.copy_(self.factor)
+        ops.pack_uncompressed(buffer, layout, self.unc, backend=backend)
+
+    def finish(self) -> torch.Tensor:
+        """Average, write the output and the local residual, commit the kept factor where the step is finite."""
+        mem, layout, buffer, backend = self.mem, self.layout, self.buffer, self.backend
+        if self.world_size != 1:
+            self.sent.div_(self.world_size)
+        ops.unpack_uncompressed(self.unc, layout, buffer, 1.0, backend=backend)
+        ok = _all_finite(self.sent)
+        error = mem.error
+        flag = ok if error is not None else None
+        local = self.local if error is not None else None
+        if self.phase == "p":
+            ops.reconstruct(buffer, layout, self.factor, mem.q_work, 1.0, error, flag, local_p=local,
+                            backend=backend, config=mem.config("reconstruct"))
+        else:
+            ops.reconstruct(buffer, layout, mem.p_work, self.factor, 1.0, error, flag, local_q=local,
+                            backend=backend, config=mem.config("reconstruct"))
+        _commit(ok, self.factor, mem.p if self.phase == "p" else mem.q, layout, self.phase)
+        return buffer
+
+
+def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    r"""Layer-wise PowerSGD with one half power-iteration and ONE all-reduce per bucket per step.
+
+    Compressed steps alternate between a P step (all-reduce ``P = (M + E)·orth(Q)``) and a Q step (all-reduce
+    ``Q = (M + E)ᵀ·orth(P)``); the uncompressed gradients travel in the same all-reduce; the error memory is the
+    local residual. See the module documentation for the algorithm, the order of the work and the numerics.
+    Uses the same :class:`~powersgd_triton.PowerSGDState` as :func:`~powersgd_triton.powerSGD_hook` (a state must
+    serve one hook); the next half-step is part of the state (``state_dict()``, pickling).
+
+    Args:
+        state: a :class:`~powersgd_triton.PowerSGDState` with ``warm_start=True``.
+        bucket: the DDP ``GradBucket`` (its buffer may be fp16/bf16, e.g. under ``fp16_compress_wrapper``).
+
+    Returns:
+        A future whose value is the bucket buffer, holding the averaged (approximated) gradients.
+
+    Raises:
+        ValueError: ``state.warm_start`` is False (on the first call, before anything is changed).
+        TypeError: complex or integer gradients (before anything is changed).
+
+    Example::
+
+        >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
+        >>> ddp_model.register_comm_hook(state, alternating_powerSGD_hook)
+    """
+    buffer = bucket.buffer()
+    check_gradient_dtype(buffer.dtype)
+    if buffer.dim() != 1:
+        raise ValueError(f"bucket buffer must be 1-D, got shape {tuple(buffer.shape)}")
+    if not state.warm_start:
+        raise ValueError(
+            "alternating_powerSGD_hook needs warm_start=True: the factors kept between steps carry its power "
+            "iteration"
+        )
+    group = state._group()
+    world_size = dist.get_world_size(group)
+
+    if state.iter < state.start_powerSGD_iter:
+        state.maybe_increase_iter(bucket)
+        return _allreduce_average(group, world_size, buffer)
+
+    mem = state._prepare_bucket(bucket, buffer, False, group)
+    layout = mem.layout
+    state.total_numel_before_compression += layout.numel_before_compression
+    if layout.num_matrices == 0:  # nothing to compress: the bucket is its uncompressed gradients
+        state.total_numel_after_compression += layout.uncompressed_numel
+        state._report_compression_stats(bucket)
+        state.maybe_increase_iter(bucket)
+        return _allreduce_average(group, world_size, buffer)
+
+    state._allocate_alternating(mem, buffer)
+    step = _HalfStep(state, mem, buffer, world_size)
+    state.total_numel_after_compression += step.sent.numel()
+    state._report_compression_stats(bucket)
+    step.compute()
+    # Host-side schedule, the same on every rank; advances on a non-finite step too (see the module docstring).
+    mem.phase = "q" if step.phase == "p" else "p"
+    state.maybe_increase_iter(bucket)
+
+    if _use_callback_chain(group, buffer):
+        fut = dist.all_reduce(step.sent, group=group, async_op=True).get_future()
+        return fut.then(lambda _: step.finish())
+    dist.all_reduce(step.sent, group=group, async_op=True).wait()
+    return _completed(step.finish())
