@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_ranks
-from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
 from powersgd_triton.checkpoint import hook_state_path, load_hook_state, save_hook_state
 from powersgd_triton.integrations import register
 
@@ -60,14 +60,14 @@ def _setup(model, cap, hook=powerSGD_hook, **state_kw):
     return ddp, state, opt
 
 
-def _resume_worker(rank, world_size, folder, cap, how):
+def _resume_worker(rank, world_size, folder, cap, how, hook=powerSGD_hook):
     """Uninterrupted run vs stop at STOP, save, rebuild everything, load, continue. Returns what differs."""
-    ddp, state, opt = _setup(_model(), cap)
+    ddp, state, opt = _setup(_model(), cap, hook)
     _steps(ddp, opt, rank, 0, TOTAL)
     reference = [p.detach().clone() for p in ddp.parameters()]
     buckets_uninterrupted = len(state.buckets)
 
-    ddp, state, opt = _setup(_model(), cap)
+    ddp, state, opt = _setup(_model(), cap, hook)
     _steps(ddp, opt, rank, 0, STOP)
     model_sd = copy.deepcopy(ddp.module.state_dict())
     opt_sd = copy.deepcopy(opt.state_dict())
@@ -79,7 +79,7 @@ def _resume_worker(rank, world_size, folder, cap, how):
 
     model = _model()
     model.load_state_dict(model_sd)
-    ddp, state, opt = _setup(model, cap)
+    ddp, state, opt = _setup(model, cap, hook)
     opt.load_state_dict(opt_sd)
     if how == "files":
         load_hook_state(state, ddp, folder)
@@ -113,6 +113,13 @@ def test_resume_is_bitwise_equal_to_uninterrupted(tmp_path, cap):
     # The error memory really is per rank: rank 1's is not rank 0's.
     e0, e1 = results[0]["errors"], results[1]["errors"]
     assert e0.keys() == e1.keys() and not all(torch.equal(e0[i], e1[i]) for i in e0)
+
+
+def test_alternating_hook_resumes_exactly(tmp_path):
+    """The alternating hook's kept factors, local residuals and phase follow their parameters too (STOP is odd:
+    the resumed buckets take a Q half-step first)."""
+    for r in run_ranks(_resume_worker, 2, tmp_path, str(tmp_path / "ckpt"), 0.002, "files", alternating_powerSGD_hook):
+        assert r["equal"] and r["warnings"] == [] and r["iter"] == TOTAL, r["max_diff"]
 
 
 def test_resume_through_state_dict_after_register(tmp_path):

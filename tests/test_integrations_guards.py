@@ -15,7 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_ranks
-from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
 from powersgd_triton.integrations import check_ddp_model, register
 from powersgd_triton.wrappers import bf16_compress_wrapper, fp16_compress_wrapper
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("hook", [powerSGD_hook, batched_powerSGD_hook])
+@pytest.mark.parametrize("hook", [powerSGD_hook, batched_powerSGD_hook, alternating_powerSGD_hook])
 def test_hook_refuses_python_reducer_and_fsdp_arguments(hook):
     state = PowerSGDState(None, start_powerSGD_iter=2)
     grad = torch.zeros(4, 4)

@@ -63,13 +63,15 @@ def register(model, state, hook=None):
     Raises:
         TypeError: FSDP, compiled DDP's python reducer, not a DDP model, or a state that is not ours with our hook.
     """
+    from .. import alternating as _alternating
     from .. import hooks as _hooks
     from ..state import PowerSGDState
 
     if hook is None:
         hook = _hooks.powerSGD_hook
     check_ddp_model(model)
-    if hook in (_hooks.powerSGD_hook, _hooks.batched_powerSGD_hook) and not isinstance(state, PowerSGDState):
+    ours = (_hooks.powerSGD_hook, _hooks.batched_powerSGD_hook, _alternating.alternating_powerSGD_hook)
+    if hook in ours and not isinstance(state, PowerSGDState):
         raise TypeError(
             f"{hook.__name__} needs a powersgd_triton.PowerSGDState, got {type(state).__module__}."
             f"{type(state).__name__} (import PowerSGDState from powersgd_triton, not from torch)"
