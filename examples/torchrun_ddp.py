@@ -13,7 +13,8 @@ resumes from ``DIR/latest`` and ends with the same parameters as an uninterrupte
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/torchrun_ddp.py --steps 40 \\
         --checkpoint-dir ckpt2 --fail-at-step 25   # rank 1 dies once at step 25; torchrun restarts, it resumes
 
-Options: ``--hook powersgd|batched|allreduce``, ``--rank`` (PowerSGD matrix approximation rank), ``--start-iter``,
+Options: ``--hook powersgd|alternating|batched|allreduce`` (resumes are exact for the first two; the batched hook
+restarts its memory with a warning), ``--rank`` (PowerSGD matrix approximation rank), ``--start-iter``,
 ``--checkpoint-every``, ``--bucket-cap-mb``, ``--device cpu|cuda``, ``--out final.pt`` (rank 0 saves the final
 parameters and a summary). Only ``powersgd_triton`` and ``torch`` are needed.
 """
@@ -28,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
 from powersgd_triton.checkpoint import load_hook_state, save_hook_state
 from powersgd_triton.integrations import register
 
@@ -38,7 +39,7 @@ IN, HIDDEN, OUT = 64, 128, 16
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40, help="total optimizer steps")
-    ap.add_argument("--hook", choices=("powersgd", "batched", "allreduce"), default="powersgd")
+    ap.add_argument("--hook", choices=("powersgd", "alternating", "batched", "allreduce"), default="powersgd")
     ap.add_argument("--rank", type=int, default=2, help="PowerSGD matrix approximation rank")
     ap.add_argument("--start-iter", type=int, default=5, help="start_powerSGD_iter")
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -125,7 +126,8 @@ def main(argv=None):
     if args.hook != "allreduce":
         state = PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
                               start_powerSGD_iter=args.start_iter, random_seed=args.seed)
-        register(ddp, state, powerSGD_hook if args.hook == "powersgd" else batched_powerSGD_hook)
+        hooks = {"powersgd": powerSGD_hook, "alternating": alternating_powerSGD_hook, "batched": batched_powerSGD_hook}
+        register(ddp, state, hooks[args.hook])
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.01 * s))
 
