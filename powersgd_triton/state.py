@@ -9,8 +9,10 @@ hooks reproduce PyTorch's outputs.
 Per bucket index the state keeps a :class:`BucketMemory`:
 
 * ``layout``: the :class:`~powersgd_triton.layout.BucketLayout` of the bucket, built once on its first compressed
-  step and re-checked on every step; a bucket that no longer matches it (DDP rebuilt its buckets, another model, a
-  dtype swapped in by ``fp16_compress_wrapper``) gets a new layout and fresh memory, with a warning;
+  step and re-checked on every step, with the bucket's parameters (``params``, checked by identity); a bucket that
+  no longer matches it (DDP rebuilt its buckets, another model, a dtype swapped in by ``fp16_compress_wrapper``) gets
+  a new layout, and its memory follows its parameters matrix by matrix (exact: a fresh DDP after a resume orders
+  its first buckets differently, then rebuilds them); what cannot follow is reset with a warning;
 * ``error``: float32 error-feedback memory of the *compressed* gradients only (``layout.e_numel``); the error of an
   uncompressed gradient cancels in the average, PyTorch stores it anyway (a full copy of the bucket);
 * ``p``: float32 ``P`` (``layout.p_numel``), ``q``: float32 warm-start ``Q`` (``layout.q_numel``), stored as
@@ -23,7 +25,12 @@ Per bucket index the state keeps a :class:`BucketMemory`:
 Persistence: :meth:`PowerSGDState.state_dict` holds only tensors and plain Python types (``torch.load(...,
 weights_only=True)`` reads it); pickling goes through it too. The process group is never saved: a loaded or
 unpickled state uses ``process_group=None``, resolved to the default (WORLD) group when a hook runs, so a state can
-be created and unpickled before ``init_process_group`` (Lightning's spawn strategy pickles it then).
+be created and unpickled before ``init_process_group`` (Lightning's spawn strategy pickles it then). Once the state
+knows the model's parameter names (:func:`powersgd_triton.integrations.register`, the framework integrations, or
+:mod:`powersgd_triton.checkpoint`), the state dict records which parameter each saved matrix belongs to, and loaded
+memory follows its parameters into the buckets of a fresh DDP. The error memory is per rank: save one file per rank
+(:func:`powersgd_triton.checkpoint.save_hook_state`); a state saved with another world size is reset with a warning
+(refused by ``load_hook_state``).
 """
 
 import logging
