@@ -540,14 +540,32 @@ class PowerSGDState:
         return new
 
     def _end_of_iteration(self) -> None:
-        """After the last bucket of an iteration: forget replaced memories, and buckets DDP no longer has."""
+        """After the last bucket of an iteration: forget replaced memories, and buckets DDP no longer has.
+
+        A bucket not seen in an iteration where layouts changed is dropped when its parameters now belong to a
+        bucket that was seen (DDP rebuilt fewer buckets); memory without known parameters is kept.
+        """
         if self._retired:
             self._retired.clear()
         if self._layout_changed:
+            live = set()
+            for i in self._seen:
+                mem = self.buckets.get(i)
+                if mem is not None and mem.params is not None:
+                    live.update(id(p) for p in mem.params)
             for i in [i for i in self.buckets if i not in self._seen]:
-                del self.buckets[i]
+                if self._param_ids(self.buckets[i]) & live:
+                    del self.buckets[i]
             self._layout_changed = False
         self._seen.clear()
+
+    def _param_ids(self, mem: BucketMemory) -> set:
+        """id() of the parameters a memory belongs to: its own, or those its loaded names resolve to."""
+        if mem.params is not None:
+            return {id(p) for p in mem.params}
+        if mem.param_names is not None:
+            return {id(self._params_by_name[n]) for n in mem.param_names if n in self._params_by_name}
+        return set()
 
     def _check_world(self, group) -> None:
         """Record rank and world size; a loaded state from another world size is refused (strict) or reset."""

@@ -280,3 +280,34 @@ def test_first_seen_bucket_without_compressed_matrices_draws_its_seed():
     state._draw_q(mem0, torch.float32)
     mem1 = state._prepare_bucket(b1, b1.buffer(), False, None)
     assert mem1.layout.num_matrices == 0 and not mem1.q_initialized  # the hook will draw (and consume a seed)
+
+
+def test_memory_follows_parameters_into_fewer_buckets():
+    """Three buckets become two (DDP's rebuild): every matrix keeps its memory, the third bucket is dropped."""
+    model = _model()
+    params = list(model.parameters())  # 0.w 0.b 2.w 2.b 4.w 4.b 6.w 6.b
+    state = _state()
+    first = [_ParamBucket(params[6:], 0, False), _ParamBucket(params[3:6], 1, False), _ParamBucket(params[:3], 2, True)]
+    for b in first:
+        mem = state._prepare_bucket(b, b.buffer(), False, None)
+        state._draw_q(mem, torch.float32)
+        mem.error.normal_()
+        mem.p.normal_()
+    before = {}
+    for mem in state.buckets.values():
+        for s in mem.layout.matrices:
+            before[id(mem.params[s.grad_index])] = (
+                mem.error[s.e_offset : s.e_offset + s.numel].clone(), mem.q[s.q_offset : s.q_offset + s.m * s.rank].clone()
+            )
+    second = [_ParamBucket(params[4:][::-1], 0, False), _ParamBucket(params[:4][::-1], 1, True)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mems = [state._prepare_bucket(b, b.buffer(), False, None) for b in second]
+    assert sorted(state.buckets) == [0, 1] and not state._retired
+    for mem in mems:
+        assert mem.q_initialized
+        for s in mem.layout.matrices:
+            e, q = before[id(mem.params[s.grad_index])]
+            assert torch.equal(mem.error[s.e_offset : s.e_offset + s.numel], e)
+            assert torch.equal(mem.q[s.q_offset : s.q_offset + s.m * s.rank], q)
+    assert sum(m.layout.num_matrices for m in mems) == len(before) == 3  # 6.weight (4x32) is too small at rank 2
