@@ -92,7 +92,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .hooks import _all_finite, _allreduce_average, _commit, _completed, _use_callback_chain
+from .hooks import _all_finite, _allreduce_average, _check_bucket, _commit, _completed, _use_callback_chain
 from .layout import check_gradient_dtype
 from .state import BucketMemory, PowerSGDState
 
@@ -191,6 +191,7 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
         >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
         >>> ddp_model.register_comm_hook(state, alternating_powerSGD_hook)
     """
+    _check_bucket(bucket)  # unsupported callers: compiled DDP's python reducer, FSDP
     buffer = bucket.buffer()
     check_gradient_dtype(buffer.dtype)
     if buffer.dim() != 1:

@@ -158,7 +158,30 @@ class _Step:
         return self.buffer
 
 
+def _check_bucket(bucket) -> None:
+    """Refuse callers that are not DDP's C++ reducer with a clear error (a bucket check of a few isinstance calls)."""
+    if isinstance(bucket, tuple):
+        raise TypeError(
+            "PowerSGD hook called with a (grad, param) tuple instead of a torch.distributed.GradBucket: this is "
+            "compiled DDP's python reducer (torch._dynamo.config.optimize_ddp='python_reducer'), which calls comm "
+            "hooks once per parameter. PowerSGD needs whole DDP buckets: use optimize_ddp='ddp_optimizer' (the "
+            "default) or 'no_optimization' with torch.compile, or do not compile the DDP model"
+        )
+    if isinstance(bucket, torch.Tensor):
+        raise TypeError(
+            "PowerSGD hook called with a tensor instead of a torch.distributed.GradBucket: this is FSDP's "
+            "register_comm_hook (FullyShardedDataParallel), which is not supported. The powersgd_triton hooks work "
+            "with torch.nn.parallel.DistributedDataParallel only"
+        )
+    if not callable(getattr(bucket, "buffer", None)):
+        raise TypeError(
+            f"PowerSGD hook expects a torch.distributed.GradBucket (DistributedDataParallel.register_comm_hook), "
+            f"got {type(bucket).__name__}"
+        )
+
+
 def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
+    _check_bucket(bucket)  # unsupported callers: compiled DDP's python reducer, FSDP
     buffer = bucket.buffer()
     check_gradient_dtype(buffer.dtype)  # TypeError before anything changes
     if buffer.dim() != 1:

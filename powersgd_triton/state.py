@@ -9,8 +9,10 @@ hooks reproduce PyTorch's outputs.
 Per bucket index the state keeps a :class:`BucketMemory`:
 
 * ``layout``: the :class:`~powersgd_triton.layout.BucketLayout` of the bucket, built once on its first compressed
-  step and re-checked on every step; a bucket that no longer matches it (DDP rebuilt its buckets, another model, a
-  dtype swapped in by ``fp16_compress_wrapper``) gets a new layout and fresh memory, with a warning;
+  step and re-checked on every step, with the bucket's parameters (``params``, checked by identity); a bucket that
+  no longer matches it (DDP rebuilt its buckets, another model, a dtype swapped in by ``fp16_compress_wrapper``) gets
+  a new layout, and its memory follows its parameters matrix by matrix (exact: a fresh DDP after a resume orders
+  its first buckets differently, then rebuilds them); what cannot follow is reset with a warning;
 * ``error``: float32 error-feedback memory of the *compressed* gradients only (``layout.e_numel``); the error of an
   uncompressed gradient cancels in the average, PyTorch stores it anyway (a full copy of the bucket);
 * ``p``: float32 ``P`` (``layout.p_numel``), ``q``: float32 warm-start ``Q`` (``layout.q_numel``), stored as
@@ -23,12 +25,17 @@ Per bucket index the state keeps a :class:`BucketMemory`:
 Persistence: :meth:`PowerSGDState.state_dict` holds only tensors and plain Python types (``torch.load(...,
 weights_only=True)`` reads it); pickling goes through it too. The process group is never saved: a loaded or
 unpickled state uses ``process_group=None``, resolved to the default (WORLD) group when a hook runs, so a state can
-be created and unpickled before ``init_process_group`` (Lightning's spawn strategy pickles it then).
+be created and unpickled before ``init_process_group`` (Lightning's spawn strategy pickles it then). Once the state
+knows the model's parameter names (:func:`powersgd_triton.integrations.register`, the framework integrations, or
+:mod:`powersgd_triton.checkpoint`), the state dict records which parameter each saved matrix belongs to, and loaded
+memory follows its parameters into the buckets of a fresh DDP. The error memory is per rank: save one file per rank
+(:func:`powersgd_triton.checkpoint.save_hook_state`); a state saved with another world size is reset with a warning
+(refused by ``load_hook_state``).
 """
 
 import logging
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -61,11 +68,20 @@ class BucketMemory:
     __slots__ = (
         "layout", "signature", "backend", "configs", "error", "p", "q", "q_work", "q_initialized",
         "phase", "comm", "local", "p_work",
+        "params", "param_names", "matrices", "strict",
     )
 
     def __init__(self):
         self.layout: Optional[BucketLayout] = None
         self.signature: Optional[str] = None  # repr(layout.signature); kept when the layout is not (after a load)
+        # The bucket's parameters (``bucket.parameters()``, nn.Parameter objects) when the layout was built; None for
+        # duck-typed buckets whose parameters are not nn.Parameters. Keys of the per-parameter memory migration.
+        self.params: Optional[Tuple[torch.Tensor, ...]] = None
+        # Loaded, not yet adopted memory only: parameter names per gradient (None where unknown), and the packing
+        # table ``(grad_index, n, m, rank, p_offset, q_offset, e_offset)`` per compressed matrix.
+        self.param_names: Optional[Tuple[Optional[str], ...]] = None
+        self.matrices: Optional[List[Tuple[int, ...]]] = None
+        self.strict: bool = False  # loaded with strict checks (powersgd_triton.checkpoint.load_hook_state)
         self.backend: str = "torch"  # resolved backend for this bucket's device
         self.configs: Dict[str, Optional[dict]] = {}
         self.error: Optional[torch.Tensor] = None
@@ -122,6 +138,23 @@ def _resolve_backend(backend: str, buffer: torch.Tensor) -> str:
     if not have_kernels:
         raise RuntimeError("backend='triton': powersgd_triton.kernels.triton_ops cannot be imported")
     return "triton"
+
+
+def _bucket_params(bucket) -> Optional[Tuple[torch.Tensor, ...]]:
+    """``bucket.parameters()`` when they are ``nn.Parameter`` objects (a real DDP bucket), else None."""
+    try:
+        params = tuple(bucket.parameters())
+    except Exception:  # noqa: BLE001 - duck-typed buckets
+        return None
+    if not params or not all(isinstance(p, torch.nn.Parameter) for p in params):
+        return None
+    return params
+
+
+def _same_params(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 class PowerSGDState:
@@ -220,6 +253,17 @@ class PowerSGDState:
         self.compression_stats_logging_frequency = max(1, int(compression_stats_logging_frequency))
         self.next_stats_report = 0
         self.buckets: Dict[int, BucketMemory] = {}
+        # Per-parameter memory migration (see _migrate): names of the bound model's parameters, the memories replaced
+        # during the current iteration, and what a loaded state was saved with.
+        self._names_by_param: Dict[int, str] = {}
+        self._params_by_name: Dict[str, torch.Tensor] = {}
+        self._retired: List[BucketMemory] = []
+        self._seen: set = set()  # bucket indices prepared in the current iteration
+        self._layout_changed = False
+        self._world_size: Optional[int] = None
+        self._rank: Optional[int] = None
+        self._loaded_world_size: Optional[int] = None
+        self._loaded_rank: Optional[int] = None
 
     # ------------------------------------------------------------------ PyTorch-compatible API
     def maybe_increase_iter(self, bucket) -> None:
@@ -283,13 +327,23 @@ class PowerSGDState:
     def _prepare_bucket(self, bucket, buffer: torch.Tensor, batched: bool, group) -> BucketMemory:
         """Memory of this bucket with a layout that matches ``buffer``; (re)built when it does not.
 
+        A bucket matches its memory when it has the same gradient offsets, shapes and dtype (the layout signature)
+        and, for real DDP buckets, the same parameters in the same order. When it does not (a fresh DDP instance
+        after a resume orders its first buckets differently from the rebuilt ones the state was saved with, then
+        rebuilds them), the layer-wise memory follows the parameters (:meth:`_migrate`); what cannot be migrated is
+        reset with a warning, or raises ``ValueError`` for a state loaded with strict checks.
+
         Called from the hook body only (building a layout may run the autotuner's collective on first use).
         """
         index = bucket.index()
+        if group is not None:
+            self._check_world(group)
+        self._seen.add(index)
         mem = self.buckets.get(index)
         rank = self.matrix_approximation_rank
+        params = _bucket_params(bucket)
         gradients = None
-        if mem is not None and mem.layout is not None:
+        if mem is not None and mem.layout is not None and _same_params(mem.params, params):
             layout = mem.layout
             if layout.device == buffer.device:
                 if batched:
@@ -298,6 +352,8 @@ class PowerSGDState:
                     gradients = bucket.gradients()
                     ok = layout.matches_gradients(buffer, gradients, rank, self.min_compression_rate)
                 if ok:
+                    if bucket.is_last():
+                        self._end_of_iteration()
                     return mem
         if batched:
             layout = BucketLayout.batched(buffer.numel(), rank, buffer.device, buffer.dtype)
@@ -306,22 +362,47 @@ class PowerSGDState:
                 gradients = bucket.gradients()
             layout = BucketLayout.from_gradients(buffer, gradients, rank, self.min_compression_rate)
         signature = repr(layout.signature)
-        if mem is not None and mem.layout is None and mem.signature == signature:
+        if (
+            mem is not None
+            and mem.layout is None
+            and mem.signature == signature
+            and self._loaded_names_match(mem, params)
+        ):
             self._adopt_loaded(mem, layout, buffer)  # first step after load_state_dict / unpickling
         else:
+            new = self._migrate(index, layout, params, buffer)
+            if new is None:
+                if mem is not None and batched:
+                    warnings.warn(
+                        f"PowerSGD: bucket {index} of the batched hook no longer holds the parameters its memory was "
+                        "built for, in the same order (DDP rebuilt its buckets: a fresh DDP model after a resume "
+                        "does on its first iteration; or another model); the batched hook's memory spans the whole "
+                        "bucket and cannot follow its parameters: resetting its error-feedback and warm-start "
+                        "memory (use powerSGD_hook for exact resumes)",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                elif mem is not None:
+                    warnings.warn(
+                        f"PowerSGD: bucket {index} no longer matches the layout its memory was built for "
+                        f"(DDP rebuilt its buckets, a different model, or a different gradient dtype); rebuilding it "
+                        f"and resetting its error-feedback and warm-start memory. New layout: {layout}",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                new = BucketMemory()
+                self._allocate(new, layout, buffer)
             if mem is not None:
-                warnings.warn(
-                    f"PowerSGD: bucket {index} no longer matches the layout its memory was built for "
-                    f"(DDP rebuilt its buckets, a different model, or a different gradient dtype); rebuilding it "
-                    f"and resetting its error-feedback and warm-start memory. New layout: {layout}",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            mem = BucketMemory()
-            self._allocate(mem, layout, buffer)
-            self.buckets[index] = mem
+                self._retired.append(mem)  # other buckets of this iteration may migrate from it
+            self.buckets[index] = new
+            self._layout_changed = True
+            mem = new
         mem.layout = layout
         mem.signature = signature
+        mem.params = params
+        mem.param_names = None
+        mem.matrices = None
+        mem.strict = False
         mem.backend = _resolve_backend(self.backend, buffer)
         if mem.backend == "triton":
             from .autotune import configs_for_layout
@@ -329,7 +410,200 @@ class PowerSGDState:
             mem.configs = configs_for_layout(layout, buffer.dtype, buffer.device, group, autotune=self.autotune)
         else:
             mem.configs = {}
+        if bucket.is_last():
+            self._end_of_iteration()
         return mem
+
+    # ------------------------------------------------------------------ per-parameter memory migration
+    def _bind_model(self, model) -> None:
+        """Remember the names of ``model``'s parameters (a DDP module is unwrapped).
+
+        Lets :meth:`state_dict` record which parameter each saved matrix belongs to, and a loaded memory follow its
+        parameters into whatever buckets a fresh DDP instance makes. Used by :mod:`powersgd_triton.integrations`
+        and :mod:`powersgd_triton.checkpoint`.
+        """
+        module = getattr(model, "module", model)
+        named = list(module.named_parameters())
+        self._params_by_name = {name: p for name, p in named}
+        self._names_by_param = {id(p): name for name, p in named}
+
+    def _param_name(self, param: Optional[torch.Tensor]) -> Optional[str]:
+        if param is None:
+            return None
+        name = self._names_by_param.get(id(param))
+        if name is not None and self._params_by_name.get(name) is param:
+            return name
+        return None
+
+    def _loaded_names_match(self, mem: BucketMemory, params) -> bool:
+        """A loaded memory with the right signature also has the right parameters (when both sides are named)."""
+        if mem.param_names is None or params is None or not self._params_by_name:
+            return True
+        return tuple(self._param_name(p) for p in params) == tuple(mem.param_names)
+
+    def _sources(self) -> Dict[int, Tuple[BucketMemory, Tuple[int, ...]]]:
+        """id(parameter) -> (memory, packing row) of every compressed matrix the state holds memory for.
+
+        Rows are ``(grad_index, n, m, rank, p_offset, q_offset, e_offset)``. Live memories are keyed by their
+        parameter objects, loaded ones through the bound model's parameter names.
+        """
+        found: Dict[int, Tuple[BucketMemory, Tuple[int, ...]]] = {}
+        for mem in list(self._retired) + list(self.buckets.values()):
+            if mem.p is None:
+                continue
+            if mem.layout is not None:
+                if mem.layout.batched or mem.params is None:
+                    continue
+                for s in mem.layout.matrices:
+                    p = mem.params[s.grad_index]
+                    found[id(p)] = (mem, (s.grad_index, s.n, s.m, s.rank, s.p_offset, s.q_offset, s.e_offset))
+            elif mem.matrices is not None and mem.param_names is not None:
+                for row in mem.matrices:
+                    name = mem.param_names[row[0]] if row[0] < len(mem.param_names) else None
+                    p = self._params_by_name.get(name) if name is not None else None
+                    if p is not None:
+                        found[id(p)] = (mem, tuple(row))
+        return found
+
+    def _migrate(self, index: int, layout: BucketLayout, params, buffer: torch.Tensor) -> Optional[BucketMemory]:
+        """New memory for bucket ``index`` assembled, matrix by matrix, from the memory its parameters had.
+
+        Exact: each compressed matrix keeps its own error memory, P and warm-start Q (PowerSGD treats the matrices of
+        a bucket independently; only the packing changes). Returns None when there is nothing to migrate from (a
+        bucket seen for the first time) or when some matrix has no memory (the caller resets the bucket with a
+        warning); raises ValueError instead when that memory was loaded with strict checks.
+        """
+        if layout.batched or params is None:
+            return None  # the batched view mixes all parameters of a bucket: its memory cannot follow them
+        old = self.buckets.get(index)
+        if layout.num_matrices == 0:
+            # Nothing compressed: no memory to carry, only whether the initial Q seed was consumed. A bucket seen for
+            # the first time consumes one, as PyTorch's hook does (the RNG stream stays PyTorch's).
+            if old is None:
+                return None
+            new = BucketMemory()
+            self._allocate(new, layout, buffer)
+            new.q_initialized = old.q_initialized
+            new.phase = old.phase
+            return new
+        strict = any(m.strict for m in list(self._retired) + list(self.buckets.values()))
+        sources = self._sources()
+        if not sources:
+            if strict:
+                raise ValueError(
+                    f"PowerSGD: bucket {index} has compressed parameters {self._describe_matrices(layout, params)} "
+                    "but the loaded hook state holds no memory for them (the state was saved from another model, "
+                    "or with other compression settings)"
+                )
+            return None
+        rows, missing, wrong = [], [], []
+        for s in layout.matrices:
+            src = sources.get(id(params[s.grad_index]))
+            if src is None:
+                missing.append(self._param_name(params[s.grad_index]) or f"gradient {s.grad_index}")
+                continue
+            mem, row = src
+            if tuple(row[1:4]) != (s.n, s.m, s.rank):
+                name = self._param_name(params[s.grad_index]) or f"gradient {s.grad_index}"
+                wrong.append(f"{name}: saved {row[1]}x{row[2]} rank {row[3]}, now {s.n}x{s.m} rank {s.rank}")
+                continue
+            if self.use_error_feedback and mem.error is None:
+                missing.append((self._param_name(params[s.grad_index]) or f"gradient {s.grad_index}") + " (error)")
+                continue
+            rows.append((s, mem, row))
+        phases = sorted({mem.phase for _, mem, _ in rows})
+        if len(phases) > 1:  # alternating hook: the matrices of one bucket must take the same half-step next
+            wrong.append(f"memory from buckets in different alternating phases {phases}")
+        if missing or wrong:
+            if strict:
+                what = []
+                if missing:
+                    what.append(f"no saved memory for {missing}")
+                if wrong:
+                    what.append(f"different matrices: {wrong}")
+                raise ValueError(
+                    f"PowerSGD: the loaded hook state does not match bucket {index} of this model: " + "; ".join(what)
+                )
+            return None  # the caller resets the bucket (with a warning if it had memory)
+        new = BucketMemory()
+        self._allocate(new, layout, buffer)
+        initialized = []
+        for s, mem, (gi, n, m, r, p_off, q_off, e_off) in rows:
+            if new.error is not None:
+                new.error[s.e_offset : s.e_offset + s.numel].copy_(mem.error[e_off : e_off + n * m])
+            new.p[s.p_offset : s.p_offset + s.n * s.rank].copy_(mem.p[p_off : p_off + n * r])
+            new.q[s.q_offset : s.q_offset + s.m * s.rank].copy_(mem.q[q_off : q_off + m * r])
+            initialized.append(mem.q_initialized)
+        new.q_initialized = all(initialized)
+        new.phase = phases[0]
+        logger.info("PowerSGD: bucket %s changed layout; its memory followed its %s matrices", index, len(rows))
+        return new
+
+    def _end_of_iteration(self) -> None:
+        """After the last bucket of an iteration: forget replaced memories, and buckets DDP no longer has.
+
+        A bucket not seen in an iteration where layouts changed is dropped when its parameters now belong to a
+        bucket that was seen (DDP rebuilt fewer buckets); memory without known parameters is kept.
+        """
+        if self._retired:
+            self._retired.clear()
+        if self._layout_changed:
+            live = set()
+            for i in self._seen:
+                mem = self.buckets.get(i)
+                if mem is not None and mem.params is not None:
+                    live.update(id(p) for p in mem.params)
+            for i in [i for i in self.buckets if i not in self._seen]:
+                if self._param_ids(self.buckets[i]) & live:
+                    del self.buckets[i]
+            self._layout_changed = False
+        self._seen.clear()
+
+    def _param_ids(self, mem: BucketMemory) -> set:
+        """id() of the parameters a memory belongs to: its own, or those its loaded names resolve to."""
+        if mem.params is not None:
+            return {id(p) for p in mem.params}
+        if mem.param_names is not None:
+            return {id(self._params_by_name[n]) for n in mem.param_names if n in self._params_by_name}
+        return set()
+
+    def _check_world(self, group) -> None:
+        """Record rank and world size; a loaded state from another world size is refused (strict) or reset."""
+        import torch.distributed as dist
+
+        if self._world_size is None or self._loaded_world_size is not None:
+            self._world_size = dist.get_world_size(group)
+            self._rank = dist.get_rank(group)
+        if self._loaded_world_size is None:
+            return
+        saved_ws, saved_rank = self._loaded_world_size, self._loaded_rank
+        self._loaded_world_size = self._loaded_rank = None
+        loaded = [i for i, m in self.buckets.items() if m.layout is None]
+        if not loaded:
+            return
+        strict = any(self.buckets[i].strict for i in loaded)
+        if saved_ws != self._world_size:
+            msg = (
+                f"PowerSGD: the hook state was saved with world size {saved_ws}, this job has world size "
+                f"{self._world_size}; error-feedback memory is per rank and the warm-start Q is scaled by the world "
+                "size, so it cannot be reused"
+            )
+            if strict:
+                raise ValueError(msg)
+            warnings.warn(msg + ": resetting it", RuntimeWarning, stacklevel=4)
+            for i in loaded:
+                del self.buckets[i]
+        elif saved_rank is not None and saved_rank != self._rank and not strict:
+            warnings.warn(
+                f"PowerSGD: rank {self._rank} resumes from the hook state of rank {saved_rank}: its error-feedback "
+                "memory is another rank's (an approximate resume); save one file per rank with "
+                "powersgd_triton.checkpoint.save_hook_state for an exact one",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _describe_matrices(self, layout: BucketLayout, params) -> List[str]:
+        return [self._param_name(params[s.grad_index]) or f"gradient {s.grad_index}" for s in layout.matrices]
 
     def _allocate(self, mem: BucketMemory, layout: BucketLayout, buffer: torch.Tensor) -> None:
         f32 = dict(device=buffer.device, dtype=torch.float32)
@@ -413,6 +687,18 @@ class PowerSGDState:
         name, keys, pos, has_gauss, cached = self.rng.get_state()
         buckets = {}
         for index, mem in self.buckets.items():
+            if mem.layout is not None:
+                names = None
+                if mem.params is not None and self._params_by_name:
+                    names = [self._param_name(p) for p in mem.params]
+                matrices = None
+                if not mem.layout.batched:
+                    matrices = [
+                        [s.grad_index, s.n, s.m, s.rank, s.p_offset, s.q_offset, s.e_offset] for s in mem.layout.matrices
+                    ]
+            else:  # loaded, not adopted yet: pass through what was loaded
+                names = None if mem.param_names is None else list(mem.param_names)
+                matrices = None if mem.matrices is None else [list(r) for r in mem.matrices]
             buckets[int(index)] = {
                 "signature": mem.signature,
                 "error": None if mem.error is None else mem.error.detach(),
@@ -420,6 +706,10 @@ class PowerSGDState:
                 "q": None if mem.q is None else mem.q.detach(),
                 "q_initialized": bool(mem.q_initialized),
                 "phase": mem.phase,
+                # which parameter each gradient of the bucket is (names of the bound model; None: unknown) and
+                # where each compressed matrix's memory lies: lets the memory follow its parameters on resume
+                "param_names": names,
+                "matrices": matrices,
             }
         return {
             "version": _STATE_DICT_VERSION,
@@ -428,6 +718,9 @@ class PowerSGDState:
             "total_numel_before_compression": int(self.total_numel_before_compression),
             "total_numel_after_compression": int(self.total_numel_after_compression),
             "next_stats_report": int(self.next_stats_report),
+            # the process group the memory was built in (None before the first compressed step)
+            "world_size": self._world_size if self._loaded_world_size is None else self._loaded_world_size,
+            "rank": self._rank if self._loaded_rank is None else self._loaded_rank,
             "rng": {
                 "name": str(name),
                 "keys": [int(k) for k in keys],
@@ -471,9 +764,18 @@ class PowerSGDState:
         self.total_numel_after_compression = int(state_dict["total_numel_after_compression"])
         self.next_stats_report = int(state_dict["next_stats_report"])
         self.buckets = {}
+        self._retired = []
+        self._seen = set()
+        self._layout_changed = False
+        self._loaded_world_size = state_dict.get("world_size")
+        self._loaded_rank = state_dict.get("rank")
         for index, saved_mem in state_dict["buckets"].items():
             mem = BucketMemory()
             mem.signature = saved_mem["signature"]
+            names = saved_mem.get("param_names")
+            mem.param_names = None if names is None else tuple(names)
+            matrices = saved_mem.get("matrices")
+            mem.matrices = None if matrices is None else [tuple(int(v) for v in row) for row in matrices]
             for name in ("error", "p", "q"):
                 t = saved_mem.get(name)
                 setattr(mem, name, None if t is None else t.detach().clone())

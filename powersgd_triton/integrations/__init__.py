@@ -1,0 +1,82 @@
+"""Framework integrations: PyTorch Lightning (:mod:`.lightning`) and Accelerate (:mod:`.accelerate`).
+
+This package imports neither framework: each submodule imports its framework when it is imported itself, and
+``import powersgd_triton`` imports none of them. What lives here is framework-free:
+
+* :func:`register` -- ``ddp_model.register_comm_hook(state, hook)`` with the checks the frameworks skip: it refuses
+  FSDP-wrapped modules and compiled DDP's python reducer with an error naming the unsupported mode, and it tells the
+  state the names of the model's parameters, so that ``state.state_dict()`` and
+  :func:`powersgd_triton.checkpoint.save_hook_state` record which parameter each saved matrix belongs to (the memory
+  then follows its parameters when a resumed DDP orders its buckets differently).
+"""
+
+import sys
+
+__all__ = ["register", "check_ddp_model"]
+
+
+def _is_fsdp(model) -> bool:
+    """FSDP1 (``FullyShardedDataParallel``) or FSDP2 (``fully_shard``) module; imports nothing new."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None:
+        for name in ("FullyShardedDataParallel", "FSDPModule"):
+            cls = getattr(fsdp, name, None)
+            if isinstance(cls, type) and isinstance(model, cls):
+                return True
+    return any(c.__name__ in ("FullyShardedDataParallel", "FSDPModule") for c in type(model).__mro__)
+
+
+def check_ddp_model(model) -> None:
+    """Raise ``TypeError`` unless ``model`` is a ``DistributedDataParallel`` our hooks can run under.
+
+    Refused with a message naming the mode: FSDP (``FullyShardedDataParallel`` / ``fully_shard``), compiled DDP's
+    python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``, which calls comm hooks per parameter),
+    and anything that is not DDP.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if _is_fsdp(model):
+        raise TypeError(
+            f"PowerSGD hooks do not support FSDP ({type(model).__name__}): they compress DistributedDataParallel "
+            "buckets; FSDP reduce-scatters sharded gradients. Use DistributedDataParallel"
+        )
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"expected a torch.nn.parallel.DistributedDataParallel model, got {type(model).__name__}; wrap the model "
+            "in DistributedDataParallel first (a single-process run has nothing to compress)"
+        )
+    if getattr(model, "_use_python_reducer", False):
+        raise TypeError(
+            "this DistributedDataParallel model uses compiled DDP's python reducer "
+            "(torch._dynamo.config.optimize_ddp='python_reducer'), which calls comm hooks once per parameter with a "
+            "(grad, param) tuple; PowerSGD needs whole buckets. Use optimize_ddp='ddp_optimizer' (the default)"
+        )
+
+
+def register(model, state, hook=None):
+    """Register ``hook`` (default :func:`powersgd_triton.powerSGD_hook`) with ``state`` on the DDP ``model``.
+
+    Same as ``model.register_comm_hook(state, hook)`` (wrapped hooks such as
+    ``bf16_compress_wrapper(powerSGD_hook)`` are fine), plus :func:`check_ddp_model` and, for a
+    :class:`powersgd_triton.PowerSGDState`, the parameter names used by its checkpoints. Returns ``model``.
+
+    Raises:
+        TypeError: FSDP, compiled DDP's python reducer, not a DDP model, or a state that is not ours with our hook.
+    """
+    from .. import alternating as _alternating
+    from .. import hooks as _hooks
+    from ..state import PowerSGDState
+
+    if hook is None:
+        hook = _hooks.powerSGD_hook
+    check_ddp_model(model)
+    ours = (_hooks.powerSGD_hook, _hooks.batched_powerSGD_hook, _alternating.alternating_powerSGD_hook)
+    if hook in ours and not isinstance(state, PowerSGDState):
+        raise TypeError(
+            f"{hook.__name__} needs a powersgd_triton.PowerSGDState, got {type(state).__module__}."
+            f"{type(state).__name__} (import PowerSGDState from powersgd_triton, not from torch)"
+        )
+    if isinstance(state, PowerSGDState):
+        state._bind_model(model)
+    model.register_comm_hook(state, hook)
+    return model

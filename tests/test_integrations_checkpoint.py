@@ -1,0 +1,313 @@
+"""Per-rank hook-state checkpoints (powersgd_triton.checkpoint) and the memory following its parameters.
+
+A fresh DistributedDataParallel puts the parameters of its first buckets in registration order and rebuilds them in
+gradient-ready order after its first iteration; a state saved from a trained DDP therefore meets other bucket layouts
+on resume, twice. These tests resume on 2 gloo ranks and require the parameters to equal an uninterrupted run's
+bitwise, with one bucket and with several, and check every refusal of ``load_hook_state``.
+"""
+
+import copy
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _dist import run_ranks
+from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton.checkpoint import hook_state_path, load_hook_state, save_hook_state
+from powersgd_triton.integrations import register
+
+pytestmark = pytest.mark.timeout(120)
+
+TOTAL, STOP = 10, 5
+
+
+def _model(frozen: bool = False):
+    torch.manual_seed(0)
+    # Two 32x32 layers: same shapes, so a swap of their memory would go unseen by the layout signature alone.
+    m = nn.Sequential(
+        nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+    if frozen:
+        m[2].weight.requires_grad_(False)
+    return m
+
+
+def _state(**kw):
+    kw.setdefault("matrix_approximation_rank", 2)
+    return PowerSGDState(None, start_powerSGD_iter=2, backend="torch", **kw)
+
+
+def _steps(ddp, opt, rank, start, stop):
+    for i in range(start, stop):
+        g = torch.Generator().manual_seed(1000 * i + rank)  # each rank its own data: per-rank error memory differs
+        x = torch.randn(8, 20, generator=g)
+        opt.zero_grad()
+        ddp(x).pow(2).sum().backward()
+        opt.step()
+
+
+def _setup(model, cap, hook=powerSGD_hook, **state_kw):
+    ddp = DDP(model, **({"bucket_cap_mb": cap} if cap else {}))
+    state = _state(**state_kw)
+    register(ddp, state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    return ddp, state, opt
+
+
+def _resume_worker(rank, world_size, folder, cap, how, hook=powerSGD_hook):
+    """Uninterrupted run vs stop at STOP, save, rebuild everything, load, continue. Returns what differs."""
+    ddp, state, opt = _setup(_model(), cap, hook)
+    _steps(ddp, opt, rank, 0, TOTAL)
+    reference = [p.detach().clone() for p in ddp.parameters()]
+    buckets_uninterrupted = len(state.buckets)
+
+    ddp, state, opt = _setup(_model(), cap, hook)
+    _steps(ddp, opt, rank, 0, STOP)
+    model_sd = copy.deepcopy(ddp.module.state_dict())
+    opt_sd = copy.deepcopy(opt.state_dict())
+    if how == "files":
+        file = save_hook_state(state, ddp, folder)
+    else:  # state_dict(), as Lightning callbacks / Accelerate would: the names come from register()
+        hook_sd = copy.deepcopy(state.state_dict())
+    errors = {i: e.clone() for i, e in state.error_dict.items()}
+
+    model = _model()
+    model.load_state_dict(model_sd)
+    ddp, state, opt = _setup(model, cap, hook)
+    opt.load_state_dict(opt_sd)
+    if how == "files":
+        load_hook_state(state, ddp, folder)
+    else:
+        state.load_state_dict(hook_sd)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(ddp, opt, rank, STOP, TOTAL)
+    got = [p.detach() for p in ddp.parameters()]
+    return {
+        "equal": all(torch.equal(a, b) for a, b in zip(reference, got)),
+        "max_diff": max(float((a - b).abs().max()) for a, b in zip(reference, got)),
+        "warnings": [str(w.message) for w in caught if "PowerSGD" in str(w.message)],
+        "iter": state.iter,
+        "buckets": (buckets_uninterrupted, len(state.buckets)),
+        "errors": errors,
+        "file": file if how == "files" else None,
+    }
+
+
+@pytest.mark.parametrize("cap", [None, 0.002], ids=["one_bucket", "three_buckets"])
+def test_resume_is_bitwise_equal_to_uninterrupted(tmp_path, cap):
+    results = run_ranks(_resume_worker, 2, tmp_path, str(tmp_path / "ckpt"), cap, "files")
+    for rank, r in enumerate(results):
+        assert r["equal"], (rank, r["max_diff"])
+        assert r["warnings"] == []
+        assert r["iter"] == TOTAL
+        assert r["buckets"][0] == r["buckets"][1] == (1 if cap is None else 3)
+        assert r["file"] == hook_state_path(str(tmp_path / "ckpt"), rank)
+        assert os.path.basename(r["file"]) == f"hook_state.rank{rank}.pt"
+    # The error memory really is per rank: rank 1's is not rank 0's.
+    e0, e1 = results[0]["errors"], results[1]["errors"]
+    assert e0.keys() == e1.keys() and not all(torch.equal(e0[i], e1[i]) for i in e0)
+
+
+def test_alternating_hook_resumes_exactly(tmp_path):
+    """The alternating hook's kept factors, local residuals and phase follow their parameters too (STOP is odd:
+    the resumed buckets take a Q half-step first)."""
+    for r in run_ranks(_resume_worker, 2, tmp_path, str(tmp_path / "ckpt"), 0.002, "files", alternating_powerSGD_hook):
+        assert r["equal"] and r["warnings"] == [] and r["iter"] == TOTAL, r["max_diff"]
+
+
+def test_resume_through_state_dict_after_register(tmp_path):
+    """state_dict()/load_state_dict() (no files) is exact too once register() named the parameters."""
+    for r in run_ranks(_resume_worker, 2, tmp_path, None, 0.002, "state_dict"):
+        assert r["equal"] and r["warnings"] == [] and r["iter"] == TOTAL
+
+
+def _load_refusals_worker(rank, world_size, folder):
+    out = {}
+    ddp, state, opt = _setup(_model(), None)
+    _steps(ddp, opt, rank, 0, 4)
+    save_hook_state(state, ddp, folder)
+    dist.barrier()
+
+    def attempt(fn):
+        try:
+            fn()
+        except (ValueError, FileNotFoundError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    # Another rank's file, another world size, a missing file, another model, other compression settings.
+    swapped = os.path.join(folder, "swapped")  # each rank finds the other rank's file under its own name
+    os.makedirs(swapped, exist_ok=True)
+    shutil.copy(hook_state_path(folder, 1 - rank), hook_state_path(swapped, rank))
+    out["rank"] = attempt(lambda: load_hook_state(_state(), ddp, swapped))
+    out["world"] = attempt(lambda: load_hook_state(_state(), ddp, folder, world_size=4))
+    out["missing"] = attempt(lambda: load_hook_state(_state(), ddp, folder, rank=3, world_size=2))
+    other = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 32),
+                          nn.ReLU(), nn.Linear(32, 4))
+    out["model"] = attempt(lambda: load_hook_state(_state(), other, folder))
+    out["settings"] = attempt(lambda: load_hook_state(_state(matrix_approximation_rank=4), ddp, folder))
+    out["ok"] = attempt(lambda: load_hook_state(_state(), ddp, folder))
+
+    # Same parameter names and shapes, but a layer frozen when the state was saved is trained now: the bucket has a
+    # compressed parameter without saved memory. Detected when the hook first sees the bucket, from backward().
+    frozen_ddp, frozen_state, frozen_opt = _setup(_model(frozen=True), None)
+    _steps(frozen_ddp, frozen_opt, rank, 0, 4)
+    save_hook_state(frozen_state, frozen_ddp, os.path.join(folder, "frozen"))
+    ddp2, state2, opt2 = _setup(_model(), None)
+    load_hook_state(state2, ddp2, os.path.join(folder, "frozen"))
+    try:
+        _steps(ddp2, opt2, rank, 4, 5)
+        out["first_sight"] = None
+    except Exception as exc:  # noqa: BLE001 - DDP may re-wrap the hook's error
+        out["first_sight"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_load_refuses_what_does_not_match(tmp_path):
+    results = run_ranks(_load_refusals_worker, 2, tmp_path, str(tmp_path / "ckpt"))
+    for rank, r in enumerate(results):
+        assert r["ok"] is None
+        assert r["rank"].startswith("ValueError") and f"rank {1 - rank}" in r["rank"]
+        assert r["world"].startswith("ValueError") and "world of 2 ranks" in r["world"] and "has 4" in r["world"]
+        assert r["missing"].startswith("FileNotFoundError") and "hook_state.rank0.pt" in r["missing"]
+        assert r["model"].startswith("ValueError") and "2.weight" in r["model"] and "(32, 32)" in r["model"]
+        assert r["settings"].startswith("ValueError") and "matrix_approximation_rank" in r["settings"]
+        assert r["first_sight"] is not None and "2.weight" in r["first_sight"], r["first_sight"]
+        assert "no saved memory" in r["first_sight"]
+
+
+def _pytorch_recipe_worker(rank, world_size, folder):
+    """PyTorch's recipe (rank 0's state loaded on every rank) is an approximate resume: it says so."""
+    ddp, state, opt = _setup(_model(), None)
+    _steps(ddp, opt, rank, 0, 4)
+    sd = state.state_dict()
+    obj = [sd if rank == 0 else None]
+    dist.broadcast_object_list(obj, src=0)
+    ddp2, state2, opt2 = _setup(_model(), None)
+    state2.load_state_dict(obj[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(ddp2, opt2, rank, 4, 5)
+    return [str(w.message) for w in caught if "PowerSGD" in str(w.message)]
+
+
+def test_rank0_state_on_every_rank_warns(tmp_path):
+    r0, r1 = run_ranks(_pytorch_recipe_worker, 2, tmp_path, None)
+    assert r0 == []
+    assert any("rank 1 resumes from the hook state of rank 0" in m for m in r1), r1
+
+
+def _batched_worker(rank, world_size, folder):
+    ddp, state, opt = _setup(_model(), None, hook=batched_powerSGD_hook)
+    _steps(ddp, opt, rank, 0, 4)
+    save_hook_state(state, ddp, folder)
+    ddp2, state2, opt2 = _setup(_model(), None, hook=batched_powerSGD_hook)
+    load_hook_state(state2, ddp2, folder)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(ddp2, opt2, rank, 4, 7)
+    return {"warnings": [str(w.message) for w in caught if "PowerSGD" in str(w.message)], "iter": state2.iter}
+
+
+def test_batched_hook_resets_a_reordered_bucket_with_a_warning(tmp_path):
+    """The batched hook's memory spans the whole bucket: it cannot follow DDP's reordering, and says so (twice: the
+    fresh DDP's first buckets, then the rebuilt ones); never a silent reuse of memory in another order."""
+    for r in run_ranks(_batched_worker, 2, tmp_path, str(tmp_path / "ckpt")):
+        assert len(r["warnings"]) == 2 and all("batched hook" in w for w in r["warnings"]), r["warnings"]
+        assert r["iter"] == 7
+
+
+def test_hook_state_file_loads_weights_only(tmp_path):
+    state = _state()
+    model = _model()
+    file = save_hook_state(state, model, str(tmp_path / "x" / "r{rank}.pt"), rank=1, world_size=3)
+    assert file == str(tmp_path / "x" / "r1.pt")
+    payload = torch.load(file, weights_only=True)
+    assert payload["rank"] == 1 and payload["world_size"] == 3
+    assert payload["parameters"]["0.weight"] == [32, 20]
+    meta = load_hook_state(_state(), model, str(tmp_path / "x" / "r{rank}.pt"), rank=1, world_size=3)
+    assert meta["format"] == "powersgd_triton.hook_state" and "hook_state" not in meta
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        save_hook_state(state, model, str(tmp_path))
+    with pytest.raises(TypeError, match="PowerSGDState"):
+        save_hook_state(object(), model, str(tmp_path), rank=0, world_size=1)
+
+
+class _ParamBucket:
+    """A duck-typed bucket whose parameters() are the same nn.Parameters on every call, as DDP's are."""
+
+    def __init__(self, params, index, is_last):
+        self._params = params
+        self._buffer = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+        self._index, self._is_last = index, is_last
+
+    def buffer(self):
+        return self._buffer
+
+    def gradients(self):
+        out, off = [], 0
+        for p in self._params:
+            out.append(self._buffer[off : off + p.numel()].view(p.shape))
+            off += p.numel()
+        return out
+
+    def parameters(self):
+        return self._params
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._is_last
+
+
+def test_first_seen_bucket_without_compressed_matrices_draws_its_seed():
+    """A new bucket that compresses nothing is not 'migrated' from other buckets: it consumes its initial-Q seed,
+    as PyTorch's hook does, so the RNG stream (and every later Q) stays PyTorch's."""
+    model = _model()
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    state = _state()
+    b0, b1 = _ParamBucket(weights, 0, False), _ParamBucket(biases, 1, True)
+    mem0 = state._prepare_bucket(b0, b0.buffer(), False, None)
+    state._draw_q(mem0, torch.float32)
+    mem1 = state._prepare_bucket(b1, b1.buffer(), False, None)
+    assert mem1.layout.num_matrices == 0 and not mem1.q_initialized  # the hook will draw (and consume a seed)
+
+
+def test_memory_follows_parameters_into_fewer_buckets():
+    """Three buckets become two (DDP's rebuild): every matrix keeps its memory, the third bucket is dropped."""
+    model = _model()
+    params = list(model.parameters())  # 0.w 0.b 2.w 2.b 4.w 4.b 6.w 6.b
+    state = _state()
+    first = [_ParamBucket(params[6:], 0, False), _ParamBucket(params[3:6], 1, False), _ParamBucket(params[:3], 2, True)]
+    for b in first:
+        mem = state._prepare_bucket(b, b.buffer(), False, None)
+        state._draw_q(mem, torch.float32)
+        mem.error.normal_()
+        mem.p.normal_()
+    before = {}
+    for mem in state.buckets.values():
+        for s in mem.layout.matrices:
+            before[id(mem.params[s.grad_index])] = (
+                mem.error[s.e_offset : s.e_offset + s.numel].clone(), mem.q[s.q_offset : s.q_offset + s.m * s.rank].clone()
+            )
+    second = [_ParamBucket(params[4:][::-1], 0, False), _ParamBucket(params[:4][::-1], 1, True)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mems = [state._prepare_bucket(b, b.buffer(), False, None) for b in second]
+    assert sorted(state.buckets) == [0, 1] and not state._retired
+    for mem in mems:
+        assert mem.q_initialized
+        for s in mem.layout.matrices:
+            e, q = before[id(mem.params[s.grad_index])]
+            assert torch.equal(mem.error[s.e_offset : s.e_offset + s.numel], e)
+            assert torch.equal(mem.q[s.q_offset : s.q_offset + s.m * s.rank], q)
+    assert sum(m.layout.num_matrices for m in mems) == len(before) == 3  # 6.weight (4x32) is too small at rank 2
