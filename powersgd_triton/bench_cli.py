@@ -28,11 +28,39 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _usage(message: str) -> int:
+    import sys
+
+    print(f"powersgd-triton bench: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
 def run(args) -> int:
     import torch
 
     from . import benchmarking as B
 
+    from .shapes import MODELS
+
+    models = [m for m in args.models.split(",") if m]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    try:
+        ranks = [int(r) for r in args.ranks.split(",") if r]
+    except ValueError:
+        return _usage(f"--ranks must be a comma list of integers, got {args.ranks!r}")
+    bad = [m for m in models if m not in MODELS] + [d for d in dtypes if d not in B.DTYPES]
+    if bad or not models or not dtypes or not ranks:
+        return _usage(f"unknown or empty --models/--dtypes {bad}; models: {sorted(MODELS)}, dtypes: {sorted(B.DTYPES)}")
+    if min(ranks) < 1 or args.rounds < 1:
+        return _usage("--ranks and --rounds must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return _usage("--device cuda: no CUDA device here")
+    if args.backend == "triton":
+        from . import _env
+
+        want = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+        if not _env.triton_can_run(want):
+            return _usage(f"--backend triton cannot run on {want} here (CPU needs TRITON_INTERPRET=1; never timed)")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
@@ -41,9 +69,9 @@ def run(args) -> int:
         backend = "torch"  # never the interpreter for timings, even where TRITON_INTERPRET=1 is set
     pg = B.ensure_process_group()
     rows = []
-    for model in [m for m in args.models.split(",") if m]:
-        for dtype in [d for d in args.dtypes.split(",") if d]:
-            for rank in [int(r) for r in args.ranks.split(",") if r]:
+    for model in models:
+        for dtype in dtypes:
+            for rank in ranks:
                 rows += B.compare_hooks(model, rank, dtype, device, backend=backend, rounds=args.rounds,
                                         counts=not args.no_counts, shrink=args.shrink,
                                         bucket_cap_mb=25.0 if args.shrink == 1 else 25.0 / args.shrink ** 2)

@@ -158,3 +158,13 @@ def test_time_interleaved_alternates():
     calls = []
     stats = B.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=2, warmup=0)
     assert calls == ["a", "b", "b", "a"] and stats["a"]["reps"] == 2
+
+
+@pytest.mark.parametrize(
+    "bad", [["--models", "nope"], ["--rounds", "0"], ["--ranks", "0"], ["--ranks", "x"], ["--dtypes", "fp8"]]
+)
+def test_bench_cli_rejects_bad_options_cleanly(bad, capsys):
+    from powersgd_triton import cli
+
+    assert cli.main(["bench", *bad]) == 2
+    assert "powersgd-triton bench: error:" in capsys.readouterr().err

@@ -189,3 +189,11 @@ def test_under_torchrun(tmp_path):
     check_schema(payload, ["reference"], steps=4)
     assert payload["config"]["world_size"] == 2
     assert proc.stdout.count("final test acc") == 1  # only rank 0 prints the table
+
+
+def test_triton_kernels_without_interpreter_on_cpu_is_a_clear_error(monkeypatch, capsys):
+    from powersgd_triton import _env, cli
+
+    monkeypatch.setattr(_env, "interpreter_enabled", lambda: False)
+    assert cli.main(["train", "--kernels", "triton", "--steps", "3"]) == 2
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err

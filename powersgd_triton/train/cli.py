@@ -224,6 +224,17 @@ def run(args: argparse.Namespace) -> int:
             cfg.world_size = tr.world_size
         resolved = cfg.resolved()  # validate before starting anything
         check_available(resolved)
+        if args.kernels == "triton":
+            import torch
+
+            from .. import _env
+
+            if not _env.triton_can_run(torch.device(resolved.device)):
+                raise ValueError(
+                    f"--kernels triton cannot run on {resolved.device} here: "
+                    + ("triton is not installed" if not _env.triton_available() else
+                       "CPU tensors need TRITON_INTERPRET=1 in the environment (Triton's interpreter, slow)")
+                )
     except (ValueError, HooksUnavailable, DataUnavailable) as exc:
         return _error(str(exc), 2)
     if tr is None or tr.rank == 0:
