@@ -2,7 +2,8 @@
 
 The interpreter accepts code the GPU compiler rejects (dot sizes, shared memory, types), so each kernel, in every
 feature variant and gradient dtype (rank 4) and at ranks 1 and 32 (bfloat16), with its heuristic config, is compiled to a cubin here.
-The autotuner's candidate configs are compiled by tests/test_autotune_compile.py. Runs in a subprocess: under
+Each compile is ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` through
+``triton_ops.compile_aot``. The autotuner's candidate configs are compiled by tests/test_autotune_aot.py. Runs in a subprocess: under
 TRITON_INTERPRET=1 the kernels are interpreted functions.
 """
 
