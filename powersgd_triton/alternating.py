@@ -92,8 +92,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .hooks import _all_finite, _allreduce_average, _check_bucket, _commit, _completed, _use_callback_chain
-from .layout import check_gradient_dtype
+from .hooks import _all_finite, _allreduce_average, _checked_buffer, _commit, _completed, _use_callback_chain, _warm_up
 from .state import BucketMemory, PowerSGDState
 
 __all__ = ["alternating_powerSGD_hook"]
@@ -191,22 +190,15 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
         >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
         >>> ddp_model.register_comm_hook(state, alternating_powerSGD_hook)
     """
-    _check_bucket(bucket)  # unsupported callers: compiled DDP's python reducer, FSDP
-    buffer = bucket.buffer()
-    check_gradient_dtype(buffer.dtype)
-    if buffer.dim() != 1:
-        raise ValueError(f"bucket buffer must be 1-D, got shape {tuple(buffer.shape)}")
+    buffer = _checked_buffer(bucket)
     if not state.warm_start:
         raise ValueError(
             "alternating_powerSGD_hook needs warm_start=True: the factors kept between steps carry its power "
             "iteration"
         )
-    group = state._group()
-    world_size = dist.get_world_size(group)
-
-    if state.iter < state.start_powerSGD_iter:
-        state.maybe_increase_iter(bucket)
-        return _allreduce_average(group, world_size, buffer)
+    group, world_size, plain = _warm_up(state, bucket, buffer)
+    if plain is not None:
+        return plain
 
     mem = state._prepare_bucket(bucket, buffer, False, group)
     layout = mem.layout

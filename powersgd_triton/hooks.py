@@ -180,18 +180,36 @@ def _check_bucket(bucket) -> None:
         )
 
 
-def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
-    _check_bucket(bucket)  # unsupported callers: compiled DDP's python reducer, FSDP
+def _checked_buffer(bucket) -> torch.Tensor:
+    """The bucket's flat buffer, after the checks every hook makes before it changes anything.
+
+    Raises the caller-mode error of ``_check_bucket`` (compiled DDP's python reducer, FSDP), ``TypeError`` for
+    complex or integer gradients and ``ValueError`` for a buffer that is not 1-D.
+    """
+    _check_bucket(bucket)
     buffer = bucket.buffer()
-    check_gradient_dtype(buffer.dtype)  # TypeError before anything changes
+    check_gradient_dtype(buffer.dtype)
     if buffer.dim() != 1:
         raise ValueError(f"bucket buffer must be 1-D, got shape {tuple(buffer.shape)}")
+    return buffer
+
+
+def _warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor):
+    """``(group, world_size, future)``: ``future`` is the plain averaged all-reduce while
+    ``iter < start_powerSGD_iter`` (PyTorch's warm-up), else None and the hook compresses."""
     group = state._group()
     world_size = dist.get_world_size(group)
-
     if state.iter < state.start_powerSGD_iter:
         state.maybe_increase_iter(bucket)
-        return _allreduce_average(group, world_size, buffer)
+        return group, world_size, _allreduce_average(group, world_size, buffer)
+    return group, world_size, None
+
+
+def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
+    buffer = _checked_buffer(bucket)
+    group, world_size, plain = _warm_up(state, bucket, buffer)
+    if plain is not None:
+        return plain
 
     mem = state._prepare_bucket(bucket, buffer, batched, group)
     layout = mem.layout
