@@ -166,3 +166,11 @@ def backend_params():
         pytest.param("torch", id="torch"),
         pytest.param("triton", id="triton", marks=pytest.mark.skipif(reason is not None, reason=reason or "")),
     ]
+
+
+def params_agree(model, world_size: int) -> bool:
+    """True when ``model``'s parameters are bitwise identical on every rank of the default group (all-gather)."""
+    mine = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    everyone = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(everyone, mine)
+    return all(torch.equal(everyone[0], other) for other in everyone[1:])

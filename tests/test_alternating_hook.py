@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _dist import FakeBucket, backend_params, bucket_numel, run_ranks
+from _dist import FakeBucket, backend_params, bucket_numel, params_agree, run_ranks
 from _launches import CountLaunches, counting_bucket_kernels
 from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, hooks, powerSGD_hook
 
@@ -524,10 +524,6 @@ class Net(nn.Module):
         return self.fc2(x)
 
 
-def _flat_params(model):
-    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
-
-
 def _train(rank, world_size, backend, variant, steps=20):
     torch.manual_seed(1234 + 17 * rank)  # differently seeded ranks: DDP broadcasts rank 0's parameters
     dtype = torch.bfloat16 if variant == "bf16" else torch.float32
@@ -550,10 +546,7 @@ def _train(rank, world_size, backend, variant, steps=20):
             loss.backward()
             opt.step()
             losses.append(float(loss))
-            mine = _flat_params(ddp.module)
-            everyone = [torch.empty_like(mine) for _ in range(world_size)]
-            dist.all_gather(everyone, mine)
-            if not all(torch.equal(everyone[0], other) for other in everyone[1:]):
+            if not params_agree(ddp.module, world_size):
                 mismatched.append(step)
     with torch.no_grad():
         final = float(F.cross_entropy(ddp.module(x).float(), y))

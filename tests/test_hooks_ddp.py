@@ -10,13 +10,12 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _dist import backend_params, run_ranks
+from _dist import backend_params, params_agree, run_ranks
 from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
 pytestmark = pytest.mark.timeout(180)
@@ -53,10 +52,6 @@ class Net(nn.Module):
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = F.relu(self.fc1(x.flatten(1)))
         return self.fc2(x)
-
-
-def _flat_params(model):
-    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
 
 
 def _train(rank, world_size, variant, backend):
@@ -103,10 +98,7 @@ def _train(rank, world_size, variant, backend):
             loss.backward()
             opt.step()
             losses.append(float(loss))
-            mine = _flat_params(ddp.module)
-            everyone = [torch.empty_like(mine) for _ in range(world_size)]
-            dist.all_gather(everyone, mine)
-            if not all(torch.equal(everyone[0], other) for other in everyone[1:]):
+            if not params_agree(ddp.module, world_size):
                 mismatched.append(step)
     with torch.no_grad():
         final = float(F.cross_entropy(ddp.module(x).float(), y))
@@ -174,10 +166,7 @@ def _many_buckets_worker(rank, world_size, backend, check_every):
         F.mse_loss(ddp(x), target).backward()
         opt.step()
         if step % check_every == check_every - 1:
-            mine = _flat_params(ddp.module)
-            everyone = [torch.empty_like(mine) for _ in range(world_size)]
-            dist.all_gather(everyone, mine)
-            if not all(torch.equal(everyone[0], other) for other in everyone[1:]):
+            if not params_agree(ddp.module, world_size):
                 mismatched.append(step)
     return {"iter": state.iter, "buckets": len(state.buckets), "mismatched": mismatched}
 
