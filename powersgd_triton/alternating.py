@@ -92,7 +92,16 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .hooks import _all_finite, _allreduce_average, _checked_buffer, _commit, _completed, _use_callback_chain, _warm_up
+from .hooks import (
+    _all_finite,
+    _allreduce_average,
+    _check_state,
+    _checked_buffer,
+    _commit,
+    _completed,
+    _use_callback_chain,
+    _warm_up,
+)
 from .state import BucketMemory, PowerSGDState
 
 __all__ = ["alternating_powerSGD_hook"]
@@ -183,13 +192,15 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
 
     Raises:
         ValueError: ``state.warm_start`` is False (on the first call, before anything is changed).
-        TypeError: complex or integer gradients (before anything is changed).
+        TypeError: complex or integer gradients, or ``state`` is not a :class:`~powersgd_triton.PowerSGDState`
+            (before anything is changed).
 
     Example::
 
         >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
         >>> ddp_model.register_comm_hook(state, alternating_powerSGD_hook)
     """
+    _check_state(state, "alternating_powerSGD_hook")
     buffer = _checked_buffer(bucket)
     if not state.warm_start:
         raise ValueError(

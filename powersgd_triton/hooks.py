@@ -180,6 +180,20 @@ def _check_bucket(bucket) -> None:
         )
 
 
+def _check_state(state, hook: str) -> None:
+    """``TypeError`` unless ``state`` is our :class:`PowerSGDState` (PyTorch's own state is the likely mistake)."""
+    if isinstance(state, PowerSGDState):
+        return
+    kind = f"{type(state).__module__}.{type(state).__qualname__}"
+    hint = ""
+    if type(state).__name__ == "PowerSGDState":
+        hint = (
+            " (PyTorch's); import PowerSGDState from powersgd_triton as well, or convert it once with "
+            "powersgd_triton.PowerSGDState.from_torch(state) and register that"
+        )
+    raise TypeError(f"{hook} needs a powersgd_triton.PowerSGDState as its state, got {kind}{hint}")
+
+
 def _checked_buffer(bucket) -> torch.Tensor:
     """The bucket's flat buffer, after the checks every hook makes before it changes anything.
 
@@ -206,6 +220,7 @@ def _warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor):
 
 
 def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
+    _check_state(state, "batched_powerSGD_hook" if batched else "powerSGD_hook")
     buffer = _checked_buffer(bucket)
     group, world_size, plain = _warm_up(state, bucket, buffer)
     if plain is not None:
@@ -260,7 +275,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         A future whose value is the bucket buffer, holding the averaged (approximated) gradients.
 
     Raises:
-        TypeError: complex or integer gradients (before anything is changed).
+        TypeError: complex or integer gradients, or ``state`` is not a :class:`~powersgd_triton.PowerSGDState`
+            (PyTorch's state: convert it with ``PowerSGDState.from_torch``); before anything is changed.
 
     Example::
 

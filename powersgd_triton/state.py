@@ -309,6 +309,48 @@ class PowerSGDState:
         """Bucket index -> flat float32 warm-start Q, divided by the world size (PyTorch's order and scale)."""
         return {i: m.q for i, m in self.buckets.items() if m.q is not None}
 
+    # PyTorch's state keeps these constructor arguments as attributes of the same names (not random_seed).
+    _TORCH_ARGUMENTS = tuple(h for h in _HYPERPARAMETERS if h not in ("random_seed", "backend", "autotune"))
+
+    @classmethod
+    def from_torch(cls, torch_state, backend: str = "auto", autotune: bool = False) -> "PowerSGDState":
+        """A state with the settings of PyTorch's ``PowerSGDState`` (for swapping only the hook import).
+
+        Copies ``process_group``, ``matrix_approximation_rank``, ``start_powerSGD_iter``, ``min_compression_rate``,
+        ``use_error_feedback``, ``warm_start``, ``orthogonalization_epsilon``, ``compression_stats_logging_frequency``,
+        ``batch_tensors_with_same_shape``, ``iter`` (the warm-up schedule goes on where it was) and the state of its
+        RNG (PyTorch's state keeps no ``random_seed``, only the RNG it seeded): a bucket first compressed after the
+        conversion draws the same initial Q as PyTorch's hook would have. ``random_seed`` is recorded as ``None``.
+        PyTorch's state is not changed. Memory (error, P, Q) is not carried over: a bucket PyTorch's hook already
+        compressed starts again from a fresh random Q, as after a bucket rebuild.
+
+        Args:
+            torch_state: a ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``.
+            backend, autotune: as in the constructor.
+
+        Returns:
+            A new :class:`PowerSGDState`.
+
+        Raises:
+            TypeError: ``torch_state`` lacks one of PyTorch's attributes (it is not PyTorch's state).
+            ValueError: a setting this class refuses (the constructor's checks).
+        """
+        missing = [a for a in ("process_group", "iter", "rng") + cls._TORCH_ARGUMENTS if not hasattr(torch_state, a)]
+        if missing:
+            raise TypeError(
+                f"from_torch needs PyTorch's PowerSGDState; {type(torch_state).__qualname__} lacks {missing}"
+            )
+        new = cls(
+            torch_state.process_group,
+            **{a: getattr(torch_state, a) for a in cls._TORCH_ARGUMENTS},
+            backend=backend,
+            autotune=autotune,
+        )
+        new.rng.set_state(torch_state.rng.get_state())
+        new.random_seed = None
+        new.iter = int(torch_state.iter)
+        return new
+
     # ------------------------------------------------------------------ internal, used by the hooks
     def _group(self):
         """The process group the hooks use: ``process_group``, or WORLD when it is None (resolved at call time)."""
@@ -796,7 +838,10 @@ class PowerSGDState:
 
         Works before ``init_process_group``.
         """
-        PowerSGDState.__init__(self, None, **pickled["config"])
+        config = dict(pickled["config"])
+        seed = config["random_seed"]  # None for a state made by from_torch: its RNG state comes with the state dict
+        PowerSGDState.__init__(self, None, **{**config, "random_seed": 0 if seed is None else seed})
+        self.random_seed = seed
         self.load_state_dict(pickled["state"])
         logger.info(
             "NOTE: Process group will be set to the default group (i.e. the world size) when the hook runs. "

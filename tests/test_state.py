@@ -268,3 +268,74 @@ def test_backend_resolution():
         with pytest.raises(RuntimeError, match="triton"):
             _resolve_backend("triton", cpu)
         assert _resolve_backend("auto", cpu) == "torch"
+
+
+@pytest.mark.parametrize("hook", [powerSGD_hook, batched_powerSGD_hook, powersgd_triton.alternating_powerSGD_hook])
+def test_pytorch_state_is_refused_before_any_change(hook):
+    """Swapping only the hook import leaves PyTorch's state: a TypeError that names the fix, nothing changed."""
+    theirs = torch_psgd.PowerSGDState(None, start_powerSGD_iter=2, matrix_approximation_rank=2)
+    theirs.iter = 5
+    rng_before = theirs.rng.get_state()[1].copy()
+    data = torch.randn(bucket_numel(SHAPES))
+    bucket = FakeBucket(data.clone(), SHAPES)
+    with pytest.raises(TypeError, match=r"PyTorch's.*from_torch"):
+        hook(theirs, bucket)
+    assert torch.equal(bucket.buffer(), data)
+    assert theirs.iter == 5 and np.array_equal(theirs.rng.get_state()[1], rng_before)
+    assert theirs.p_memory_dict == {} and theirs.error_dict == {}
+    with pytest.raises(TypeError, match="powersgd_triton.PowerSGDState.*dict"):
+        hook({"matrix_approximation_rank": 2}, bucket)
+
+
+def test_from_torch_copies_settings_and_rng_without_changing_theirs():
+    theirs = torch_psgd.PowerSGDState(
+        None, matrix_approximation_rank=3, start_powerSGD_iter=7, min_compression_rate=1.5,
+        use_error_feedback=False, warm_start=False, orthogonalization_epsilon=1e-8, random_seed=int(np.random.randint(1000)),
+        compression_stats_logging_frequency=50, batch_tensors_with_same_shape=True,
+    )
+    theirs.iter = 4
+    theirs.rng.randint(10)  # an RNG that has moved on from its seed
+    before = theirs.rng.get_state()
+    ours = PowerSGDState.from_torch(theirs, backend="torch")
+    for name in PowerSGDState._TORCH_ARGUMENTS + ("process_group", "iter"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.backend == "torch" and ours.random_seed is None
+    after = theirs.rng.get_state()
+    assert np.array_equal(after[1], before[1]) and after[2] == before[2]  # theirs did not advance
+    assert ours.rng.randint(1_000_000_000, size=5).tolist() == theirs.rng.randint(1_000_000_000, size=5).tolist()
+    with pytest.raises(TypeError, match="lacks"):
+        PowerSGDState.from_torch(object())
+    # a converted state still round-trips through state_dict/pickle
+    again = pickle.loads(pickle.dumps(ours))
+    assert again.matrix_approximation_rank == 3 and again.random_seed is None
+
+
+def _converted_continues_worker(rank, world_size):
+    shapes = [(40, 48), (12,), (16, 8, 3, 3), (64, 36)]
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    theirs = torch_psgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=3, random_seed=11)
+    ours = None
+    worst = 0.0
+    for step in range(6):
+        data = torch.randn(bucket_numel(shapes), generator=g)
+        if step == 2:  # swap hooks mid-run, before the first compressed step
+            ours = PowerSGDState.from_torch(theirs, backend="torch")
+            mirror = torch_psgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=3)
+            mirror.iter, mirror.rng = theirs.iter, np.random.RandomState()
+            mirror.rng.set_state(theirs.rng.get_state())
+        if ours is None:
+            torch_psgd.powerSGD_hook(theirs, FakeBucket(data.clone(), shapes)).wait()
+            continue
+        got = powerSGD_hook(ours, FakeBucket(data.clone(), shapes)).wait()
+        want = torch_psgd.powerSGD_hook(mirror, FakeBucket(data.clone(), shapes)).wait()
+        for x, y in zip(FakeBucket(got, shapes).gradients(), FakeBucket(want, shapes).gradients()):
+            worst = max(worst, float((x.double() - y.double()).norm() / y.double().norm()))
+    return worst
+
+
+def test_converted_state_continues_like_pytorchs_hook(tmp_path):
+    """After from_torch at a warm-up step, our hook's compressed steps match PyTorch's hook from the same RNG."""
+    from _dist import run_ranks
+
+    worst = max(run_ranks(_converted_continues_worker, 1, tmp_path))
+    assert worst < 1e-5, worst

@@ -71,11 +71,8 @@ def register(model, state, hook=None):
         hook = _hooks.powerSGD_hook
     check_ddp_model(model)
     ours = (_hooks.powerSGD_hook, _hooks.batched_powerSGD_hook, _alternating.alternating_powerSGD_hook)
-    if hook in ours and not isinstance(state, PowerSGDState):
-        raise TypeError(
-            f"{hook.__name__} needs a powersgd_triton.PowerSGDState, got {type(state).__module__}."
-            f"{type(state).__name__} (import PowerSGDState from powersgd_triton, not from torch)"
-        )
+    if hook in ours:
+        _hooks._check_state(state, hook.__name__)
     if isinstance(state, PowerSGDState):
         state._bind_model(model)
     model.register_comm_hook(state, hook)
