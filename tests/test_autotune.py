@@ -497,3 +497,8 @@ def test_cli_without_cuda_says_no_timing(monkeypatch, capsys, tmp_path):
     assert "no timing" in out and ("| heuristic" in out or "| interpreter" in out) and "not exporting" in out
     assert not target.exists()
     assert cli.main(["autotune"]) == 2
+    for bad in (["--rank", "0"], ["--rank", "x"], ["--bucket-cap-mb", "-1"], ["--rep-ms", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["autotune", "--model", "gpt2", *bad])
+        assert exc.value.code == 2
+        assert f"argument {bad[0]}:" in capsys.readouterr().err

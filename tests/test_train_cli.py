@@ -146,6 +146,9 @@ def test_failing_rank_fails_the_run_promptly():
         (["--workload", "cifar"], "invalid choice: 'cifar'"),
         (["--batch-size", "100000"], "is larger than the 1438 training items of digits"),
         (["--backend", "nccl"], "--backend nccl needs --device cuda"),
+        (["--out", "."], "is a directory; give a file name"),
+        (["--out", os.path.join(__file__, "metrics.json")], "is not a directory"),
+        (["--out", "no-such-dir/metrics.json"], "does not exist"),
     ],
 )
 def test_bad_options_give_a_clear_message(args, message, capsys):
@@ -158,6 +161,17 @@ def test_bad_options_give_a_clear_message(args, message, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "powersgd-triton train: error: " in err and message in err, err
+
+
+def test_help_shows_defaults_once(capsys):
+    from powersgd_triton.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "(default: True)" not in text and "(default: False)" not in text
+    assert "per workload) (default" not in text
+    assert "PowerSGD matrix approximation rank (default: 4)" in text
 
 
 def test_taken_port_gives_a_clear_message():

