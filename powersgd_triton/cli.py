@@ -17,6 +17,22 @@ SUBCOMMANDS = {
 }
 
 
+def positive(kind=float):
+    """An argparse ``type`` that parses ``kind`` (int or float) and refuses values <= 0 with argparse's message."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="powersgd-triton",

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _env
+from ..cli import positive
 from ..layout import BucketLayout
 from ..shapes import MODELS, ddp_buckets, model_shapes, numel
 from .cache import ConfigCache, export_device_file
@@ -31,20 +32,6 @@ from .keys import DTYPE_NAMES, ShapeClass, parse_dtype, shape_class
 from .tuner import KERNELS, Choice, Tuner
 
 HOOKS = ("layerwise", "batched")
-
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
-    return parse
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -55,18 +42,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "or show / clear the cache.",
     )
     p.add_argument("--model", choices=sorted(MODELS), help="model whose gradient shapes are tuned")
-    p.add_argument("--rank", type=_positive(int), nargs="+", default=[4], metavar="R", help="matrix approximation rank(s)")
+    p.add_argument("--rank", type=positive(int), nargs="+", default=[4], metavar="R", help="matrix approximation rank(s)")
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["fp32", "fp16", "bf16"], help="gradient dtype(s)")
     p.add_argument("--hook", choices=["layerwise", "batched", "both"], default="layerwise",
                    help="powerSGD_hook (layerwise) and/or batched_powerSGD_hook shapes")
-    p.add_argument("--bucket-cap-mb", type=_positive(float), default=25.0, help="DDP bucket size (default 25)")
+    p.add_argument("--bucket-cap-mb", type=positive(float), default=25.0, help="DDP bucket size (default 25)")
     p.add_argument("--first-bucket-mb", type=float, default=1.0,
                    help="DDP's smaller first bucket (default 1, DDP's default; 0: none)")
-    p.add_argument("--min-compression-rate", type=_positive(float), default=2.0)
+    p.add_argument("--min-compression-rate", type=positive(float), default=2.0)
     p.add_argument("--force", action="store_true", help="re-tune shape classes already cached")
     p.add_argument("--export", metavar="PATH", help="also write the results as a shipped-format <gpu>.json")
-    p.add_argument("--warmup-ms", type=_positive(float), default=25.0, help="do_bench warm-up per candidate")
-    p.add_argument("--rep-ms", type=_positive(float), default=100.0, help="do_bench measurement time per candidate")
+    p.add_argument("--warmup-ms", type=positive(float), default=25.0, help="do_bench warm-up per candidate")
+    p.add_argument("--rep-ms", type=positive(float), default=100.0, help="do_bench measurement time per candidate")
     p.add_argument("--show", action="store_true", help="print the cache and exit")
     p.add_argument("--clear", action="store_true", help="empty the cache")
     p.set_defaults(func=run)

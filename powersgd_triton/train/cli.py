@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Any, Dict, List
 
+from ..cli import positive
 from .loop import COMPARE_HOOKS, HOOK_LABELS, HOOKS, TrainConfig, WORKLOAD_DEFAULTS
 
 PROG = "powersgd-triton train"
@@ -23,16 +24,6 @@ def _hook_list(text: str) -> List[str]:
     if len(set(hooks)) != len(hooks):
         raise argparse.ArgumentTypeError(f"a hook is listed twice in {text!r}")
     return hooks
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -88,7 +79,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="start_powerSGD_iter: plain all-reduce for the first steps (DDP rebuilds its buckets)")
     p.add_argument("--epochs", type=int, default=None, help="epochs (default: per workload)")
     p.add_argument("--steps", type=int, default=None, help="total optimizer steps; overrides --epochs (default: per workload)")
-    p.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate, cosine decay to 0 (default: per workload)")
+    p.add_argument("--lr", type=positive(float), default=None,
+                   help="peak learning rate, cosine decay to 0 (default: per workload)")
     p.add_argument("--batch-size", type=int, default=None, help="batch size per rank (default: per workload)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the weights, the data order and Q")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="one GPU per rank with cuda")
@@ -96,16 +88,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="process group backend (auto: gloo on cpu, nccl on cuda)")
     p.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
                    help="backend= of powersgd_triton's hooks: Triton kernels or their torch reference")
-    p.add_argument("--bucket-cap-mb", type=_positive_float, default=None,
+    p.add_argument("--bucket-cap-mb", type=positive(float), default=None,
                    help="DDP bucket_cap_mb for our hooks and all-reduce (default: DDP's buckets)")
-    p.add_argument("--reference-bucket-cap-mb", type=_positive_float, default=1024.0,
+    p.add_argument("--reference-bucket-cap-mb", type=positive(float), default=1024.0,
                    help="DDP bucket_cap_mb for PyTorch's hook (large: one bucket, which it needs on gloo)")
     p.add_argument("--no-error-feedback", dest="use_error_feedback", action="store_false",
                    help="turn off error feedback")
     p.add_argument("--no-warm-start", dest="warm_start", action="store_false", help="turn off warm start")
     p.add_argument("--out", default=None, metavar="metrics.json", help="write the metrics of every run as JSON")
     p.add_argument("--port", type=int, default=0, help="rendezvous port on 127.0.0.1 (0: a free one)")
-    p.add_argument("--timeout", type=_positive_float, default=900.0,
+    p.add_argument("--timeout", type=positive(float), default=900.0,
                    help="seconds before every rank is stopped and the run fails")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     # debugging only: make one rank raise at one step, to exercise the failure path
