@@ -10,6 +10,8 @@ train command's batching), and hands that gradient, in a one-bucket stand-in for
 * ``"ours"``: :func:`powersgd_triton.powerSGD_hook`,
 * ``"reference"``: PyTorch's ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook``,
 * ``"ours_cold"``: ours with ``warm_start=False`` (a fresh random Q at every step),
+* ``"alternating"``: :func:`powersgd_triton.alternating_powerSGD_hook` (one half power-iteration per step: the
+  projection onto a subspace that the previous step's all-reduce fixed; not in the default ``impls``),
 
 one state per (hook, approximation rank r), all created with the same arguments and seed. The hooks really
 all-reduce between the ranks. For every compressed layer and step it records the relative error
@@ -47,11 +49,13 @@ import torch.distributed as dist
 
 from .layout import should_compress
 
-IMPLS = ("ours", "reference", "ours_cold")
+IMPLS = ("ours", "reference", "ours_cold", "alternating")
+DEFAULT_IMPLS = ("ours", "reference", "ours_cold")
 IMPL_LABELS = {
     "ours": "powersgd_triton.powerSGD_hook",
     "reference": "torch powerSGD_hook",
     "ours_cold": "powersgd_triton, no warm start",
+    "alternating": "powersgd_triton.alternating_powerSGD_hook",
     "svd": "best rank-r (SVD)",
 }
 MODES = ("fixed", "trajectory")
@@ -66,7 +70,7 @@ class ApproximationConfig:
     workload: str = "digits"  # "digits" | "charlm" (also "mnist5k")
     mode: str = "fixed"  # "fixed" | "trajectory"
     ranks: Tuple[int, ...] = (1, 2, 4)  # matrix approximation ranks r
-    impls: Tuple[str, ...] = IMPLS
+    impls: Tuple[str, ...] = DEFAULT_IMPLS
     steps: int = 10  # recorded (compressed) steps
     world_size: int = 2
     batch_size: Optional[int] = None  # per rank
@@ -144,9 +148,10 @@ def _make_state(impl: str, rank: int, cfg: ApproximationConfig):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ref
 
         return ref.PowerSGDState(None, **kwargs), ref.powerSGD_hook
-    from . import PowerSGDState, powerSGD_hook
+    from . import PowerSGDState, alternating_powerSGD_hook, powerSGD_hook
 
-    return PowerSGDState(None, backend=cfg.kernels, **kwargs), powerSGD_hook
+    hook = alternating_powerSGD_hook if impl == "alternating" else powerSGD_hook
+    return PowerSGDState(None, backend=cfg.kernels, **kwargs), hook
 
 
 def _rank_main(rank: int, world_size: int, init_method: str, cfg: ApproximationConfig) -> Optional[Dict[str, Any]]:

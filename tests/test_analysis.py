@@ -85,6 +85,25 @@ def test_real_gradients_two_ranks(mode, kernels):
     assert res["compression_rate"]["ours/r2"] > 10
 
 
+def test_alternating_takes_two_steps_per_power_iteration_on_a_fixed_gradient():
+    """On a fixed gradient without error feedback, the alternating hook's step 2k projects onto the span the standard
+    hook's step k projects onto (P_k = M·Q_{k-1} and orth(M·orth(Q_{k-1})) span the same columns), so the errors are
+    equal; its step 1 (M·Q'·Q'ᵀ, with M·Q' in the span the standard hook projects onto) can only be worse."""
+    steps = 4
+    res = analysis.approximation_errors(workload="digits", mode="fixed", ranks=(2,), steps=steps, world_size=2,
+                                        impls=("ours", "alternating"), kernels="torch", timeout=240)
+    err = {(r["impl"], r["layer"], r["step"]): r["error"] for r in res["records"]}
+    layers = res["compressed_layers"][2]
+    assert len(analysis.select(res["records"], impl="alternating")) == steps * len(layers)
+    for layer in layers:
+        for k in (1, 2):
+            assert err["alternating", layer, 2 * k] == pytest.approx(err["ours", layer, k], abs=2e-5), (layer, k)
+        assert err["alternating", layer, 1] >= err["ours", layer, 1] - 1e-6
+        assert err["alternating", layer, steps] >= err["svd", layer, steps] - 1e-6
+    # the compression rate counts what each hook sends: about twice as high for the alternating hook
+    assert 1.7 < res["compression_rate"]["alternating/r2"] / res["compression_rate"]["ours/r2"] < 2.3
+
+
 RESULTS = """# Benchmark results
 
 Intro text with a date 2020-01-01 that belongs to no section.
