@@ -43,6 +43,8 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
         ValueError: unknown backend name.
         RuntimeError: ``"triton"`` asked for on a device where it cannot run.
     """
+    if backend == "torch":  # runs everywhere
+        return backend
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     can = _env.triton_can_run(tensor.device)

@@ -68,7 +68,7 @@ class BucketMemory:
     __slots__ = (
         "layout", "signature", "backend", "configs", "error", "p", "q", "q_work", "q_initialized",
         "phase", "comm", "local", "p_work",
-        "params", "param_names", "matrices", "strict",
+        "params", "param_names", "matrices", "strict", "verified",
     )
 
     def __init__(self):
@@ -77,6 +77,11 @@ class BucketMemory:
         # The bucket's parameters (``bucket.parameters()``, nn.Parameter objects) when the layout was built; None for
         # duck-typed buckets whose parameters are not nn.Parameters. Keys of the per-parameter memory migration.
         self.params: Optional[Tuple[torch.Tensor, ...]] = None
+        # What the last full layout check passed with, for real DDP buckets (``params`` not None): the buffer's
+        # ``(data_ptr, numel, dtype)`` and the rank and min_compression_rate. The same parameter objects in the same
+        # order in the same buffer have the same gradient views (DDP places them by the parameters' order and
+        # shapes), so the next calls skip the per-gradient check while this key holds.
+        self.verified: Optional[tuple] = None
         # Loaded, not yet adopted memory only: parameter names per gradient (None where unknown), and the packing
         # table ``(grad_index, n, m, rank, p_offset, q_offset, e_offset)`` per compressed matrix.
         self.param_names: Optional[Tuple[Optional[str], ...]] = None
@@ -391,8 +396,12 @@ class PowerSGDState:
                 if batched:
                     ok = layout.batched and layout.signature == ("batched", buffer.numel(), buffer.dtype, rank)
                 else:
-                    gradients = bucket.gradients()
-                    ok = layout.matches_gradients(buffer, gradients, rank, self.min_compression_rate)
+                    key = (buffer.data_ptr(), buffer.numel(), buffer.dtype, rank, self.min_compression_rate)
+                    ok = params is not None and mem.verified == key
+                    if not ok:
+                        gradients = bucket.gradients()
+                        ok = layout.matches_gradients(buffer, gradients, rank, self.min_compression_rate)
+                        mem.verified = key if ok and params is not None else None
                 if ok:
                     if bucket.is_last():
                         self._end_of_iteration()

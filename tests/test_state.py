@@ -234,6 +234,38 @@ def test_layout_mismatch_rebuilds_with_warning():
         state._prepare_bucket(half, half.buffer(), False, None)
 
 
+def test_same_parameters_in_the_same_buffer_skip_the_per_gradient_check(monkeypatch):
+    """A real DDP bucket (nn.Parameters) is checked gradient by gradient once; later calls with the same parameters,
+    buffer, rank and min_compression_rate reuse the result; any of them changing is checked (and rebuilt) again."""
+    from powersgd_triton.benchmarking import FakeGradBucket
+    from powersgd_triton.layout import BucketLayout
+
+    calls = []
+    original = BucketLayout.matches_gradients
+    monkeypatch.setattr(BucketLayout, "matches_gradients",
+                        lambda self, *a: calls.append(1) or original(self, *a))
+    state = PowerSGDState(None, start_powerSGD_iter=2, matrix_approximation_rank=2, backend="torch")
+    bucket = FakeGradBucket(torch.randn(bucket_numel(SHAPES)), SHAPES)
+    mem = state._prepare_bucket(bucket, bucket.buffer(), False, None)
+    for _ in range(5):
+        assert state._prepare_bucket(bucket, bucket.buffer(), False, None) is mem
+    assert len(calls) == 1
+    # a new buffer of the same layout (fp16_compress_wrapper's set_buffer): checked once more, same memory
+    keep = torch.randn(bucket_numel(SHAPES))
+    bucket.set_buffer(keep)
+    assert state._prepare_bucket(bucket, bucket.buffer(), False, None) is mem and len(calls) == 2
+    assert state._prepare_bucket(bucket, bucket.buffer(), False, None) is mem and len(calls) == 2
+    # another rank, or another dtype in the same parameters: rebuilt with a warning
+    state.matrix_approximation_rank = 1
+    with pytest.warns(RuntimeWarning, match="no longer matches"):
+        new = state._prepare_bucket(bucket, bucket.buffer(), False, None)
+    assert new is not mem and new.layout.matrices[0].rank == 1
+    bucket.set_buffer(keep.half())
+    checks = len(calls)
+    half = state._prepare_bucket(bucket, bucket.buffer(), False, None)  # memory follows the parameters
+    assert len(calls) == checks + 1 and half is not new and torch.float16 in half.layout.signature
+
+
 def test_q_draw_matches_pytorch_random_numbers():
     """The initial Q consumes state.rng and the forked CPU RNG exactly as PyTorch's hook does."""
     for batch in (False, True):
