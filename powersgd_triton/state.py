@@ -120,6 +120,27 @@ def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
         raise ValueError(f"`{name}` must be {kind}, got {value!r}")
 
 
+def _check_flag(name: str, value: Any) -> None:
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
+        return
+    raise ValueError(f"`{name}` must be a bool, got {value!r}")
+
+
+def _check_process_group(group: Any) -> None:
+    """None (the default group, resolved when a hook runs) or a ProcessGroup; anything else fails only at the first
+    backward otherwise, inside DDP."""
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return
+    raise TypeError(
+        f"`process_group` must be None (the default group) or a torch.distributed.ProcessGroup, got "
+        f"{type(group).__module__}.{type(group).__qualname__}"
+    )
+
+
 def _resolve_backend(backend: str, buffer: torch.Tensor) -> str:
     """The backend that runs this bucket: ``"auto"`` -> Triton where it can run (and is installed), else torch."""
     if backend == "torch":
@@ -163,8 +184,9 @@ def _same_params(a, b) -> bool:
 
 
 class PowerSGDState:
-    r"""Hyper-parameters and per-bucket state of :func:`~powersgd_triton.powerSGD_hook` and
-    :func:`~powersgd_triton.batched_powerSGD_hook`.
+    r"""Hyper-parameters and per-bucket state of :func:`~powersgd_triton.powerSGD_hook`,
+    :func:`~powersgd_triton.batched_powerSGD_hook` and :func:`~powersgd_triton.alternating_powerSGD_hook` (one
+    state serves one hook).
 
     Same arguments and defaults as PyTorch's ``PowerSGDState`` (see its documentation for tuning advice), plus:
 
@@ -178,7 +200,10 @@ class PowerSGDState:
     Raises:
         ValueError: ``start_powerSGD_iter <= 1`` with error feedback or warm start (DDP rebuilds its buckets after
             the first iteration), ``matrix_approximation_rank < 1``, ``min_compression_rate <= 0``, negative
-            ``orthogonalization_epsilon``, or an unknown ``backend``.
+            ``orthogonalization_epsilon``, an unknown ``backend``; and a value of the wrong type: a number that is
+            not one (``"4"``, ``True``, NaN), an integer argument given a float, a flag (``use_error_feedback``,
+            ``warm_start``, ``batch_tensors_with_same_shape``, ``autotune``) that is not a bool (or 0/1).
+        TypeError: ``process_group`` is neither None nor a ``torch.distributed.ProcessGroup``.
 
     ``batch_tensors_with_same_shape`` only changes how the initial random Q is drawn (one ``randn`` per shape group,
     as PyTorch draws it): our kernels always process a whole bucket per launch.
@@ -223,6 +248,10 @@ class PowerSGDState:
         _check_number("compression_stats_logging_frequency", compression_stats_logging_frequency, integer=True)
         if backend not in BACKENDS:
             raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}")
+        for name, flag in (("use_error_feedback", use_error_feedback), ("warm_start", warm_start),
+                           ("batch_tensors_with_same_shape", batch_tensors_with_same_shape), ("autotune", autotune)):
+            _check_flag(name, flag)
+        _check_process_group(process_group)
 
         logger.info(
             "PowerSGD config: matrix_approximation_rank = %s; start_powerSGD_iter = %s; min_compression_rate = %s; "
@@ -787,7 +816,15 @@ class PowerSGDState:
 
         The loaded memory is adopted on each bucket's next compressed step if the bucket still has the layout it
         was saved with (else it is reset, with a warning); tensors are copied, and moved to the bucket's device then.
+
+        Raises:
+            TypeError: ``state_dict`` is not a dict.
+            ValueError: a state dict of another format version, or a malformed bucket entry.
         """
+        if not isinstance(state_dict, dict):
+            raise TypeError(
+                f"load_state_dict needs the dict that state_dict() returned, got {type(state_dict).__name__}"
+            )
         version = state_dict.get("version")
         if version != _STATE_DICT_VERSION:
             raise ValueError(f"unsupported PowerSGDState state_dict version {version!r}")

@@ -72,6 +72,10 @@ def test_defaults_and_attributes_match_pytorch():
         (dict(orthogonalization_epsilon=float("nan")), "orthogonalization_epsilon"),
         (dict(backend="cuda"), "backend"),
         (dict(backend=None), "backend"),
+        (dict(use_error_feedback="no"), "use_error_feedback"),
+        (dict(warm_start=2), "warm_start"),
+        (dict(batch_tensors_with_same_shape=None), "batch_tensors_with_same_shape"),
+        (dict(autotune="yes"), "autotune"),
     ],
 )
 def test_bad_arguments(kwargs, word):
@@ -85,6 +89,18 @@ def test_valid_corner_arguments():
     s = PowerSGDState(None, min_compression_rate=0.5, orthogonalization_epsilon=1e-8, backend="torch")
     assert s.min_compression_rate == 0.5 and s.backend == "torch"
     PowerSGDState(process_group=None, matrix_approximation_rank=np.int64(4), compression_stats_logging_frequency=0)
+    s = PowerSGDState(None, use_error_feedback=0, warm_start=np.bool_(True), batch_tensors_with_same_shape=1)
+    assert s.use_error_feedback is False and s.warm_start is True and s.batch_tensors_with_same_shape is True
+
+
+def test_process_group_must_be_a_group_and_load_state_dict_a_dict():
+    with pytest.raises(TypeError, match="process_group.*str"):
+        PowerSGDState("x")
+    state = PowerSGDState(None)
+    with pytest.raises(TypeError, match="got NoneType"):
+        state.load_state_dict(None)
+    with pytest.raises(ValueError, match="version"):
+        state.load_state_dict({"version": -1})
 
 
 def test_hooks_module_has_no_postponed_annotations():
@@ -343,6 +359,7 @@ def test_from_torch_copies_settings_and_rng_without_changing_theirs():
 
 
 def _converted_continues_worker(rank, world_size):
+    assert PowerSGDState(dist.group.WORLD).process_group is dist.group.WORLD  # a real group is accepted
     shapes = [(40, 48), (12,), (16, 8, 3, 3), (64, 36)]
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     theirs = torch_psgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=3, random_seed=11)
