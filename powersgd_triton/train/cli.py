@@ -26,6 +26,16 @@ def _hook_list(text: str) -> List[str]:
     return hooks
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535, got {value}")
+    return value
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Adds ``(default: X)`` only where it says something: not to flags, ``None`` defaults or helps that name one."""
 
@@ -96,7 +106,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="turn off error feedback")
     p.add_argument("--no-warm-start", dest="warm_start", action="store_false", help="turn off warm start")
     p.add_argument("--out", default=None, metavar="metrics.json", help="write the metrics of every run as JSON")
-    p.add_argument("--port", type=int, default=0, help="rendezvous port on 127.0.0.1 (0: a free one)")
+    p.add_argument("--port", type=_port, default=0, help="rendezvous port on 127.0.0.1 (0: a free one)")
     p.add_argument("--timeout", type=positive(float), default=900.0,
                    help="seconds before every rank is stopped and the run fails")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
@@ -194,7 +204,8 @@ def format_table(result: Dict[str, Any]) -> str:
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     any_run = next(iter(runs.values()))
     title = (
-        f"{cfg['workload']}: {cfg['world_size']} ranks ({cfg['backend']}, {cfg['device']}), PowerSGD rank "
+        f"{cfg['workload']}: {cfg['world_size']} rank{'s' if cfg['world_size'] != 1 else ''} "
+        f"({cfg['backend']}, {cfg['device']}), PowerSGD rank "
         f"{cfg['rank']}, compression from step {cfg['start_iter']}, {any_run['steps']} steps, "
         f"batch {cfg['batch_size']}/rank, seed {cfg['seed']}"
     )
@@ -202,6 +213,11 @@ def format_table(result: Dict[str, Any]) -> str:
         "bytes and calls: measured through dist.all_reduce, per rank, averaged over the compressed steps "
         f"(steps >= {cfg['start_iter']}); ms/step: rank 0, same steps",
     ]
+    if any(run.get("compressed_steps") == 0 for run in runs.values()):
+        notes[0] = (
+            f"no compressed step: the run ended before step {cfg['start_iter']} (--start-iter), so every hook "
+            "all-reduced the plain gradients; bytes, calls and ms/step are over all steps"
+        )
     if "reference" in runs:
         notes.append(
             "torch powerSGD_hook runs with one DDP bucket (large bucket_cap_mb): with several buckets it issues "

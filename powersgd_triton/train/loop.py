@@ -441,13 +441,14 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
                     test_bpc.append(ev["bits_per_char"])
                 extra = f"  test bpc {ev['bits_per_char']:.3f}" if "bits_per_char" in ev else ""
                 compressed = [bb for s, bb in enumerate(step_bytes) if s >= cfg.start_iter]
-                kb = (sum(compressed) / len(compressed) / 1024) if compressed else float("nan")
+                sent = (f"{sum(compressed) / len(compressed) / 1024:.1f} KiB all-reduced/compressed step" if compressed
+                        else f"no compressed step yet (compression from step {cfg.start_iter})")
                 log.line(
                     f"[{hook_name}] epoch {epoch + 1}/{n_epochs}  steps {step}  "
                     f"train loss {epoch_loss / max(1, steps_here):.4f}  test loss {ev['loss']:.4f}  "
                     f"test acc {ev['accuracy']:.4f}{extra}  "
                     f"{1000 * sum(step_seconds[-steps_here:]) / max(1, steps_here):.1f} ms/step  "
-                    f"{kb:.1f} KiB all-reduced/step"
+                    f"{sent}"
                 )
     finally:
         counter.uninstall()
