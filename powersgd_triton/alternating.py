@@ -71,6 +71,13 @@ the kept Q, bitwise the Q' of the P step before it). After a skipped *first* P s
 step then outputs zero for the compressed gradients (they go to the error memory) and keeps nothing, and the next
 P step starts from the initial Q again.
 
+Accuracy. Each step projects ``M + E`` onto a subspace the previous step's all-reduce fixed (the standard hook
+projects onto ``orth((M + E)·Q)``, computed from the current gradient): the same power iteration at half the speed;
+on a fixed gradient without error feedback, step 2k of this hook equals step k of the standard hook. Where gradient
+subspaces change from batch to batch it is less accurate at the same rank (measured: a character LSTM 2.6 accuracy
+points behind at 600 steps, 0.8 at 1800; a small convnet 0.2), and about as accurate at twice the rank, which sends
+the standard hook's bytes in one all-reduce instead of three (``bench/RESULTS.md``, ``bench/alternating_accuracy.py``).
+
 Hyper-parameters: the :class:`~powersgd_triton.PowerSGDState` of the standard hooks, with the same meaning:
 ``matrix_approximation_rank``, ``min_compression_rate`` (the standard hook's test, so both hooks compress the same
 matrices at the same settings), ``start_powerSGD_iter`` (plain averaging all-reduce before, one per bucket),
@@ -179,7 +186,8 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
 
     Compressed steps alternate between a P step (all-reduce ``P = (M + E)·orth(Q)``) and a Q step (all-reduce
     ``Q = (M + E)ᵀ·orth(P)``); the uncompressed gradients travel in the same all-reduce; the error memory is the
-    local residual. See the module documentation for the algorithm, the order of the work and the numerics.
+    local residual. See the module documentation for the algorithm, the order of the work, the numerics and the
+    accuracy (use about twice the standard hook's rank for the same accuracy at the same bytes).
     Uses the same :class:`~powersgd_triton.PowerSGDState` as :func:`~powersgd_triton.powerSGD_hook` (a state must
     serve one hook); the next half-step is part of the state (``state_dict()``, pickling).
 
