@@ -21,7 +21,24 @@ EXAMPLE = os.path.join(ROOT, "examples", "torchrun_ddp.py")
 STEPS, EVERY, STOP, FAIL = 30, 6, 16, 15
 
 
-def torchrun(*args, torchrun_args=(), timeout=150):
+# A rank that has finished (group destroyed, results written) can still abort in torch's C++ teardown at interpreter
+# exit, "terminate called without an active exception" (rank 1 of the train command under torchrun, once, 2026-11-29;
+# PyTorch's issue 190489 and the abandoned pull request 179291 describe gloo objects destroyed during finalization).
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def torchrun(*args, torchrun_args=(), timeout=150, retry_exit_abort=False):
+    """Run torchrun on 2 local gloo ranks; its output. ``retry_exit_abort``: run once more (only for idempotent
+    commands) when the only failure is :data:`EXIT_ABORT` after the job finished."""
+    try:
+        return _torchrun(*args, torchrun_args=torchrun_args, timeout=timeout)
+    except AssertionError as exc:
+        if not (retry_exit_abort and EXIT_ABORT in str(exc)):
+            raise
+        return _torchrun(*args, torchrun_args=torchrun_args, timeout=timeout)
+
+
+def _torchrun(*args, torchrun_args=(), timeout=150):
     # As users run it: no TRITON_INTERPRET (conftest sets it for the kernel tests), so CPU tensors use torch ops.
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TRITON_INTERPRET")}
@@ -86,7 +103,7 @@ def test_worker_failure_and_torchrun_restart_equals_uninterrupted(tmp_path, unin
 def test_train_cli_under_torchrun(tmp_path):
     metrics = tmp_path / "metrics.json"
     log = torchrun("-m", "powersgd_triton", "train", "--hook", "powersgd", "--steps", "6", "--start-iter", "2",
-                   "--no-progress", "--out", str(metrics))
+                   "--no-progress", "--out", str(metrics), retry_exit_abort=True)
     payload = json.loads(metrics.read_text())
     assert payload["config"]["world_size"] == 2
     run = payload["runs"]["powersgd"]
