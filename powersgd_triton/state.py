@@ -78,9 +78,11 @@ class BucketMemory:
         # duck-typed buckets whose parameters are not nn.Parameters. Keys of the per-parameter memory migration.
         self.params: Optional[Tuple[torch.Tensor, ...]] = None
         # What the last full layout check passed with, for real DDP buckets (``params`` not None): the buffer's
-        # ``(data_ptr, numel, dtype)`` and the rank and min_compression_rate. The same parameter objects in the same
-        # order in the same buffer have the same gradient views (DDP places them by the parameters' order and
-        # shapes), so the next calls skip the per-gradient check while this key holds.
+        # ``(data_ptr, numel, dtype)``, the rank, min_compression_rate and the parameters' shapes. The same parameter
+        # objects with the same shapes in the same order in the same buffer have the same gradient views (DDP places
+        # them by the parameters' order and shapes), so the next calls skip the per-gradient check while this key
+        # holds. (Shapes too: a parameter reshaped in place, ``w.data = w.data.reshape(...)``, then a new DDP whose
+        # bucket buffer reuses the old address, keeps the objects, the numel and the pointer.)
         self.verified: Optional[tuple] = None
         # Loaded, not yet adopted memory only: parameter names per gradient (None where unknown), and the packing
         # table ``(grad_index, n, m, rank, p_offset, q_offset, e_offset)`` per compressed matrix.
@@ -425,7 +427,8 @@ class PowerSGDState:
                 if batched:
                     ok = layout.batched and layout.signature == ("batched", buffer.numel(), buffer.dtype, rank)
                 else:
-                    key = (buffer.data_ptr(), buffer.numel(), buffer.dtype, rank, self.min_compression_rate)
+                    key = (buffer.data_ptr(), buffer.numel(), buffer.dtype, rank, self.min_compression_rate,
+                           tuple(p.shape for p in params) if params is not None else None)
                     ok = params is not None and mem.verified == key
                     if not ok:
                         gradients = bucket.gradients()
@@ -829,7 +832,11 @@ class PowerSGDState:
         if version != _STATE_DICT_VERSION:
             raise ValueError(f"unsupported PowerSGDState state_dict version {version!r}")
         saved = state_dict.get("config", {})
-        differing = sorted(k for k, v in saved.items() if k in _HYPERPARAMETERS and getattr(self, k) != v)
+        differing = sorted(
+            k for k, v in saved.items()
+            if k in _HYPERPARAMETERS and getattr(self, k) != v
+            and not (k == "random_seed" and None in (v, self.random_seed))  # from_torch: the RNG state is what counts
+        )
         if differing:
             warnings.warn(
                 "PowerSGDState.load_state_dict: hyper-parameters differ from the saved state "

@@ -276,6 +276,18 @@ def test_same_parameters_in_the_same_buffer_skip_the_per_gradient_check(monkeypa
     with pytest.warns(RuntimeWarning, match="no longer matches"):
         new = state._prepare_bucket(bucket, bucket.buffer(), False, None)
     assert new is not mem and new.layout.matrices[0].rank == 1
+    # a parameter reshaped in place (same object, same numel) in a bucket whose buffer keeps its address
+    params = [torch.nn.Parameter(torch.empty(s)) for s in SHAPES]
+    same = torch.randn(bucket_numel(SHAPES))
+    state.matrix_approximation_rank = 2
+    before = FakeGradBucket(same, SHAPES, index=5, num_buckets=6, parameters=params)
+    first = state._prepare_bucket(before, same, False, None)
+    assert state._prepare_bucket(before, same, False, None) is first  # checked in full once: the key is set
+    params[0].data = params[0].data.reshape(SHAPES[0][1], SHAPES[0][0])
+    after = FakeGradBucket(same, [params[0].shape] + SHAPES[1:], index=5, num_buckets=6, parameters=params)
+    checks = len(calls)
+    reshaped = state._prepare_bucket(after, same, False, None)
+    assert len(calls) == checks + 1 and reshaped.layout.signature != first.layout.signature
     bucket.set_buffer(keep.half())
     checks = len(calls)
     half = state._prepare_bucket(bucket, bucket.buffer(), False, None)  # memory follows the parameters
@@ -356,6 +368,13 @@ def test_from_torch_copies_settings_and_rng_without_changing_theirs():
     # a converted state still round-trips through state_dict/pickle
     again = pickle.loads(pickle.dumps(ours))
     assert again.matrix_approximation_rank == 3 and again.random_seed is None
+    # and loads into a state built the usual way without a hyper-parameter warning: its RNG state is what counts
+    converted = PowerSGDState.from_torch(torch_psgd.PowerSGDState(None), backend="torch")
+    plain = PowerSGDState(None, backend="torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain.load_state_dict(converted.state_dict())
+    assert plain.rng.randint(1000, size=4).tolist() == converted.rng.randint(1000, size=4).tolist()
 
 
 def _converted_continues_worker(rank, world_size):

@@ -163,6 +163,19 @@ def test_bad_options_give_a_clear_message(args, message, capsys):
     assert "powersgd-triton train: error: " in err and message in err, err
 
 
+def test_only_rank_0_checks_out_under_torchrun(monkeypatch, capsys):
+    """Under torchrun only rank 0 writes --out, so only rank 0 refuses a path it could not write (on a multi-node
+    job the directory may exist on rank 0's node only)."""
+    from powersgd_triton.cli import main
+    from powersgd_triton.train import launch, loop
+
+    monkeypatch.setattr(loop, "run_training", lambda cfg: None)  # what a non-zero torchrun rank gets back
+    for rank, code in ((1, 0), (0, 2)):
+        monkeypatch.setattr(launch, "torchrun_env", lambda: launch.TorchrunEnv(rank=rank, world_size=2, local_rank=rank))
+        assert main(["train", "--out", "no-such-dir/metrics.json", "--no-progress"]) == code, rank
+    assert "does not exist" in capsys.readouterr().err
+
+
 def test_help_shows_defaults_once(capsys):
     from powersgd_triton.cli import main
 

@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         if tr is not None:
             cfg.world_size = tr.world_size
         resolved = cfg.resolved()  # validate before starting anything
-        if args.out:
+        if args.out and (tr is None or tr.rank == 0):  # only rank 0 writes it (the directory may be on its node only)
             _check_out_path(args.out)
         check_available(resolved)
         if args.kernels == "triton":
