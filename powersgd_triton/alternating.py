@@ -104,7 +104,6 @@ from .hooks import (
     _allreduce_average,
     _check_state,
     _checked_buffer,
-    _commit,
     _completed,
     _use_callback_chain,
     _warm_up,
@@ -177,7 +176,7 @@ class _HalfStep:
         else:
             ops.reconstruct(buffer, layout, mem.p_work, self.factor, 1.0, error, flag, local_q=local,
                             backend=backend, config=mem.config("reconstruct"))
-        _commit(ok, self.factor, mem.p if self.phase == "p" else mem.q, layout, self.phase, backend)
+        ops.commit_factor(self.factor, mem.p if self.phase == "p" else mem.q, layout, self.phase, ok, backend=backend)
         return buffer
 
 

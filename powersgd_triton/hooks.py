@@ -80,12 +80,6 @@ def _all_finite(*tensors: torch.Tensor) -> torch.Tensor:
     return total.mul(0) == 0
 
 
-def _commit(ok: torch.Tensor, new: torch.Tensor, kept: torch.Tensor, layout, which: str, backend: str) -> None:
-    """Keep ``new`` as the warm-start factor per matrix where the step is finite and the factor is not all zero
-    (:func:`powersgd_triton.ops.commit_factor`: one launch on the Triton backend)."""
-    ops.commit_factor(new, kept, layout, which, ok, backend=backend)
-
-
 class _Step:
     """One compressed step of one bucket; the methods are the pieces between two all-reduces."""
 
@@ -154,7 +148,8 @@ class _Step:
             config=mem.config("reconstruct"),
         )
         if state.warm_start:
-            _commit(ok, mem.q_work, mem.q, layout, "q", self.backend)
+            # keep Q per matrix where the step is finite and Q is not all zero (one launch on the Triton backend)
+            ops.commit_factor(mem.q_work, mem.q, layout, "q", ok, backend=self.backend)
         return self.buffer
 
 
