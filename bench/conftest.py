@@ -150,16 +150,12 @@ def summary_tables(cfg) -> str:
                 row[f"{name}_peak"] = B.fmt_bytes(r.get("peak_extra_bytes"))
             if ours is not None:
                 row["ours_launches"] = ours.get("launches")
-                row["variant"] = ours.get("variant")
             if row.get("pt_ms") and row.get("ours_ms"):
                 row["speedup"] = f'{row["pt_ms"] / row["ours_ms"]:.2f}x'
             rows.append(row)
         out.append("### Whole hook step (all buckets of the model), PyTorch's powerSGD_hook vs ours\n")
-        if any(r.get("variant") == "ours-ops" for r in rows):
-            out.append("(`ours-ops`: our hooks are not in this checkout; our four kernels per bucket without "
-                       "collectives stand in for them)\n")
         out.append(B.markdown_table(rows, [
-            ("model", "model"), ("rank", "r"), ("dtype", "dtype"), ("variant", "ours is"),
+            ("model", "model"), ("rank", "r"), ("dtype", "dtype"),
             ("pt_ms", "PyTorch ms"), ("ours_ms", "ours ms"), ("speedup", "PyTorch/ours"),
             ("pt_ops", "PyTorch ATen compute ops"), ("ours_ops", "ours ATen compute ops"),
             ("ours_launches", "ours launches (Triton backend)"),

@@ -20,8 +20,7 @@ Sections (each one catches and records its own failures, then the run goes on; e
 5. ``hooks``: the whole hook step (every bucket of the model) of PyTorch's ``powerSGD_hook`` against ours (Triton
    backend), ResNet-50 and GPT-2, ranks 1 and 4, fp32 then bf16: ``do_bench`` median over two rotating copies of
    the buckets, device kernels per step (``torch.profiler``), Triton launches, ATen ops, all-reduce calls and bytes,
-   memory held per bucket and peak extra memory of a step. Before our hooks are merged, "ours" is the stand-in
-   :class:`~powersgd_triton.benchmarking.OpsStep` (our kernels, no collectives), marked ``ours-ops``.
+   memory held per bucket and peak extra memory of a step.
 
 Prints progress as it goes and a markdown summary at the end; writes ``gpu_check.json`` and ``gpu_check.md`` into
 ``$OUT`` (or ``--out``) after every section, so a run cut short still leaves its results. Targets (not asserted):
@@ -183,7 +182,6 @@ def generator(seed=None):
 # =============================================================================================== 1. env
 def section_env():
     env = B.environment(DEVICE)
-    env["ours_hooks_in_checkout"] = B.ours_available()
     try:
         import subprocess
 
@@ -636,7 +634,7 @@ def hook_case(model, rank, dtype, cap):
             for _ in range(ROTATE):
                 buckets = B.model_buckets(model, dtype, DEVICE, bucket_cap_mb=BUCKET_MB,
                                           first_bucket_mb=FIRST_BUCKET_MB, shrink=SHRINK, generator=gen)
-                steps.append(B.make_step(impl, buckets, rank, backend="triton").warmup(1 if DRY else 2))
+                steps.append(B.HookStep(impl, buckets, rank, backend="triton").warmup(1 if DRY else 2))
             sync()
             turn = [0]
 
@@ -707,8 +705,7 @@ def summary() -> str:
                  f"{env.get('sms', '-')} SMs, L2 {env.get('l2_mib', '-')} MiB), driver/clocks "
                  f"{env.get('nvidia_smi', '-')}")
     lines.append(f"- python {env.get('python')}, torch {env.get('torch')}, triton {env.get('triton')}, "
-                 f"CUDA {env.get('cuda', '-')}; checkout {env.get('git', '-')}; our hooks in checkout: "
-                 f"{env.get('ours_hooks_in_checkout')}; process group {RESULTS.get('pg', '-')}")
+                 f"CUDA {env.get('cuda', '-')}; checkout {env.get('git', '-')}; process group {RESULTS.get('pg', '-')}")
     lines.append("- command: `PYTHONPATH=. python bench/gpu_check.py" + (" --dry-run`" if DRY else "`")
                  + f"; elapsed {elapsed():.0f} s of {BUDGET:.0f} s budget")
     c = S.get("copy")

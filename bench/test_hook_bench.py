@@ -60,22 +60,18 @@ def _triton_launches_per_step(cfg, model, dtype, rank):
     buckets = B.model_buckets(model, dtype, "cpu", bucket_cap_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
                               shrink=cfg.shrink, generator=gen)
     with B.count_triton_launches(execute=False):
-        step = B.make_step("ours", buckets, rank, backend="triton").warmup(1)
+        step = B.HookStep("ours", buckets, rank, backend="triton").warmup(1)
     counts = B.count_step(step, hook_step=step, triton_execute=False)
     return f"{counts.triton_launches} Triton + {counts.aten_compute} ATen"
 
 
 def test_hook_step(benchmark, bench_cfg, hook_case):
-    """One compressed step of the whole hook over every bucket of the model.
-
-    Until our hooks are in the checkout, "ours" is :class:`~powersgd_triton.benchmarking.OpsStep` (our four kernels
-    per bucket, no collectives), reported as variant ``ours-ops``.
-    """
+    """One compressed step of the whole hook over every bucket of the model."""
     model, rank, dtype, impl = hook_case
     cfg = bench_cfg
     B.ensure_process_group()
     buckets = _buckets(cfg, model, dtype)
-    step = B.make_step(impl, buckets, rank, backend=cfg.backend).warmup(1)
+    step = B.HookStep(impl, buckets, rank, backend=cfg.backend).warmup(1)
     benchmark.group = f"hook step {model} r{rank} {dtype}"
     _timed(benchmark, step, cfg)
 
@@ -83,7 +79,7 @@ def test_hook_step(benchmark, bench_cfg, hook_case):
     held = step.memory()
     with B.synchronous_collectives(step):
         peak = B.peak_extra_bytes(step, cfg.device)
-    rec = dict(kind="hook", model=model, rank=rank, dtype=dtype, impl=impl, variant=step.impl, bench=benchmark,
+    rec = dict(kind="hook", model=model, rank=rank, dtype=dtype, impl=impl, bench=benchmark,
                buckets=len(buckets), grad_bytes=step.nbytes, aten_compute=counts.aten_compute,
                aten_total=counts.aten_total, allreduce_calls=counts.allreduce_calls,
                allreduce_bytes=counts.allreduce_bytes, held_bytes=sum(held.values()), peak_extra_bytes=peak)
@@ -100,8 +96,7 @@ def test_hook_step(benchmark, bench_cfg, hook_case):
     benchmark.extra_info["top_ops"] = counts.as_dict()["top_ops"]
     cfg.results.append(rec)
     # sanity, not speed: the hook compressed (three all-reduces per bucket) and the buffers stayed finite
-    if step.impl != "ours-ops":
-        assert counts.allreduce_calls >= len(buckets)
+    assert counts.allreduce_calls >= len(buckets)
     assert all(torch.isfinite(b.buffer()).all() for b in buckets)
 
 

@@ -141,13 +141,13 @@ for model in MODELS:
         entry = {"pytorch_aten": by[model, rank, "pytorch"]["aten_compute"], "buckets": by[model, rank, "ours"]["buckets"]}
         for impl in ("pytorch", "ours", "alternating") if CUDA else ("ours", "alternating"):
             if CUDA:
-                step = B.make_step(impl, B.model_buckets(model, "fp32", DEVICE, **kw), rank, backend=BACKEND).warmup(2)
+                step = B.HookStep(impl, B.model_buckets(model, "fp32", DEVICE, **kw), rank, backend=BACKEND).warmup(2)
                 entry[f"{impl}_kernels"] = sum(B.count_cuda_kernels(step)["kernels"] for _ in range(2)) / 2
                 counts = [B.count_step(step, hook_step=step) for _ in range(2)] if impl != "pytorch" else []
             else:
                 buckets = B.model_buckets(model, "fp32", "cpu", generator=torch.Generator().manual_seed(1), **kw)
                 with B.count_triton_launches(execute=False):
-                    step = B.make_step(impl, buckets, rank, backend="triton").warmup(2)
+                    step = B.HookStep(impl, buckets, rank, backend="triton").warmup(2)
                 counts = [B.count_step(step, hook_step=step, triton_execute=False) for _ in range(2)]
                 del buckets
             if counts:

@@ -9,8 +9,6 @@ Nothing here asserts a speed: it builds inputs, runs both hooks the same way, ti
 * :func:`ensure_process_group`: an in-process world of size 1 (gloo, or nccl on a GPU) over a ``HashStore``.
 * :class:`HookStep`: one step of a hook over every bucket of a model, PyTorch's ``powerSGD_hook`` (``impl="pytorch"``)
   or ours (``impl="ours"``), created with the same arguments; the hook is called for every bucket in index order.
-  :class:`OpsStep`: our four kernels per bucket without collectives, the stand-in while our hooks are not merged
-  (:func:`make_step` picks it).
 * Counting, measured not computed: :class:`OpCounter` (ATen ops through a ``TorchDispatchMode``),
   :func:`synchronous_collectives` (all-reduce calls and bytes, per bucket; also makes every ``then()`` callback run
   inline so that the op counter sees it), :func:`count_triton_launches` (launch hook on Triton's ``run``),
@@ -188,16 +186,6 @@ def ensure_process_group(backend: Optional[str] = None) -> str:
 
 
 # ============================================================================================ hooks
-def ours_available() -> bool:
-    """True when this checkout has our hooks (``powersgd_triton.PowerSGDState`` and ``powerSGD_hook``)."""
-    try:
-        import powersgd_triton as pkg
-
-        return hasattr(pkg, "PowerSGDState") and hasattr(pkg, "powerSGD_hook")
-    except Exception:  # pragma: no cover
-        return False
-
-
 def make_hook(impl: str, rank: int, *, batched: bool = False, backend: str = "auto", start_powerSGD_iter: int = 2,
               **state_kwargs):
     """``(state, hook)`` for ``impl`` ("pytorch": torch's own, "ours", "alternating": our
@@ -205,7 +193,7 @@ def make_hook(impl: str, rank: int, *, batched: bool = False, backend: str = "au
 
     Defaults are PyTorch's (``min_compression_rate=2``, error feedback and warm start on, epsilon 0) except
     ``start_powerSGD_iter=2`` (the smallest allowed with error feedback). ``backend`` only applies to ours.
-    Raises ``ValueError`` for an unknown impl, ``RuntimeError`` when ours is asked for but not in this checkout.
+    Raises ``ValueError`` for an unknown impl, ``RuntimeError`` for the alternating hook with ``batched=True``.
     """
     kwargs = dict(process_group=None, matrix_approximation_rank=int(rank), start_powerSGD_iter=start_powerSGD_iter)
     kwargs.update(state_kwargs)
@@ -214,16 +202,14 @@ def make_hook(impl: str, rank: int, *, batched: bool = False, backend: str = "au
 
         return m.PowerSGDState(**kwargs), (m.batched_powerSGD_hook if batched else m.powerSGD_hook)
     if impl == "ours":
-        if not ours_available():
-            raise RuntimeError("powersgd_triton.powerSGD_hook is not in this checkout (hooks not merged yet)")
         import powersgd_triton as pkg
 
         return pkg.PowerSGDState(backend=backend, **kwargs), (pkg.batched_powerSGD_hook if batched else pkg.powerSGD_hook)
     if impl == "alternating":
         import powersgd_triton as pkg
 
-        if batched or not hasattr(pkg, "alternating_powerSGD_hook"):
-            raise RuntimeError("the alternating hook is layer-wise only (and needs powersgd_triton.alternating_powerSGD_hook)")
+        if batched:
+            raise RuntimeError("the alternating hook is layer-wise only")
         return pkg.PowerSGDState(backend=backend, **kwargs), pkg.alternating_powerSGD_hook
     raise ValueError(f"unknown impl {impl!r}; expected one of {ALL_IMPLS}")
 
@@ -285,75 +271,6 @@ class HookStep:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
-
-
-class OpsStep:
-    """Our four bucket kernels in the order our hook runs them, for every bucket, with no collectives and no state
-    bookkeeping: ``Q' = orth(Q)``, ``P = (M + E)·Q'``, ``orth(P)``, ``Q' = (M + E)ᵀ·P``, ``M, E = P·Q'ᵀ, ...``.
-
-    A stand-in for the whole hook step where our hooks are not in the checkout (a lower bound of the hook's work:
-    it leaves out the all-reduces, the finiteness check and the warm-start commit). Same call interface as
-    :class:`HookStep`.
-    """
-
-    impl = "ours-ops"
-
-    def __init__(self, buckets: Sequence[FakeGradBucket], rank: int, *, backend: str = "auto",
-                 min_compression_rate: float = 2.0, generator: Optional[torch.Generator] = None, **_ignored):
-        self.buckets = list(buckets)
-        self.rank = rank
-        self.backend = backend
-        self.state = None
-        self.current_bucket: Optional[int] = None
-        self.items = []
-        for b in self.buckets:
-            lay = bucket_layout(b, rank, min_compression_rate)
-            dev = b.buffer().device
-            q = random_buffer(lay.q_numel, torch.float32, dev, generator)
-            self.items.append(dict(
-                bucket=b, layout=lay, q=q, q_work=torch.empty_like(q), p=torch.empty(lay.p_numel, device=dev),
-                error=random_buffer(lay.e_numel, torch.float32, dev, generator, scale=1e-3),
-                flag=torch.ones((), dtype=torch.bool, device=dev)))
-
-    def __call__(self) -> None:
-        from . import ops
-
-        be = self.backend
-        for it in self.items:
-            buf, lay = it["bucket"].buffer(), it["layout"]
-            if lay.num_matrices == 0:
-                continue
-            ops.orthogonalize(it["q"], lay, "q", 0.0, out=it["q_work"], backend=be)
-            ops.project(buf, lay, it["q_work"], it["p"], it["error"], backend=be)
-            ops.orthogonalize(it["p"], lay, "p", 0.0, backend=be)
-            ops.project_t(buf, lay, it["p"], it["q_work"], backend=be)
-            ops.reconstruct(buf, lay, it["p"], it["q_work"], 1.0, it["error"], it["flag"], backend=be)
-            it["q"].copy_(it["q_work"])
-
-    def warmup(self, compressed_steps: int = 1) -> "OpsStep":
-        for _ in range(compressed_steps):
-            self()
-        return self
-
-    def memory(self) -> Dict[Optional[int], int]:
-        """Bytes this stand-in keeps per bucket (P, Q, Q work buffer, error memory, flag, layout tables)."""
-        out: Dict[Optional[int], int] = {}
-        for it in self.items:
-            held = dict(it)
-            held.pop("bucket")
-            out[it["bucket"].index()] = sum(held_bytes(held).values())
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
-
-
-def make_step(impl: str, buckets: Sequence[FakeGradBucket], rank: int, *, backend: str = "auto", **kwargs):
-    """:class:`HookStep` for ``impl``; for ``"ours"`` without our hooks in the checkout, an :class:`OpsStep`."""
-    if impl == "ours" and not ours_available():
-        return OpsStep(buckets, rank, backend=backend, **kwargs)
-    return HookStep(impl, buckets, rank, backend=backend, **kwargs)
 
 
 # ============================================================================================ counting
@@ -901,7 +818,7 @@ def compare_hooks(model: str, rank: int, dtype="fp32", device="cpu", *, backend:
         gen = torch.Generator(device=device).manual_seed(seed)
         buckets = model_buckets(model, dtype, device, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
                                 shrink=shrink, generator=gen)
-        steps[impl] = make_step(impl, buckets, rank, backend=backend).warmup(1)
+        steps[impl] = HookStep(impl, buckets, rank, backend=backend).warmup(1)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     stats = time_interleaved(steps, rounds=rounds, sync=sync)
     rows = []
@@ -1011,8 +928,8 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[Tuple[str, str]]) -> 
 
 __all__ = [
     "CollectiveRecord", "DTYPES", "FakeGradBucket", "HookStep", "IMPLS", "KERNELS", "KernelBench", "MODELS",
-    "OpCounter", "OpsStep", "StepCounts", "make_step", "bucket_layout", "count_cuda_kernels", "count_step", "count_triton_launches",
+    "OpCounter", "StepCounts", "bucket_layout", "count_cuda_kernels", "count_step", "count_triton_launches",
     "compare_hooks", "ensure_process_group", "environment", "time_interleaved", "fmt_bytes", "held_bytes", "kernel_bytes", "make_hook", "markdown_table",
-    "model_bucket_shapes", "model_buckets", "ours_available", "peak_extra_bytes", "random_buffer", "shrink_shapes",
+    "model_bucket_shapes", "model_buckets", "peak_extra_bytes", "random_buffer", "shrink_shapes",
     "synchronous_collectives", "time_cpu", "time_device",
 ]

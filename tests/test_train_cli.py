@@ -16,15 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["--steps", "4", "--start-iter", "2", "--no-progress"]
 
 
-def _ours_available() -> bool:
-    import powersgd_triton
-
-    return all(hasattr(powersgd_triton, n) for n in ("PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook"))
-
-
-needs_ours = pytest.mark.skipif(not _ours_available(), reason="powersgd_triton's hooks are not in this build yet")
-
-
 def run_cli(*args, timeout=120, module=("-m", "powersgd_triton")):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -57,7 +48,7 @@ def check_schema(payload, hooks, steps):
 
 
 @pytest.mark.parametrize(
-    "hook", ["allreduce", "reference", pytest.param("powersgd", marks=needs_ours), pytest.param("batched", marks=needs_ours)]
+    "hook", ["allreduce", "reference", "powersgd", "batched"]
 )
 def test_short_run_of_each_hook(hook, tmp_path):
     out = tmp_path / "m.json"
@@ -108,7 +99,6 @@ def test_compare_is_deterministic_across_hooks_and_counts_bytes(tmp_path):
 
 
 @pytest.mark.slow
-@needs_ours
 def test_ours_tracks_pytorchs_hook(tmp_path):
     """Digits fits one DDP bucket, so ours (default buckets) and PyTorch's hook see the same bucket: same seed,
     same losses step by step (up to float rounding), same bytes and calls."""
@@ -195,13 +185,6 @@ def test_taken_port_gives_a_clear_message():
         proc = run_cli("train", "--hook", "allreduce", "--port", str(port), *SHORT, timeout=60)
     assert proc.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in proc.stderr
-
-
-@pytest.mark.skipif(_ours_available(), reason="only meaningful while our hooks are missing")
-def test_missing_hooks_give_a_clear_message():
-    proc = run_cli("train", "--hook", "powersgd", *SHORT, timeout=60)
-    assert proc.returncode == 2
-    assert "needs powersgd_triton's hooks" in proc.stderr
 
 
 @pytest.mark.slow

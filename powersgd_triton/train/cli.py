@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     """The ``train`` sub-command: 0 on success, 1 when a rank failed or timed out, 2 for a bad option."""
     from . import launch
     from .data import DataUnavailable
-    from .loop import HooksUnavailable, check_available, run_training
+    from .loop import check_available, run_training
 
     try:
         tr = launch.torchrun_env()
@@ -267,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
                     + ("triton is not installed" if not _env.triton_available() else
                        "CPU tensors need TRITON_INTERPRET=1 in the environment (Triton's interpreter, slow)")
                 )
-    except (ValueError, HooksUnavailable, DataUnavailable) as exc:
+    except (ValueError, DataUnavailable) as exc:
         return _error(str(exc), 2)
     if tr is None or tr.rank == 0:
         world = resolved.world_size

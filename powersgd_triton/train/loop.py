@@ -193,34 +193,18 @@ class AllReduceCounter:
 # Hooks
 
 
-class HooksUnavailable(RuntimeError):
-    """powersgd_triton's own hooks cannot be imported."""
-
-
 def our_hooks(name: str = "powersgd"):
-    """``(PowerSGDState, hook)`` of powersgd_triton for ``--hook name``, imported lazily."""
-    try:
-        from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+    """``(PowerSGDState, hook)`` of powersgd_triton for ``--hook name``."""
+    from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
 
-        if name == "alternating":
-            from powersgd_triton import alternating_powerSGD_hook
-    except ImportError as exc:
-        raise HooksUnavailable(
-            f"--hook {name} needs powersgd_triton's hooks (PowerSGDState, powerSGD_hook, batched_powerSGD_hook, "
-            f"alternating_powerSGD_hook), which this installation does not provide ({exc}); --hook reference and "
-            "--hook allreduce still work"
-        ) from exc
     if name == "alternating":
         return PowerSGDState, alternating_powerSGD_hook
     return PowerSGDState, (batched_powerSGD_hook if name == "batched" else powerSGD_hook)
 
 
 def check_available(cfg: "TrainConfig") -> None:
-    """Fail early, in the launching process, when a hook or the workload's data package is missing
-    (raises :class:`HooksUnavailable` or :class:`~powersgd_triton.train.data.DataUnavailable`)."""
-    for name in cfg.hooks:
-        if name in OUR_HOOKS:
-            our_hooks(name)
+    """Fail early, in the launching process, when the workload's data package is missing
+    (:class:`~powersgd_triton.train.data.DataUnavailable`) or the devices do not fit (``ValueError``)."""
     data_mod.check_available(cfg.workload)
     if cfg.device == "cuda":
         from . import launch
