@@ -17,8 +17,8 @@ Nothing here asserts a speed: it builds inputs, runs both hooks the same way, ti
 * :class:`KernelBench`: the four bucket steps alone on one bucket, ours (:mod:`powersgd_triton.ops`) and PyTorch's
   hook's equivalent code, with the byte model :func:`kernel_bytes` (bytes read + written, each once).
 * :func:`time_cpu`, :func:`time_interleaved` (several functions in turn: fair on a machine whose load drifts),
-  :func:`time_device` (``triton.testing.do_bench``, median, on CUDA), :func:`compare_hooks` (both hooks on a model,
-  interleaved, with counts: what ``powersgd-triton bench`` prints), :func:`environment`, :func:`markdown_table`.
+  :func:`compare_hooks` (both hooks on a model, interleaved, with counts: what ``powersgd-triton bench`` prints),
+  :func:`environment`, :func:`markdown_table`.
 """
 
 import contextlib
@@ -34,11 +34,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .layout import BucketLayout
+from .layout import KERNELS, BucketLayout
 from .shapes import Shape, ddp_buckets, model_shapes, numel
 
-MODELS = ("resnet50", "bert-base", "gpt2", "vit-b16")
-KERNELS = ("project", "orthogonalize", "project_t", "reconstruct")
 IMPLS = ("pytorch", "ours")  # what compare_hooks and bench/ run by default
 ALL_IMPLS = IMPLS + ("alternating",)  # make_hook also knows powersgd_triton.alternating_powerSGD_hook
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -766,18 +764,6 @@ def time_cpu(fn: Callable[[], None], reps: int = 5, warmup: int = 1, sync: Optio
     return _quantiles(times)
 
 
-def time_device(fn: Callable[[], None], device, warmup_ms: float = 25, rep_ms: float = 100, cpu_reps: int = 5) -> dict:
-    """Median time of ``fn``: ``triton.testing.do_bench`` on CUDA (events, L2 flushed before each call), else
-    :func:`time_cpu`. Returns ``median_ms``, ``p20_ms``, ``p80_ms``."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        import triton.testing
-
-        med, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
-        return {"median_ms": float(med), "p20_ms": float(p20), "p80_ms": float(p80), "reps": None}
-    return time_cpu(fn, reps=cpu_reps, warmup=1)
-
-
 def time_interleaved(fns: Dict[str, Callable[[], None]], rounds: int = 5, warmup: int = 1,
                      sync: Optional[Callable[[], None]] = None) -> Dict[str, dict]:
     """Wall-clock medians of several functions timed in turn (order reversed every other round), so that a
@@ -927,9 +913,9 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[Tuple[str, str]]) -> 
 
 
 __all__ = [
-    "CollectiveRecord", "DTYPES", "FakeGradBucket", "HookStep", "IMPLS", "KERNELS", "KernelBench", "MODELS",
+    "CollectiveRecord", "DTYPES", "FakeGradBucket", "HookStep", "IMPLS", "KERNELS", "KernelBench",
     "OpCounter", "StepCounts", "bucket_layout", "count_cuda_kernels", "count_step", "count_triton_launches",
     "compare_hooks", "ensure_process_group", "environment", "time_interleaved", "fmt_bytes", "held_bytes", "kernel_bytes", "make_hook", "markdown_table",
     "model_bucket_shapes", "model_buckets", "peak_extra_bytes", "random_buffer", "shrink_shapes",
-    "synchronous_collectives", "time_cpu", "time_device",
+    "synchronous_collectives", "time_cpu",
 ]

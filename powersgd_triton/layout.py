@@ -33,6 +33,18 @@ TABLE_COLUMNS = ("offset", "n", "m", "numel", "rank", "p_offset", "q_offset", "e
 TABLE_WIDTH = len(TABLE_COLUMNS)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The bucket kernels that take a block-size config (tuned per shape class; the other launches are fixed).
+KERNELS = ("project", "orthogonalize", "project_t", "reconstruct")
+MIN_DOT_RANK = 16  # tl.dot needs every dim >= 16 for 16-bit inputs on NVIDIA; R is padded to this when USE_DOT.
+
+
+def padded_rank(max_rank: int, use_dot: bool = False) -> int:
+    """The kernels' constexpr ``R`` for a bucket whose largest rank is ``max_rank``: rounded up to a power of two
+    (>= :data:`MIN_DOT_RANK` with ``tl.dot``). Also the rank of the autotuner's shape classes."""
+    r = 1
+    while r < max(1, int(max_rank)):
+        r *= 2
+    return max(r, MIN_DOT_RANK) if use_dot else r
 
 
 def check_gradient_dtype(dtype: torch.dtype) -> None:

@@ -16,8 +16,9 @@ import sys
 import pytest
 import torch
 
+from powersgd_triton.layout import KERNELS
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNELS = ("project", "orthogonalize", "project_t", "reconstruct")
 
 
 def _run_aot(tmp_path, *args):

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import __version__
-from ..layout import BucketLayout
+from ..layout import BucketLayout, padded_rank
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
@@ -59,13 +59,6 @@ def parse_dtype(name: str) -> torch.dtype:
 def size_class(x: int) -> int:
     """``round(log2(x))`` for ``x >= 1`` (0 for ``x <= 1``)."""
     return int(round(math.log2(x))) if x > 1 else 0
-
-
-def _padded_rank(max_rank: int) -> int:
-    r = 1
-    while r < max(1, int(max_rank)):
-        r *= 2
-    return r
 
 
 def _weighted_median(values: Sequence[int], weights: Sequence[int]) -> int:
@@ -125,7 +118,7 @@ class ShapeClass:
 def shape_class(kernel: str, layout: BucketLayout, dtype) -> ShapeClass:
     """The shape class of ``kernel`` launched on ``layout`` with gradients of ``dtype``."""
     mats = layout.matrices
-    rank = _padded_rank(layout.max_rank)
+    rank = padded_rank(layout.max_rank)
     dt = dtype_name(dtype)
     if not mats:
         return ShapeClass(kernel, dt, rank, layout.batched, 0, 0, 0)

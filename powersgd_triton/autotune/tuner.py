@@ -37,13 +37,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import _env
-from ..layout import BucketLayout
+from ..layout import KERNELS, BucketLayout
 from . import cache as _cache
 from .keys import DeviceKey, ShapeClass, device_key, shape_class
 
 logger = logging.getLogger("powersgd_triton.autotune")
 
-KERNELS = ("project", "orthogonalize", "project_t", "reconstruct")
 Timer = Callable[[str, dict, ShapeClass], float]
 Bench = Callable[[Callable[[], None]], float]
 

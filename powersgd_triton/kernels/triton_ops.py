@@ -28,13 +28,12 @@ import torch
 import triton
 
 from .. import _env
-from ..layout import BucketLayout
+from ..layout import KERNELS, MIN_DOT_RANK, BucketLayout, padded_rank  # noqa: F401 - re-exported
 from .lowrank_mm import _project_kernel, _project_t_kernel, _reduce_splits_kernel
 from .orthogonalize import _commit_factor_kernel, _orthogonalize_kernel
 from .reconstruct import _reconstruct_kernel
 from .segments import _copy_segments_kernel
 
-KERNELS = ("project", "orthogonalize", "project_t", "reconstruct")
 KERNEL_FUNCTIONS = {
     "project": _project_kernel,
     "orthogonalize": _orthogonalize_kernel,
@@ -52,7 +51,6 @@ MAX_BROADCAST_ELEMENTS = 16384
 # BLOCK 512 / 4 warps / R 16: 220 s; BLOCK 512 / 8 warps / R 32: 450 s), which live tuning would pay per config, and
 # are likely to spill registers (not measured yet: no GPU run).
 MAX_ORTHO_TILE_PER_WARP = 512
-MIN_DOT_RANK = 16  # tl.dot needs every dim >= 16 for 16-bit inputs on NVIDIA; we pad R to this when USE_DOT.
 # project_t splits matrices taller than this over several programs (GPT-2's 50257-row embedding would otherwise
 # get only m / BLOCK_M programs).
 DEFAULT_SPLIT_ROWS = 2048
@@ -63,12 +61,6 @@ INTERPRETER_CONFIGS: Dict[str, dict] = {
     "orthogonalize": dict(BLOCK=128, num_warps=4, num_stages=1),
     "reconstruct": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
 }
-
-
-def padded_rank(max_rank: int, use_dot: bool = False) -> int:
-    """The constexpr ``R``: the bucket's largest rank rounded up to a power of two (>= 16 with ``tl.dot``)."""
-    r = triton.next_power_of_2(max(1, int(max_rank)))
-    return max(r, MIN_DOT_RANK) if use_dot else r
 
 
 def _tile_key(kernel: str) -> str:
