@@ -56,19 +56,18 @@ def run(args) -> int:
     bad = [m for m in models if m not in MODELS] + [d for d in dtypes if d not in B.DTYPES]
     if bad or not models or not dtypes or not ranks:
         return _usage(f"unknown or empty --models/--dtypes {bad}; models: {sorted(MODELS)}, dtypes: {sorted(B.DTYPES)}")
-    if min(ranks) < 1 or args.rounds < 1:
-        return _usage("--ranks and --rounds must be >= 1")
+    if min(ranks) < 1:
+        return _usage("--ranks must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         return _usage("--device cuda: no CUDA device here")
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if args.backend == "triton":
         from . import _env
 
-        want = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
-        if not _env.triton_can_run(want):
-            return _usage(f"--backend triton cannot run on {want} here (CPU needs TRITON_INTERPRET=1; never timed)")
+        if not _env.triton_can_run(device):
+            return _usage(f"--backend triton cannot run on {device} here (CPU needs TRITON_INTERPRET=1; never timed)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     backend = args.backend
     if backend == "auto" and device.type == "cpu":
         backend = "torch"  # never the interpreter for timings, even where TRITON_INTERPRET=1 is set

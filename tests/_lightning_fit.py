@@ -25,8 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from powersgd_triton import PowerSGDState, powerSGD_hook  # noqa: E402
 from powersgd_triton.integrations.lightning import PowerSGDDDPStrategy  # noqa: E402
 
-STEPS_PER_EPOCH = 8  # per rank: 128 samples / 2 ranks / batch 8
-
 
 class Tiny(pl.LightningModule):
     def __init__(self):

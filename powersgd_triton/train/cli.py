@@ -160,8 +160,6 @@ def _fmt_bytes(n: float) -> str:
 def _buckets(run: Dict[str, Any]) -> str:
     n = len(run.get("ddp_bucket_sizes") or [])
     count = f"{n} bucket{'s' if n != 1 else ''}" if n else "? buckets"
-    if run.get("hook") == "reference":
-        return f"{count} (bucket_cap_mb={run.get('bucket_cap_mb'):g})"
     if run.get("bucket_cap_mb") is not None:
         return f"{count} (bucket_cap_mb={run['bucket_cap_mb']:g})"
     return f"{count} (DDP default)"

@@ -555,10 +555,6 @@ def rank_main(rank: int, world_size: int, init_method: Optional[str], cfg: Train
     return results if rank == 0 else None
 
 
-def _spawn_target(rank: int, world_size: int, init_method: str, cfg: TrainConfig):
-    return rank_main(rank, world_size, init_method, cfg)
-
-
 def run_training(config: TrainConfig) -> Dict[str, Any]:
     """Train every hook of ``config.hooks`` on ``config.world_size`` local ranks (or in this torchrun rank).
 
@@ -580,7 +576,7 @@ def run_training(config: TrainConfig) -> Dict[str, Any]:
     else:
         # fork is fast and works with closures; CUDA needs a fresh interpreter per rank
         method = "spawn" if cfg.device == "cuda" else "fork"
-        runs = launch.launch(_spawn_target, cfg.world_size, (cfg,), port=cfg.port, timeout=cfg.timeout,
+        runs = launch.launch(rank_main, cfg.world_size, (cfg,), port=cfg.port, timeout=cfg.timeout,
                              start_method=method)
     return {"runs": runs, "config": _config_json(cfg)}
 
