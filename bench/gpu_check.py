@@ -30,7 +30,6 @@ hook step >= 5x faster than PyTorch's on an H100/H200; each kernel >= 60 % of th
 import argparse
 import faulthandler
 import json
-import math
 import os
 import sys
 import time

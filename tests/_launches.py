@@ -10,7 +10,6 @@ kernels on a GPU).
 import contextlib
 from collections import Counter
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import powersgd_triton.ops as ops_module

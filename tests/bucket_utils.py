@@ -37,6 +37,29 @@ def make_bucket(shapes: Sequence[Tuple[int, ...]], dtype, gen: torch.Generator, 
     return buf, whole, grads
 
 
+def seeded_data(seed: int, step: int, rank: int, index: int, numel_: int) -> torch.Tensor:
+    """Fresh standard normal gradients of one bucket, one stream per (seed, step, rank, bucket index)."""
+    g = torch.Generator().manual_seed(1_000_003 * seed + 10_007 * step + 101 * rank + index)
+    return torch.randn(numel_, generator=g)
+
+
+def rel_err64(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float64 (a zero reference makes any difference huge, unlike :func:`rel_err`)."""
+    a64, b64 = a.double(), b.double()
+    return float((a64 - b64).norm() / b64.norm().clamp_min(1e-30))
+
+
+def gs64(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Modified Gram-Schmidt on the columns of an (n, r) float64 matrix; a zero column stays zero."""
+    x = x.clone()
+    for i in range(x.shape[1]):
+        norm = x[:, i].norm() + eps
+        x[:, i] = x[:, i] / norm if norm > 0 else 0.0
+        if i + 1 < x.shape[1]:
+            x[:, i + 1 :] -= x[:, i : i + 1] * (x[:, i : i + 1] * x[:, i + 1 :]).sum(0, keepdim=True)
+    return x
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a = a.double()
     b = b.double()

@@ -18,3 +18,17 @@ def rng():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"random seed: {seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def world1():
+    """An in-process gloo world of size 1, torn down afterwards unless someone else made it."""
+    import torch.distributed as dist
+
+    from powersgd_triton import benchmarking as B
+
+    mine = not dist.is_initialized()
+    B.ensure_process_group("gloo")
+    yield
+    if mine and dist.is_initialized():
+        dist.destroy_process_group()

@@ -23,6 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compr
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import FakeBucket, backend_params, bucket_numel, params_agree, run_ranks
+from bucket_utils import gs64, rel_err64, seeded_data
 from _launches import CountLaunches, counting_bucket_kernels
 from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, hooks, powerSGD_hook
 
@@ -51,28 +52,7 @@ def _state(backend="torch", **cfg):
     return PowerSGDState(None, start_powerSGD_iter=START, backend=backend, **cfg)
 
 
-def _data(seed, step, rank, index, numel):
-    g = torch.Generator().manual_seed(1_000_003 * seed + 10_007 * step + 101 * rank + index)
-    return torch.randn(numel, generator=g)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a64, b64 = a.double(), b.double()
-    return float((a64 - b64).norm() / b64.norm().clamp_min(1e-30))
-
-
 # ------------------------------------------------------------------------------------------------ float64 oracle
-def _gs64(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Modified Gram-Schmidt on the columns of an (n, r) float64 matrix; a zero column stays zero."""
-    x = x.clone()
-    for i in range(x.shape[1]):
-        norm = x[:, i].norm() + eps
-        x[:, i] = x[:, i] / norm if norm > 0 else 0.0
-        if i + 1 < x.shape[1]:
-            x[:, i + 1 :] -= x[:, i : i + 1] * (x[:, i : i + 1] * x[:, i + 1 :]).sum(0, keepdim=True)
-    return x
-
-
 class AlternatingOracle:
     """The alternating algorithm in float64 for all ranks at once (no communication needed).
 
@@ -129,14 +109,14 @@ class AlternatingOracle:
             xs = [d[off : off + n * m].double().view(n, m) + (mem["e"][k][i] if self.ef else 0) for k, d in
                   enumerate(datas)]
             if mem["phase"] == "p":
-                q = _gs64(mem["q"][i], self.eps)
+                q = gs64(mem["q"][i], self.eps)
                 local = [x @ q for x in xs]
                 avg = sum(local) / self.ws
                 approx = avg @ q.t()
                 residual = [x - pl @ q.t() for x, pl in zip(xs, local)]
                 kept = "p"
             else:
-                p = _gs64(mem["p"][i], self.eps)
+                p = gs64(mem["p"][i], self.eps)
                 local = [x.t() @ p for x in xs]
                 avg = sum(local) / self.ws
                 approx = p @ avg.t()
@@ -166,7 +146,7 @@ def _oracle_worker(rank, world_size, backends, buckets, configs, zero=None):
         for step in range(START + COMPRESSED_STEPS):
             for index, is_last, shapes in buckets:
                 n = bucket_numel(shapes)
-                datas = [_data(ci, step, k, index, n) for k in range(world_size)]
+                datas = [seeded_data(ci, step, k, index, n) for k in range(world_size)]
                 if zero and step in zero:
                     for d in datas:
                         d[zero[step][0] : zero[step][1]] = 0.0
@@ -177,9 +157,9 @@ def _oracle_worker(rank, world_size, backends, buckets, configs, zero=None):
                     got[b] = fut.wait()
                     assert got[b].shape == (n,) and torch.isfinite(got[b]).all()
                     for x, y in zip(FakeBucket(got[b], shapes).gradients(), FakeBucket(want, shapes).gradients()):
-                        worst[b] = max(worst[b], _rel(x, y))
+                        worst[b] = max(worst[b], rel_err64(x, y))
                 if len(backends) == 2:
-                    between = max(between, _rel(got[backends[0]], got[backends[1]]))
+                    between = max(between, rel_err64(got[backends[0]], got[backends[1]]))
         for b in backends:
             assert states[b].iter == START + COMPRESSED_STEPS
             # This rank's memory: the kept factors, and the local residual (the outputs only see the error
@@ -192,7 +172,7 @@ def _oracle_worker(rank, world_size, backends, buckets, configs, zero=None):
                     if want is None:
                         assert getattr(ours, name) is None
                         continue
-                    worst[b] = max(worst[b], _rel(getattr(ours, name), torch.cat([t.reshape(-1) for t in want])))
+                    worst[b] = max(worst[b], rel_err64(getattr(ours, name), torch.cat([t.reshape(-1) for t in want])))
             out[(str(cfg), b)] = worst[b]
         if len(backends) == 2:
             out[(str(cfg), "triton vs torch")] = between
@@ -201,7 +181,7 @@ def _oracle_worker(rank, world_size, backends, buckets, configs, zero=None):
                 for name in ("p", "q", "error"):
                     if getattr(a, name) is not None:
                         out[(str(cfg), "triton vs torch")] = max(
-                            out[(str(cfg), "triton vs torch")], _rel(getattr(a, name), getattr(b, name))
+                            out[(str(cfg), "triton vs torch")], rel_err64(getattr(a, name), getattr(b, name))
                         )
     return out
 
@@ -247,7 +227,7 @@ def _count_worker(rank, world_size):
             for step in range(START + 4):
                 for index, is_last, shapes in BUCKETS:
                     del calls[:]
-                    bucket = FakeBucket(_data(0, step, rank, index, bucket_numel(shapes)), shapes, index, is_last)
+                    bucket = FakeBucket(seeded_data(0, step, rank, index, bucket_numel(shapes)), shapes, index, is_last)
                     hook(state, bucket).wait()
                     mem = state.buckets.get(index)
                     layout = mem.layout if mem is not None else None
@@ -326,7 +306,7 @@ def _run_steps(state, steps, rank, buckets=BUCKETS[1:], poison=None):
     outs = []
     for step in steps:
         for index, is_last, shapes in buckets:
-            data = _data(5, step, rank, index, bucket_numel(shapes))
+            data = seeded_data(5, step, rank, index, bucket_numel(shapes))
             if poison is not None:
                 poison(step, index, data)
             outs.append(alternating_powerSGD_hook(state, FakeBucket(data, shapes, index, is_last)).wait().clone())
@@ -439,7 +419,7 @@ def _zero_layer_worker(rank, world_size, backend):
     state = _state(backend)
     res = []
     for step in range(START + 4):
-        data = _data(1, step, rank, 0, bucket_numel(shapes))
+        data = seeded_data(1, step, rank, 0, bucket_numel(shapes))
         data[:768] = 0.0  # the first layer gets no gradient on any rank
         o = alternating_powerSGD_hook(state, FakeBucket(data, shapes)).wait()
         res.append((bool(torch.isfinite(o).all()), bool((o[:768] == 0).all()), bool((o[776:] != 0).any())))

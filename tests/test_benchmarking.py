@@ -2,20 +2,9 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from powersgd_triton import benchmarking as B
 from powersgd_triton.shapes import model_shapes, numel
-
-
-@pytest.fixture
-def world1():
-    """An in-process gloo world of size 1, torn down afterwards unless someone else made it."""
-    mine = not dist.is_initialized()
-    B.ensure_process_group("gloo")
-    yield
-    if mine and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_fake_bucket_views_and_api(rng):

@@ -1,18 +1,8 @@
 """benchmarking.make_hook / compare_hooks with the alternating hook (what notebooks/03 times)."""
 
 import pytest
-import torch.distributed as dist
 
 from powersgd_triton import benchmarking as B
-
-
-@pytest.fixture
-def world1():
-    mine = not dist.is_initialized()
-    B.ensure_process_group("gloo")
-    yield
-    if mine and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_make_hook_knows_the_alternating_hook():

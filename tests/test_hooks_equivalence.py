@@ -17,6 +17,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
 from _dist import FakeBucket, backend_params, bucket_numel, run_ranks
+from bucket_utils import gs64, rel_err64, seeded_data
 from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
 pytestmark = pytest.mark.timeout(240)
@@ -46,16 +47,6 @@ def _name(cfg):
     return ",".join(f"{k}={v}" for k, v in cfg.items())
 
 
-def _data(cfg_index, step, rank, bucket_index, numel):
-    g = torch.Generator().manual_seed(1_000_003 * cfg_index + 10_007 * step + 101 * rank + bucket_index)
-    return torch.randn(numel, generator=g)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a64, b64 = a.double(), b.double()
-    return float((a64 - b64).norm() / b64.norm().clamp_min(1e-30))
-
-
 def _layerwise_worker(rank, world_size, backend, buckets=BUCKETS, configs=CONFIGS):
     out = {}
     for ci, cfg in enumerate(configs):
@@ -64,7 +55,7 @@ def _layerwise_worker(rank, world_size, backend, buckets=BUCKETS, configs=CONFIG
         worst = 0.0
         for step in range(START + COMPRESSED_STEPS):
             for index, is_last, shapes in buckets:
-                data = _data(ci, step, rank, index, bucket_numel(shapes))
+                data = seeded_data(ci, step, rank, index, bucket_numel(shapes))
                 a = FakeBucket(data.clone(), shapes, index, is_last)
                 b = FakeBucket(data.clone(), shapes, index, is_last)
                 got = powerSGD_hook(ours, a).wait()
@@ -75,22 +66,11 @@ def _layerwise_worker(rank, world_size, backend, buckets=BUCKETS, configs=CONFIG
                 gb = FakeBucket(want, shapes).gradients()
                 for x, y in zip(ga, gb):
                     assert torch.isfinite(x).all()
-                    worst = max(worst, _rel(x, y))
+                    worst = max(worst, rel_err64(x, y))
             assert ours.iter == theirs.iter == step + 1
         assert ours.compression_stats() == theirs.compression_stats(), (ours.compression_stats(), theirs.compression_stats())
         out[_name(cfg)] = worst
     return out
-
-
-def _gs64(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Modified Gram-Schmidt on the columns of an (n, r) float64 matrix; a zero column stays zero."""
-    x = x.clone()
-    for i in range(x.shape[1]):
-        norm = x[:, i].norm() + eps
-        x[:, i] = x[:, i] / norm if norm > 0 else 0.0
-        if i + 1 < x.shape[1]:
-            x[:, i + 1 :] -= x[:, i : i + 1] * (x[:, i : i + 1] * x[:, i + 1 :]).sum(0, keepdim=True)
-    return x
 
 
 class BatchedOracle:
@@ -123,8 +103,8 @@ class BatchedOracle:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.rng.randint(1_000_000_000))
                 self.q[index] = torch.randn(s, r, dtype=datas[0].dtype).double()
-        q = _gs64(self.q[index], self.eps)
-        p = _gs64(sum(m @ q for m in ms), self.eps)
+        q = gs64(self.q[index], self.eps)
+        p = gs64(sum(m @ q for m in ms), self.eps)
         q = sum(m.t() @ p for m in ms) / self.ws
         out = (p @ q.t()).reshape(-1)[:n]
         if self.ef:
@@ -158,11 +138,11 @@ def _batched_worker(rank, world_size, backend, buckets=BATCHED_BUCKETS, configs=
         for step in range(START + COMPRESSED_STEPS):
             for index, is_last, shapes in buckets:
                 n = bucket_numel(shapes)
-                datas = [_data(ci, step, k, index, n) for k in range(world_size)]
+                datas = [seeded_data(ci, step, k, index, n) for k in range(world_size)]
                 want = oracle.step(index, datas, step >= START)
                 got = batched_powerSGD_hook(ours, FakeBucket(datas[rank].clone(), shapes, index, is_last)).wait()
                 assert got.shape == (n,) and torch.isfinite(got).all()
-                worst = max(worst, _rel(got, want))
+                worst = max(worst, rel_err64(got, want))
         out[_name(cfg)] = worst
     return out
 

@@ -7,14 +7,13 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_wrapper as torch_bf16_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _dist import run_ranks
+from _dist import params_agree, run_ranks
 from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
 from powersgd_triton.integrations import check_ddp_model, register
 from powersgd_triton.wrappers import bf16_compress_wrapper, fp16_compress_wrapper
@@ -131,12 +130,10 @@ def _wrapper_run(rank, world_size, which):
         opt.step()
         losses.append(float(loss))
     flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
-    everyone = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(everyone, flat)
     mem = state.buckets[0]
     out.update(
         losses=losses,
-        same_on_ranks=all(torch.equal(everyone[0], e) for e in everyone[1:]),
+        same_on_ranks=params_agree(ddp.module, world_size),
         memory_dtypes={str(t.dtype) for t in (mem.error, mem.p, mem.q)},
         bucket_dtype=str(mem.layout.signature[2]),
         iter=state.iter,

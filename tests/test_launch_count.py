@@ -4,31 +4,18 @@ import pytest
 import torch
 
 from bucket_utils import layerwise, make_bucket
+from powersgd_triton import benchmarking as B
 from powersgd_triton import ops
 from powersgd_triton.shapes import model_shapes
 
 triton = pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-
-def _scaled(shape, div=4):
-    """Shrink channel dims (not 3x3/7x7 kernel dims) so the interpreter stays fast; the tensor count is unchanged."""
-    if len(shape) == 4:
-        return (max(1, shape[0] // div), max(1, shape[1] // div), shape[2], shape[3])
-    return tuple(max(1, d // div) for d in shape)
 
 
 @pytest.fixture
-def launches(monkeypatch):
-    count = {"n": 0}
-    original = InterpretedFunction.run
-
-    def counting_run(self, *args, **kwargs):
-        count["n"] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", counting_run)
-    return count
+def launches():
+    """``{"n": launches so far}`` (interpreted Triton launches, executed), for the whole test."""
+    with B.count_triton_launches() as count:
+        yield count
 
 
 def _step(buf, layout, gen):
@@ -43,7 +30,7 @@ def _step(buf, layout, gen):
 
 
 def test_resnet50_bucket_step_launches(launches, rng):
-    shapes = [_scaled(s) for s in model_shapes("resnet50")]
+    shapes = B.shrink_shapes(model_shapes("resnet50"), 4)  # channel dims only: the interpreter stays fast
     assert len(shapes) == 161
     buf, _, grads = make_bucket(shapes, torch.float32, rng)
     layout = layerwise(buf, grads, 4, min_rate=2)
