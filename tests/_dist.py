@@ -6,7 +6,8 @@
 (ending without that intermittently aborts a rank). The parent joins with a timeout and kills the children on
 expiry or as soon as one rank fails, and re-raises the child's traceback. pytest-timeout is the backstop.
 
-Also :class:`FakeBucket`, a duck-typed ``dist.GradBucket`` (``GradBucket`` cannot be built from Python).
+Also :class:`FakeBucket`, a duck-typed ``dist.GradBucket`` (``GradBucket`` cannot be built from Python), and the
+small convnet and training loop of the real-DDP tests (:class:`SmallConvNet`, :func:`train_ddp_steps`).
 """
 
 import datetime
@@ -20,8 +21,12 @@ import traceback
 import uuid
 from typing import Callable, List, Sequence
 
+import warnings
+
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 
 def _child(fn, rank, world_size, store_path, timeout, q, args, kwargs):
@@ -174,3 +179,50 @@ def params_agree(model, world_size: int) -> bool:
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(everyone, mine)
     return all(torch.equal(everyone[0], other) for other in everyone[1:])
+
+
+class SmallConvNet(nn.Module):
+    """Two 3x3 convolutions and two linear layers on 3x8x8 inputs (``unused``: one more layer that never gets a
+    gradient, for ``find_unused_parameters``)."""
+
+    def __init__(self, unused: bool = False):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc1 = nn.Linear(16 * 2 * 2, 32)
+        self.fc2 = nn.Linear(32, 10)
+        self.unused = nn.Linear(32, 32) if unused else None
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc2(x)
+
+
+def train_ddp_steps(ddp, x, y, steps: int, world_size: int, no_sync: bool = False) -> dict:
+    """``steps`` SGD steps (lr 0.2, momentum 0.9) of ``ddp`` on one batch: ``losses``, ``final`` loss, the steps after
+    which the ranks' parameters differ (``mismatched``) and the PowerSGD ``warnings``. ``no_sync``: the first half of
+    the batch accumulates under ``ddp.no_sync()`` first."""
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.9)
+    losses, mismatched = [], []
+    half = x.shape[0] // 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            opt.zero_grad()
+            if no_sync:
+                with ddp.no_sync():
+                    F.cross_entropy(ddp(x[:half]).float(), y[:half]).backward()
+                loss = F.cross_entropy(ddp(x[half:]).float(), y[half:])
+            else:
+                loss = F.cross_entropy(ddp(x).float(), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+            if not params_agree(ddp.module, world_size):
+                mismatched.append(step)
+    with torch.no_grad():
+        final = float(F.cross_entropy(ddp.module(x).float(), y))
+    return {"losses": losses, "final": final, "mismatched": mismatched,
+            "warnings": [str(w.message) for w in caught if "PowerSGD" in str(w.message)]}

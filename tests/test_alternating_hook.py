@@ -17,12 +17,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _dist import FakeBucket, backend_params, bucket_numel, params_agree, run_ranks
+from _dist import FakeBucket, SmallConvNet, backend_params, bucket_numel, run_ranks, train_ddp_steps
 from bucket_utils import gs64, rel_err64, seeded_data
 from _launches import CountLaunches, counting_bucket_kernels
 from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, hooks, powerSGD_hook
@@ -489,26 +487,11 @@ def test_state_contract(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------- real DDP, 2 ranks
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
-        self.fc1 = nn.Linear(16 * 2 * 2, 32)
-        self.fc2 = nn.Linear(32, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.relu(self.fc1(x.flatten(1)))
-        return self.fc2(x)
-
-
 def _train(rank, world_size, backend, variant, steps=20):
     torch.manual_seed(1234 + 17 * rank)  # differently seeded ranks: DDP broadcasts rank 0's parameters
     dtype = torch.bfloat16 if variant == "bf16" else torch.float32
     small_buckets = variant == "many_buckets"
-    ddp = DDP(Net().to(dtype), bucket_cap_mb=0.004 if small_buckets else 25)
+    ddp = DDP(SmallConvNet().to(dtype), bucket_cap_mb=0.004 if small_buckets else 25)
     state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, backend=backend)
     hook = fp16_compress_wrapper(alternating_powerSGD_hook) if variant == "fp16_compress_wrapper" else \
         alternating_powerSGD_hook
@@ -516,30 +499,14 @@ def _train(rank, world_size, backend, variant, steps=20):
     gen = torch.Generator().manual_seed(99 + rank)
     x = torch.randn(16, 3, 8, 8, generator=gen).to(dtype)
     y = torch.randint(0, 10, (16,), generator=gen)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.9)
-    losses, mismatched = [], []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(steps):
-            opt.zero_grad()
-            loss = F.cross_entropy(ddp(x).float(), y)
-            loss.backward()
-            opt.step()
-            losses.append(float(loss))
-            if not params_agree(ddp.module, world_size):
-                mismatched.append(step)
-    with torch.no_grad():
-        final = float(F.cross_entropy(ddp.module(x).float(), y))
-    return {
-        "losses": losses,
-        "final": final,
-        "mismatched": mismatched,
-        "iter": state.iter,
-        "buckets": len(state.buckets),
-        "phases": sorted({m.phase for m in state.buckets.values()}),
-        "rate": state.compression_stats()[0],
-        "warnings": [str(w.message) for w in caught if "PowerSGD" in str(w.message)],
-    }
+    out = train_ddp_steps(ddp, x, y, steps, world_size)
+    return dict(
+        out,
+        iter=state.iter,
+        buckets=len(state.buckets),
+        phases=sorted({m.phase for m in state.buckets.values()}),
+        rate=state.compression_stats()[0],
+    )
 
 
 def _ddp_worker(rank, world_size, backend, variants):

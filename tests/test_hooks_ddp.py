@@ -6,7 +6,6 @@ the synchronizing backward passes; and that no bucket layout had to be rebuilt. 
 seeded differently in every variant (the hook must not use them). All variants of one backend share one launch.
 """
 
-import warnings
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _dist import backend_params, params_agree, run_ranks
+from _dist import SmallConvNet, backend_params, params_agree, run_ranks, train_ddp_steps
 from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
 pytestmark = pytest.mark.timeout(180)
@@ -38,26 +37,10 @@ VARIANTS = [
 TRITON_VARIANTS = ["base", "bf16", "fp16_compress_wrapper", "batched"]
 
 
-class Net(nn.Module):
-    def __init__(self, unused: bool = False):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
-        self.fc1 = nn.Linear(16 * 2 * 2, 32)
-        self.fc2 = nn.Linear(32, 10)
-        self.unused = nn.Linear(32, 32) if unused else None
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.relu(self.fc1(x.flatten(1)))
-        return self.fc2(x)
-
-
 def _train(rank, world_size, variant, backend):
     torch.manual_seed(1234 + 17 * rank)  # differently seeded ranks: DDP broadcasts rank 0's initial parameters
     dtype = torch.bfloat16 if variant == "bf16" else torch.float32
-    model = Net(unused=variant == "find_unused_parameters").to(dtype)
+    model = SmallConvNet(unused=variant == "find_unused_parameters").to(dtype)
     fmt = torch.channels_last if variant == "channels_last" else torch.contiguous_format
     model = model.to(memory_format=fmt)
     ddp = DDP(
@@ -83,36 +66,15 @@ def _train(rank, world_size, variant, backend):
     gen = torch.Generator().manual_seed(99 + rank)
     x = torch.randn(16, 3, 8, 8, generator=gen).to(dtype).contiguous(memory_format=fmt)
     y = torch.randint(0, 10, (16,), generator=gen)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.9)
-    losses, mismatched = [], []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(STEPS):
-            opt.zero_grad()
-            if variant == "no_sync":
-                with ddp.no_sync():
-                    F.cross_entropy(ddp(x[:8]).float(), y[:8]).backward()
-                loss = F.cross_entropy(ddp(x[8:]).float(), y[8:])
-            else:
-                loss = F.cross_entropy(ddp(x).float(), y)
-            loss.backward()
-            opt.step()
-            losses.append(float(loss))
-            if not params_agree(ddp.module, world_size):
-                mismatched.append(step)
-    with torch.no_grad():
-        final = float(F.cross_entropy(ddp.module(x).float(), y))
-    return {
-        "losses": losses,
-        "final": final,
-        "mismatched": mismatched,
-        "iter": state.iter,
-        "buckets": len(state.buckets),
-        "stats": state.compression_stats(),
-        "logged": logged,
-        "qualname": hook.__qualname__,
-        "warnings": [str(w.message) for w in caught if "PowerSGD" in str(w.message)],
-    }
+    out = train_ddp_steps(ddp, x, y, STEPS, world_size, no_sync=variant == "no_sync")
+    return dict(
+        out,
+        iter=state.iter,
+        buckets=len(state.buckets),
+        stats=state.compression_stats(),
+        logged=logged,
+        qualname=hook.__qualname__,
+    )
 
 
 def _variants_worker(rank, world_size, backend):
