@@ -33,6 +33,17 @@ def positive(kind=float):
     return parse
 
 
+def text_table(headers: List[str], rows: List[List[str]]) -> str:
+    """A markdown table with padded columns (what the sub-commands print)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), sep] + [line(r) for r in rows])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="powersgd-triton",

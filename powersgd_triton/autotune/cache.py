@@ -80,14 +80,15 @@ def _valid_device_file(data) -> bool:
     )
 
 
-def atomic_write_json(path: str, data) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (temporary file in the same folder + ``os.replace``)."""
+def atomic_write_json(path: str, data, sort_keys: bool = True) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (temporary file in the same folder + ``os.replace``); the
+    temporary file is removed if writing fails."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
+            json.dump(data, f, indent=1, sort_keys=sort_keys)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())

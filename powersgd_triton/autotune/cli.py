@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _env
-from ..cli import positive
+from ..cli import positive, text_table
 from ..layout import BucketLayout
 from ..shapes import MODELS, ddp_buckets, model_shapes, numel
 from .cache import ConfigCache, export_device_file
@@ -111,13 +111,6 @@ def _ms(t: Optional[float]) -> str:
     return "-" if t is None or not math.isfinite(t) else f"{t:.4f}"
 
 
-def _table(headers: List[str], rows: List[List[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(headers), sep] + [line(r) for r in rows])
-
-
 def _class_cells(sc: ShapeClass) -> List[str]:
     return [sc.kernel, sc.dtype, str(sc.rank), "batched" if sc.batched else "layerwise", str(sc.n), str(sc.m),
             str(sc.work)]
@@ -144,7 +137,7 @@ def _show(out) -> int:
             h, t = e.get("heuristic_ms"), e.get("time_ms")
             speed = f"{h / t:.2f}x" if h and t else "-"
             rows.append(cells + [format_config(e["config"]), _ms(t), _ms(h), speed, str(e.get("tuned_at", ""))])
-        print(_table(CLASS_HEADERS + ["config", "ms", "heuristic ms", "speed-up", "tuned at"], rows), file=out)
+        print(text_table(CLASS_HEADERS + ["config", "ms", "heuristic ms", "speed-up", "tuned at"], rows), file=out)
     return 0
 
 
@@ -206,7 +199,7 @@ def run(args, out=None) -> int:
         speed = f"{c.speedup:.2f}x" if c.speedup else "-"
         rows.append(_class_cells(c.shape_class) + [format_config(c.config), _ms(c.time_ms), _ms(c.heuristic_ms),
                                                     speed, c.source])
-    print(_table(CLASS_HEADERS + ["config", "ms", "heuristic ms", "speed-up", "source"], rows), file=out)
+    print(text_table(CLASS_HEADERS + ["config", "ms", "heuristic ms", "speed-up", "source"], rows), file=out)
 
     # One step of the hook = the four kernels once per bucket.
     summary = []
@@ -226,7 +219,7 @@ def run(args, out=None) -> int:
                             f"{heur / tuned:.2f}x"])
     if summary:
         print("\nper step (4 kernels x buckets, summed):", file=out)
-        print(_table(["dtype", "rank", "hook", "buckets", "heuristic ms", "chosen ms", "speed-up"], summary),
+        print(text_table(["dtype", "rank", "hook", "buckets", "heuristic ms", "chosen ms", "speed-up"], summary),
               file=out)
 
     if args.export:

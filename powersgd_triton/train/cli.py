@@ -5,12 +5,11 @@ Without torchrun the command starts ``--world-size`` ranks itself on 127.0.0.1 (
 """
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, Dict, List
 
-from ..cli import positive
+from ..cli import positive, text_table
 from .loop import COMPARE_HOOKS, HOOK_LABELS, HOOKS, TrainConfig, WORKLOAD_DEFAULTS
 
 PROG = "powersgd-triton train"
@@ -179,7 +178,7 @@ def format_table(result: Dict[str, Any]) -> str:
     head += ["ms/step", "all-reduced/step/rank", "all-reduce calls/step", "compression (state)"]
     if base:
         head.append("bytes vs all-reduce")
-    rows = [head]
+    rows = []
     for name, run in runs.items():
         label = HOOK_LABELS.get(name, name)
         if run.get("kernel_backend"):
@@ -197,9 +196,6 @@ def format_table(result: Dict[str, Any]) -> str:
                 "allreduce_bytes_per_step"] else float("nan")
             row.append(f"{ratio:.1f}x fewer" if name != "allreduce" else "1x")
         rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     any_run = next(iter(runs.values()))
     title = (
         f"{cfg['workload']}: {cfg['world_size']} rank{'s' if cfg['world_size'] != 1 else ''} "
@@ -221,21 +217,12 @@ def format_table(result: Dict[str, Any]) -> str:
             "torch powerSGD_hook runs with one DDP bucket (large bucket_cap_mb): with several buckets it issues "
             "collectives from gloo callback threads in a rank-dependent order and aborts"
         )
-    return "\n".join([title, ""] + lines + [""] + [f"* {n}" for n in notes])
-
-
-def _write_json(path: str, payload: Dict[str, Any]) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    return "\n".join([title, "", text_table(head, rows), ""] + [f"* {n}" for n in notes])
 
 
 def run(args: argparse.Namespace) -> int:
     """The ``train`` sub-command: 0 on success, 1 when a rank failed or timed out, 2 for a bad option."""
+    from ..autotune.cache import atomic_write_json
     from . import launch
     from .data import DataUnavailable
     from .loop import check_available, run_training
@@ -288,6 +275,6 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_table(result), flush=True)
     if args.out:
-        _write_json(args.out, result)
+        atomic_write_json(args.out, result, sort_keys=False)
         print(f"\nmetrics written to {args.out}", flush=True)
     return 0
