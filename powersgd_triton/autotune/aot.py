@@ -39,7 +39,7 @@ def jobs(
     """
     from ..kernels import triton_ops as ops
     from .keys import parse_dtype
-    from .tuner import KERNELS
+    from .tuner import KERNELS, candidates
 
     out, seen = [], set()
     for kernel in kernels or KERNELS:
@@ -48,10 +48,7 @@ def jobs(
         for dname in dtypes:
             dtype = parse_dtype(dname)
             for rank in (ranks_for or {}).get(kernel, ranks):
-                configs = list(ops.config_space(kernel, rank, dtype))
-                heuristic = ops.heuristic_config(kernel, _FakeLayout(rank), dtype)
-                if heuristic not in configs:
-                    configs.append(heuristic)
+                configs, _ = candidates(kernel, _FakeLayout(rank), dtype)  # exactly what the tuner times
                 for cfg in configs:
                     R = ops.padded_rank(rank, cfg.get("USE_DOT", False))
                     for variant in variants:
@@ -67,7 +64,7 @@ def jobs(
 
 
 class _FakeLayout:
-    """What heuristic_config reads from a layout."""
+    """What the tuner's candidates (and heuristic_config) read from a layout."""
 
     def __init__(self, max_rank: int):
         self.max_rank = max_rank
