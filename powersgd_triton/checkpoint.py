@@ -29,13 +29,14 @@ Files hold only tensors and plain Python types: ``torch.load(..., weights_only=T
 
 import os
 import tempfile
+import warnings
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from .state import PowerSGDState
 
-__all__ = ["hook_state_path", "save_hook_state", "load_hook_state", "FORMAT"]
+__all__ = ["hook_state_path", "save_hook_state", "load_hook_state", "load_hook_state_if_saved", "FORMAT"]
 
 FORMAT = "powersgd_triton.hook_state"
 _VERSION = 1
@@ -188,3 +189,22 @@ def load_hook_state(state: PowerSGDState, model, path, *, rank: Optional[int] = 
         mem.strict = True
     state._bind_model(model)
     return {k: v for k, v in payload.items() if k != "hook_state"}
+
+
+def load_hook_state_if_saved(state: PowerSGDState, model, path, *, rank: int, world_size: int,
+                             checkpoint: Optional[str] = None) -> bool:
+    """:func:`load_hook_state` when ``path`` has this rank's file; else a ``RuntimeWarning`` that the hook starts
+    afresh (iteration 0, empty error-feedback memory), naming ``checkpoint`` (default ``path``). Returns whether it
+    loaded. For the framework integrations, whose checkpoints may predate the hook. Raises as :func:`load_hook_state`.
+    """
+    file = hook_state_path(path, rank)
+    if os.path.exists(file):
+        load_hook_state(state, model, path, rank=rank, world_size=world_size)
+        return True
+    warnings.warn(
+        f"{checkpoint or path} has no PowerSGD hook state for rank {rank} ({file}): the hook starts afresh "
+        "(iteration 0, empty error-feedback memory)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return False

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_ranks
 from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
-from powersgd_triton.checkpoint import hook_state_path, load_hook_state, save_hook_state
+from powersgd_triton.checkpoint import hook_state_path, load_hook_state, load_hook_state_if_saved, save_hook_state
 from powersgd_triton.integrations import register
 
 pytestmark = pytest.mark.timeout(120)
@@ -154,6 +154,13 @@ def _load_refusals_worker(rank, world_size, folder):
     out["model"] = attempt(lambda: load_hook_state(_state(), other, folder))
     out["settings"] = attempt(lambda: load_hook_state(_state(matrix_approximation_rank=4), ddp, folder))
     out["ok"] = attempt(lambda: load_hook_state(_state(), ddp, folder))
+    # What the Lightning and Accelerate integrations call: load when saved, else warn and start afresh.
+    out["if_saved"] = load_hook_state_if_saved(_state(), ddp, folder, rank=rank, world_size=world_size)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_hook_state_if_saved(_state(), ddp, os.path.join(folder, "none"), rank=rank,
+                                          world_size=world_size, checkpoint="epoch=1.ckpt")
+    out["if_missing"] = (loaded, [str(w.message) for w in caught])
 
     # Same parameter names and shapes, but a layer frozen when the state was saved is trained now: the bucket has a
     # compressed parameter without saved memory. Detected when the hook first sees the bucket, from backward().
@@ -173,7 +180,10 @@ def _load_refusals_worker(rank, world_size, folder):
 def test_load_refuses_what_does_not_match(tmp_path):
     results = run_ranks(_load_refusals_worker, 2, tmp_path, str(tmp_path / "ckpt"))
     for rank, r in enumerate(results):
-        assert r["ok"] is None
+        assert r["ok"] is None and r["if_saved"] is True
+        loaded, messages = r["if_missing"]
+        assert loaded is False and len(messages) == 1 and messages[0].startswith("epoch=1.ckpt has no PowerSGD hook")
+        assert f"hook_state.rank{rank}.pt" in messages[0] and "starts afresh" in messages[0]
         assert r["rank"].startswith("ValueError") and f"rank {1 - rank}" in r["rank"]
         assert r["world"].startswith("ValueError") and "world of 2 ranks" in r["world"] and "has 4" in r["world"]
         assert r["missing"].startswith("FileNotFoundError") and "hook_state.rank0.pt" in r["missing"]

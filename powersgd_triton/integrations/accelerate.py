@@ -21,8 +21,6 @@ This module imports ``accelerate`` only inside the functions that need it.
 """
 
 import logging
-import os
-import warnings
 
 __all__ = ["register_comm_hook"]
 
@@ -80,7 +78,7 @@ def register_comm_hook(accelerator, model, state, hook=None, *, checkpoint: bool
 
 
 def _checkpoint_with_accelerator(accelerator, ddp, state) -> None:
-    from ..checkpoint import hook_state_path, load_hook_state, save_hook_state
+    from ..checkpoint import load_hook_state_if_saved, save_hook_state
 
     rank, world_size = accelerator.process_index, accelerator.num_processes
 
@@ -88,15 +86,7 @@ def _checkpoint_with_accelerator(accelerator, ddp, state) -> None:
         save_hook_state(state, ddp, output_dir, rank=rank, world_size=world_size)
 
     def load_pre_hook(models, input_dir):  # called on every process by load_state
-        if os.path.exists(hook_state_path(input_dir, rank)):
-            load_hook_state(state, ddp, input_dir, rank=rank, world_size=world_size)
-        else:
-            warnings.warn(
-                f"{input_dir} has no PowerSGD hook state for rank {rank} ({hook_state_path(input_dir, rank)}): "
-                "the hook starts afresh (iteration 0, empty error-feedback memory)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        load_hook_state_if_saved(state, ddp, input_dir, rank=rank, world_size=world_size)
 
     accelerator.register_save_state_pre_hook(save_pre_hook)
     accelerator.register_load_state_pre_hook(load_pre_hook)

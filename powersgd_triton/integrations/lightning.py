@@ -28,7 +28,6 @@ import importlib
 import logging
 import os
 import sys
-import warnings
 from typing import Dict
 
 __all__ = ["PowerSGDDDPStrategy", "strategy_class", "hook_state_pattern"]
@@ -128,20 +127,11 @@ def _make_class(package: str) -> type:
             checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
             state = self._hook_state()
             if state is not None:
-                from ..checkpoint import hook_state_path, load_hook_state
+                from ..checkpoint import load_hook_state_if_saved
 
-                pattern = hook_state_pattern(checkpoint_path)
-                if os.path.exists(hook_state_path(pattern, self.global_rank)):
-                    load_hook_state(state, self.lightning_module, pattern,
-                                    rank=self.global_rank, world_size=self.world_size)
-                else:
-                    warnings.warn(
-                        f"{checkpoint_path} has no PowerSGD hook state for rank {self.global_rank} "
-                        f"({hook_state_path(pattern, self.global_rank)}): the hook starts afresh (iteration 0, "
-                        "empty error-feedback memory)",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+                load_hook_state_if_saved(state, self.lightning_module, hook_state_pattern(checkpoint_path),
+                                         rank=self.global_rank, world_size=self.world_size,
+                                         checkpoint=str(checkpoint_path))
             return checkpoint
 
         def remove_checkpoint(self, filepath) -> None:
