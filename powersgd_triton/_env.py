@@ -29,6 +29,17 @@ def triton_available() -> bool:
     return True
 
 
+def triton_unavailable_reason(device: torch.device) -> str:
+    """Why the Triton kernels cannot run on tensors of ``device`` (for error messages; call when they cannot)."""
+    if not triton_available():
+        return "triton is not installed"
+    if device.type == "cpu":
+        return "CPU tensors need TRITON_INTERPRET=1 set before triton is imported (Triton's interpreter, slow)"
+    if device.type == "cuda":
+        return "TRITON_INTERPRET=1 is set: Triton interprets its kernels on CPU tensors only"
+    return f"Triton has no backend for {device.type} tensors"
+
+
 def triton_can_run(device: torch.device) -> bool:
     """Whether the Triton kernels can run on tensors of ``device``."""
     if not triton_available():

@@ -65,7 +65,8 @@ def run(args) -> int:
         from . import _env
 
         if not _env.triton_can_run(device):
-            return _usage(f"--backend triton cannot run on {device} here (CPU needs TRITON_INTERPRET=1; never timed)")
+            return _usage(f"--backend triton cannot run on {device} here: {_env.triton_unavailable_reason(device)} "
+                          "(the interpreter is never timed)")
     if args.threads:
         torch.set_num_threads(args.threads)
     backend = args.backend

@@ -53,11 +53,7 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
     if backend == "triton" and not can:
         raise RuntimeError(
             f"backend='triton' cannot run on {tensor.device} tensors here: "
-            + (
-                "triton is not installed"
-                if not _env.triton_available()
-                else "CPU tensors need TRITON_INTERPRET=1 set before triton is imported"
-            )
+            + _env.triton_unavailable_reason(tensor.device)
         )
     return backend
 

@@ -246,11 +246,10 @@ def run(args: argparse.Namespace) -> int:
 
             from .. import _env
 
-            if not _env.triton_can_run(torch.device(resolved.device)):
+            device = torch.device(resolved.device)
+            if not _env.triton_can_run(device):
                 raise ValueError(
-                    f"--kernels triton cannot run on {resolved.device} here: "
-                    + ("triton is not installed" if not _env.triton_available() else
-                       "CPU tensors need TRITON_INTERPRET=1 in the environment (Triton's interpreter, slow)")
+                    f"--kernels triton cannot run on {resolved.device} here: {_env.triton_unavailable_reason(device)}"
                 )
     except (ValueError, DataUnavailable) as exc:
         return _error(str(exc), 2)
