@@ -104,12 +104,17 @@ def svd_optimum(matrix: torch.Tensor, rank: int) -> float:
 
     ``nan`` for an all-zero M.
     """
+    return svd_optima(matrix, (rank,))[rank]
+
+
+def svd_optima(matrix: torch.Tensor, ranks: Sequence[int]) -> Dict[int, float]:
+    """:func:`svd_optimum` for several ranks from one SVD of ``matrix``."""
     m = matrix.detach().reshape(matrix.shape[0], -1).double().cpu()
     s = torch.linalg.svdvals(m)
     total = float((s * s).sum())
     if total == 0.0:
-        return float("nan")
-    return math.sqrt(max(0.0, float((s[rank:] ** 2).sum())) / total)
+        return {r: float("nan") for r in ranks}
+    return {r: math.sqrt(max(0.0, float((s[r:] ** 2).sum())) / total) for r in ranks}
 
 
 def relative_error(target: torch.Tensor, approx: torch.Tensor) -> float:
@@ -216,12 +221,12 @@ def _rank_main(rank: int, world_size: int, init_method: str, cfg: ApproximationC
                     records.append(dict(step=t - START_ITER + 1, layer=name, rank=r, impl=impl,
                                         error=relative_error(mean[sl], out[sl])))
             if recorded and rank == 0:
-                for r in cfg.ranks:
-                    for name in layers[r]:
-                        k = index[name]
-                        m = mean[offsets[k] : offsets[k + 1]].view(shapes[name])
-                        records.append(dict(step=t - START_ITER + 1, layer=name, rank=r, impl="svd",
-                                            error=svd_optimum(m, r)))
+                for name in dict.fromkeys(name for r in cfg.ranks for name in layers[r]):
+                    k = index[name]
+                    ranks_here = [r for r in cfg.ranks if name in layers[r]]
+                    best = svd_optima(mean[offsets[k] : offsets[k + 1]].view(shapes[name]), ranks_here)
+                    for r in ranks_here:
+                        records.append(dict(step=t - START_ITER + 1, layer=name, rank=r, impl="svd", error=best[r]))
             if cfg.mode == "trajectory" and recorded:
                 with torch.no_grad():
                     for k, (_, p) in enumerate(params):
