@@ -141,22 +141,12 @@ def compressed_layers(shapes: Dict[str, Tuple[int, ...]], rank: int, min_compres
 
 
 def _make_state(impl: str, rank: int, cfg: ApproximationConfig):
-    kwargs = dict(
-        matrix_approximation_rank=rank,
-        start_powerSGD_iter=START_ITER,
-        min_compression_rate=cfg.min_compression_rate,
-        use_error_feedback=False,
-        warm_start=impl != "ours_cold",
-        random_seed=cfg.seed,
-    )
-    if impl == "reference":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ref
+    from .benchmarking import make_hook
 
-        return ref.PowerSGDState(None, **kwargs), ref.powerSGD_hook
-    from . import PowerSGDState, alternating_powerSGD_hook, powerSGD_hook
-
-    hook = alternating_powerSGD_hook if impl == "alternating" else powerSGD_hook
-    return PowerSGDState(None, backend=cfg.kernels, **kwargs), hook
+    kind = {"reference": "pytorch", "ours_cold": "ours"}.get(impl, impl)
+    return make_hook(kind, rank, backend=cfg.kernels, start_powerSGD_iter=START_ITER,
+                     min_compression_rate=cfg.min_compression_rate, use_error_feedback=False,
+                     warm_start=impl != "ours_cold", random_seed=cfg.seed)
 
 
 def _rank_main(rank: int, world_size: int, init_method: str, cfg: ApproximationConfig) -> Optional[Dict[str, Any]]:

@@ -29,7 +29,6 @@ from .models import build_model
 
 HOOKS = ("powersgd", "batched", "alternating", "reference", "allreduce")
 COMPARE_HOOKS = ("powersgd", "alternating", "reference", "allreduce")
-OUR_HOOKS = ("powersgd", "batched", "alternating")
 
 # Per-workload defaults (chosen so that a default run takes well under a minute on 2 CPU cores).
 WORKLOAD_DEFAULTS: Dict[str, Dict[str, Any]] = {
@@ -193,15 +192,6 @@ class AllReduceCounter:
 # Hooks
 
 
-def our_hooks(name: str = "powersgd"):
-    """``(PowerSGDState, hook)`` of powersgd_triton for ``--hook name``."""
-    from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
-
-    if name == "alternating":
-        return PowerSGDState, alternating_powerSGD_hook
-    return PowerSGDState, (batched_powerSGD_hook if name == "batched" else powerSGD_hook)
-
-
 def check_available(cfg: "TrainConfig") -> None:
     """Fail early, in the launching process, when the workload's data package is missing
     (:class:`~powersgd_triton.train.data.DataUnavailable`) or the devices do not fit (``ValueError``)."""
@@ -220,26 +210,19 @@ def check_available(cfg: "TrainConfig") -> None:
 def make_hook(name: str, cfg: TrainConfig):
     """``(state, hook)`` for DDP's ``register_comm_hook`` (``hook`` is never ``None``: all-reduce goes through
     PyTorch's Python ``allreduce_hook`` so that its bytes are counted the same way)."""
-    kwargs = dict(
-        matrix_approximation_rank=cfg.rank,
-        start_powerSGD_iter=cfg.start_iter,
-        min_compression_rate=cfg.min_compression_rate,
-        use_error_feedback=cfg.use_error_feedback,
-        warm_start=cfg.warm_start,
-        random_seed=cfg.seed,
-    )
     if name == "allreduce":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         return None, default_hooks.allreduce_hook
-    if name == "reference":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ref
+    if name not in HOOKS:
+        raise ValueError(f"unknown hook {name!r}; expected one of {HOOKS}")
+    from ..benchmarking import make_hook as make_powersgd_hook
 
-        return ref.PowerSGDState(None, **kwargs), ref.powerSGD_hook
-    if name in OUR_HOOKS:
-        PowerSGDState, hook = our_hooks(name)
-        return PowerSGDState(None, **kwargs, backend=cfg.kernels), hook
-    raise ValueError(f"unknown hook {name!r}; expected one of {HOOKS}")
+    impl = {"reference": "pytorch", "powersgd": "ours", "batched": "ours"}.get(name, name)
+    return make_powersgd_hook(impl, cfg.rank, batched=name == "batched", backend=cfg.kernels,
+                              start_powerSGD_iter=cfg.start_iter, min_compression_rate=cfg.min_compression_rate,
+                              use_error_feedback=cfg.use_error_feedback, warm_start=cfg.warm_start,
+                              random_seed=cfg.seed)
 
 
 HOOK_LABELS = {
