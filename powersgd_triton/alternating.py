@@ -21,14 +21,14 @@ the compressed gradients only.
 One all-reduce per bucket per compressed step. The uncompressed gradients (biases, norms, small matrices) travel
 in the same all-reduce as the factor: one float32 buffer per bucket, ``comm = [factor | uncompressed]``. The factor
 is written straight into ``comm[:F]`` by the projection kernel, the uncompressed gradients into ``comm[F:]`` by one
-gather launch (:func:`powersgd_triton.ops.pack_uncompressed`), ``comm[:F + U]`` is all-reduced and divided by the
-world size in one launch, and one scatter launch writes the averaged uncompressed gradients back
-(:func:`powersgd_triton.ops.unpack_uncompressed`). The uncompressed part therefore travels in float32 whatever the
+gather launch (:func:`powersgd_triton.ops.pack_uncompressed`), ``comm[:F + U]`` is all-reduced, then one launch
+(:func:`powersgd_triton.ops.average`) divides it by the world size and writes the averaged uncompressed gradients
+back. The uncompressed part therefore travels in float32 whatever the
 bucket dtype (PyTorch's hook all-reduces it in the bucket dtype): twice its bytes for float16/bfloat16 buckets, in
 one collective instead of two; float64 uncompressed gradients are rounded to float32.
 
 Order of the numeric work (the cheapest correct one found). The local factor is needed after the all-reduce for
-the local residual, so it is copied into ``local`` (``F`` floats, one launch) before the all-reduce; then ONE pass
+the local residual, so the launch that computes it writes it twice, into ``comm`` and into ``local`` (``F`` floats); then ONE pass
 over the bucket (:func:`powersgd_triton.ops.reconstruct` with ``local_p`` / ``local_q``) writes the output
 ``P_avg·Q'ᵀ`` (``P'·Q_avgᵀ``) and the error ``(M + E) - P_local·Q'ᵀ`` (``(M + E) - P'·Q_localᵀ``). Computing the
 error before the all-reduce instead would need a second pass over the bucket. Bucket passes per step: a P step
@@ -37,9 +37,11 @@ reads ``M, E`` and writes ``M + E`` while projecting (``ops.project`` with the e
 folded in by ``ops.project`` with the error (its small P output goes to a scratch buffer and is not used; the fold
 is the same memory traffic, only the rank-r multiply is extra), then ``project_t`` reads the bucket once more.
 
-Launches per compressed step and bucket, whatever the number of matrices: P step 1 orthogonalize + 1 project +
-1 copy + 1 pack + all-reduce + 1 divide + 1 unpack + 3 (finiteness flag) + 1 reconstruct + 7 small ones (commit of
-the kept factor, per matrix, see below); a Q step one more (the fold). The commit could be one fused kernel.
+Launches per compressed step and bucket on the Triton backend, whatever the number of matrices: a P step runs
+1 orthogonalize + 1 project (which also writes the local copy of P) + 1 pack + the all-reduce + 1 average (the
+factor and the uncompressed gradients divided by the world size, the uncompressed ones written back, the step flags)
++ 1 reconstruct (output, local-residual error and the commit of the kept factor, where the step is finite): 5; a
+Q step one more (the fold), and one more when project_t splits a tall matrix over rows.
 
 First compressed step of a bucket: a P step, from the initial random Q drawn exactly as the standard hook draws it
 (:meth:`PowerSGDState._draw_q`: same seeds, same RNG consumption), so the first P of both hooks is the same.
@@ -60,8 +62,8 @@ later factor of that matrix would be zero, the layer would never pass a gradient
 grow without bound. (The standard hooks keep a zero Q in that case; with error feedback it takes a layer that has
 no gradient at the first compressed step, without it any step.)
 
-A non-finite step: ``ok`` (a 0-d device bool: the all-reduced factor and uncompressed gradients, i.e. the whole
-``comm``, are finite) gates the error update and the commit of the kept factor, without a host synchronization; the
+A non-finite step: the step flags (device tensors: the all-reduced factor and uncompressed gradients, i.e. the whole
+``comm``, are finite) gate the error update and the commit of the kept factor, without a host synchronization; the
 bucket output is non-finite (GradScaler skips the step), the error memory and the kept factors stay as they were.
 **The phase still advances** on such a step: which half-step runs is host control flow and must be known without
 reading the device flag, and every rank must take the same half-step. Advancing is valid: the next half-step
@@ -100,7 +102,6 @@ import torch.distributed as dist
 
 from . import ops
 from .hooks import (
-    _all_finite,
     _allreduce_average,
     _check_state,
     _checked_buffer,
@@ -144,8 +145,8 @@ class _HalfStep:
                 state._draw_q(mem, buffer.dtype)
             ops.orthogonalize(mem.q, layout, "q", self.eps, out=mem.q_work, backend=backend,
                               config=mem.config("orthogonalize"))
-            # P_local = (M + E)·Q'; the bucket now holds M + E.
-            ops.project(buffer, layout, mem.q_work, self.factor, mem.error, backend=backend,
+            # P_local = (M + E)·Q' into comm and local; the bucket now holds M + E.
+            ops.project(buffer, layout, mem.q_work, self.factor, mem.error, p2=self.local, backend=backend,
                         config=mem.config("project"))
         else:
             ops.orthogonalize(mem.p, layout, "p", self.eps, out=mem.p_work, backend=backend,
@@ -154,29 +155,27 @@ class _HalfStep:
                 # Fold E into the bucket (project_t has no error input); the P it computes is scratch.
                 ops.project(buffer, layout, mem.q, mem.local[: layout.p_numel], mem.error, backend=backend,
                             config=mem.config("project"))
-            # Q_local = (M + E)ᵀ·P'
-            ops.project_t(buffer, layout, mem.p_work, self.factor, backend=backend, config=mem.config("project_t"))
-        if self.local is not None:
-            self.local.copy_(self.factor)
-        ops.pack_uncompressed(buffer, layout, self.unc, backend=backend)
+            # Q_local = (M + E)ᵀ·P' into comm and local
+            ops.project_t(buffer, layout, mem.p_work, self.factor, q2=self.local, backend=backend,
+                          config=mem.config("project_t"))
+        if self.unc.numel():
+            ops.pack_uncompressed(buffer, layout, self.unc, backend=backend)
 
     def finish(self) -> torch.Tensor:
         """Average, write the output and the local residual, commit the kept factor where the step is finite."""
         mem, layout, buffer, backend = self.mem, self.layout, self.buffer, self.backend
-        if self.world_size != 1:
-            self.sent.div_(self.world_size)
-        ops.unpack_uncompressed(self.unc, layout, buffer, 1.0, backend=backend)
-        ok = _all_finite(self.sent)
+        # factor /= world, uncompressed /= world and unpacked, step flags: one launch
+        flags = ops.average(self.factor, layout, self.phase, buffer, self.unc if self.unc.numel() else None,
+                            self.world_size, backend=backend)
         error = mem.error
-        flag = ok if error is not None else None
         local = self.local if error is not None else None
+        kept = (self.phase, mem.p if self.phase == "p" else mem.q)
         if self.phase == "p":
-            ops.reconstruct(buffer, layout, self.factor, mem.q_work, 1.0, error, flag, local_p=local,
+            ops.reconstruct(buffer, layout, self.factor, mem.q_work, 1.0, error, flags, local_p=local, commit=kept,
                             backend=backend, config=mem.config("reconstruct"))
         else:
-            ops.reconstruct(buffer, layout, mem.p_work, self.factor, 1.0, error, flag, local_q=local,
+            ops.reconstruct(buffer, layout, mem.p_work, self.factor, 1.0, error, flags, local_q=local, commit=kept,
                             backend=backend, config=mem.config("reconstruct"))
-        ops.commit_factor(self.factor, mem.p if self.phase == "p" else mem.q, layout, self.phase, ok, backend=backend)
         return buffer
 
 

@@ -12,9 +12,9 @@ A compressed step of one bucket (PowerSGD, Vogels et al. 2019, arXiv 1905.13727,
 3. ``P = (M + E)·Q``, all-reduce P;  4. orthogonalize P;  5. ``Q = (M + E)ᵀ·P``, all-reduce Q, ``Q /= world``;
 6. ``M <- P·Qᵀ`` and ``E <- (M + E) - P·Qᵀ`` in one pass; commit the warm-start Q.
 
-Step 6's memory updates only happen where ``ok`` (a 0-d device bool: all-reduced Q and uncompressed gradients
-finite) holds, without any host synchronization: a non-finite step yields a non-finite output (GradScaler skips
-it) and leaves the error memory and the warm-start Q as they were.
+Step 6's memory updates only happen where the step is finite (all-reduced Q and uncompressed gradients: the step
+flags of :func:`powersgd_triton.ops.average`, device tensors), without any host synchronization: a non-finite step
+yields a non-finite output (GradScaler skips it) and leaves the error memory and the warm-start Q as they were.
 
 Collective order. Every rank must issue the same collectives in the same order. On NCCL, futures complete at
 enqueue and ``then()`` callbacks run in order, so the steps are chained with ``then()`` on
@@ -64,26 +64,18 @@ def _allreduce_average(group, world_size: int, buffer: torch.Tensor) -> torch.fu
     return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def _all_finite(*tensors: torch.Tensor) -> torch.Tensor:
-    """0-d device bool: every element of every tensor is finite; no host sync, a few launches whatever the size.
-
-    A float64 sum of float32/float16/bfloat16 values cannot overflow (it would need more than 1e269 elements), so
-    it is finite exactly when every element is; ``s * 0 == 0`` is False exactly when ``s`` is inf or NaN.
-    (``torch.isfinite(t).all()`` is five launches per tensor on CUDA: isfinite is a composite op.)
-    """
-    total = None
-    for t in tensors:
-        if t is None or t.numel() == 0:
-            continue
-        s = t.sum(dtype=torch.float64)
-        total = s if total is None else total.add_(s)
-    return total.mul(0) == 0
-
-
 class _Step:
-    """One compressed step of one bucket; the methods are the pieces between two all-reduces."""
+    """One compressed step of one bucket; the methods are the pieces between two all-reduces.
 
-    __slots__ = ("state", "mem", "layout", "buffer", "group", "world_size", "unc", "unc_work", "backend", "eps")
+    Device work per step and bucket besides the three all-reduces, on the Triton backend: 1 pack of the
+    uncompressed gradients (none when they are one range of the bucket or none), 1 orthogonalize of Q, 1 project,
+    1 orthogonalize of P, 1 project_t (2 when its plan splits a tall matrix over rows), 1 average (Q and the
+    uncompressed gradients divided by the world size, unpacked, step flags) and 1 reconstruct (output, error
+    memory and warm-start Q where the step is finite): 6 to 8 launches whatever the number of matrices.
+    """
+
+    __slots__ = ("state", "mem", "layout", "buffer", "group", "world_size", "unc", "packed", "unc_work", "backend",
+                 "eps")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int):
         self.state = state
@@ -95,13 +87,22 @@ class _Step:
         self.backend = mem.backend
         self.eps = float(state.orthogonalization_epsilon)
         self.unc = None
+        self.packed = None
         self.unc_work = None
 
     def start_uncompressed(self) -> None:
-        """Issue the all-reduce of the uncompressed gradients (a view of the bucket when they are one range)."""
-        if self.layout.uncompressed_numel == 0:
+        """Issue the all-reduce of the uncompressed gradients: a view of the bucket when they are one range, else
+        packed into one buffer of the bucket's dtype (one launch)."""
+        layout = self.layout
+        if layout.uncompressed_numel == 0:
             return
-        self.unc = self.layout.gather_uncompressed(self.buffer)
+        if len(layout.uncompressed) == 1:
+            o, n = layout.uncompressed[0]
+            self.unc = self.buffer[o : o + n]
+        else:
+            self.packed = self.buffer.new_empty(layout.uncompressed_numel)
+            ops.pack_uncompressed(self.buffer, layout, self.packed, backend=self.backend)
+            self.unc = self.packed
         self.unc_work = dist.all_reduce(self.unc, group=self.group, async_op=True)
 
     def compute_p(self) -> None:
@@ -120,22 +121,23 @@ class _Step:
         """Orthogonalize the all-reduced P; ``Q = (M + E)ᵀ·P`` into ``q_work``."""
         mem, layout = self.mem, self.layout
         ops.orthogonalize(mem.p, layout, "p", self.eps, backend=self.backend, config=mem.config("orthogonalize"))
-        ops.project_t(self.buffer, layout, mem.p, mem.q_work, backend=self.backend, config=mem.config("project_t"))
+        ops.project_t(self.buffer, layout, mem.p, mem.q_work, error=mem.error if layout.batched else None,
+                      backend=self.backend, config=mem.config("project_t"))
 
     def finish(self) -> torch.Tensor:
         """Average, reconstruct, update the memory where the step is finite; the bucket buffer is the output."""
         state, mem, layout = self.state, self.mem, self.layout
-        compressed = layout.num_matrices > 0
-        if compressed:
-            mem.q_work.div_(self.world_size)
         if self.unc is not None:
             self.unc_work.wait()
-            self.unc.div_(self.world_size)
-            layout.scatter_uncompressed(self.buffer, self.unc)
-        if not compressed:
+        if layout.num_matrices == 0:
+            if self.unc is not None:
+                self.unc.div_(self.world_size)
+                if self.packed is not None:
+                    ops.unpack_uncompressed(self.packed, layout, self.buffer, backend=self.backend)
             return self.buffer
+        # Q /= world, uncompressed /= world and unpacked, step flags: one launch
+        flags = ops.average(mem.q_work, layout, "q", self.buffer, self.packed, self.world_size, backend=self.backend)
         keep_memory = mem.error is not None or state.warm_start
-        ok = _all_finite(mem.q_work, self.unc) if keep_memory else None
         ops.reconstruct(
             self.buffer,
             layout,
@@ -143,13 +145,12 @@ class _Step:
             mem.q_work,
             1.0,
             mem.error,
-            ok if mem.error is not None else None,
+            flags if keep_memory else None,
+            # keep Q per matrix where the step is finite and Q is not all zero
+            commit=("q", mem.q) if state.warm_start else None,
             backend=self.backend,
             config=mem.config("reconstruct"),
         )
-        if state.warm_start:
-            # keep Q per matrix where the step is finite and Q is not all zero (one launch on the Triton backend)
-            ops.commit_factor(mem.q_work, mem.q, layout, "q", ok, backend=self.backend)
         return self.buffer
 
 
@@ -285,9 +286,10 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
     r"""Batched PowerSGD (drop-in for PyTorch's ``batched_powerSGD_hook``).
 
     The whole flat bucket of N elements is compressed as one ``s x s`` matrix, ``s = ceil(sqrt(N))``, zero-padded
-    (the padding is masked, never stored: the bucket is not resized). Faster than :func:`powerSGD_hook` but usually
-    much less accurate unless ``matrix_approximation_rank`` is 1. Unlike PyTorch's, it uses
-    ``state.orthogonalization_epsilon`` and keeps no error memory for the padding.
+    (the padding is masked, never stored: the bucket is not resized). As PyTorch's batched hook, the error memory
+    covers the whole padded matrix (``s * s`` floats, at most ``2s - 1`` more than the bucket). Faster than
+    :func:`powerSGD_hook` but usually much less accurate unless ``matrix_approximation_rank`` is 1. Unlike
+    PyTorch's, it uses ``state.orthogonalization_epsilon``.
 
     Args and returns as :func:`powerSGD_hook`.
     """

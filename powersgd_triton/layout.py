@@ -17,7 +17,9 @@ same numbers in the same places as PyTorch's ``p_memory_dict`` / ``q_memory_dict
 The kernels read one small ``int64`` device table (:attr:`BucketLayout.table`, one row of :data:`TABLE_COLUMNS` per
 matrix) and ``int32`` tile tables ``(matrix, start)`` made per block size (:meth:`BucketLayout.tiles`), both built
 once and cached. The batched view (``batched_powerSGD_hook``) is a layout with a single virtual ``s x s`` matrix,
-``s = ceil(sqrt(N))``, whose elements past ``N`` are masked (``NUMEL`` column), so the bucket is never resized.
+``s = ceil(sqrt(N))``, whose elements past ``N`` are masked (``NUMEL`` column), so the bucket is never resized. As in
+PyTorch's batched hook, the error memory covers the whole padded matrix (``s * s`` floats, at most ``2s - 1`` more
+than the bucket): the padding's ``M + E`` is its error memory.
 """
 
 import math
@@ -166,7 +168,8 @@ class BucketLayout:
         self.matrix_approximation_rank = rank
         self.p_numel = sum(s.n * s.rank for s in matrices)
         self.q_numel = sum(s.m * s.rank for s in matrices)
-        self.e_numel = sum(s.numel for s in matrices)
+        # the batched view keeps error memory for its zero padding too (PyTorch's batched hook), <= 2s - 1 floats
+        self.e_numel = sum(s.n * s.m if batched else s.numel for s in matrices)
         self.uncompressed_numel = sum(length for _, length in self.uncompressed)
         self.max_rank = max((s.rank for s in matrices), default=0)
         self.groups = _shape_groups(matrices)
@@ -329,13 +332,13 @@ class BucketLayout:
     def column_tiles(self, block: int, split_rows: int = 0):
         """Tile tables of project_t for ``block`` columns per tile and at most ``split_rows`` rows per program.
 
-        Returns ``(tiles, reduce_tiles, workspace_numel)``: ``tiles`` is a device ``int32 (T, 4)`` table
-        ``(matrix, first column, first row, workspace offset or -1)``; matrices with ``n > split_rows`` (when
+        Returns ``(tiles, reduce_tiles, workspace_numel)``: ``tiles`` is a device ``int32 (T, 5)`` table
+        ``(matrix, first column, first row, end row, workspace offset or -1)``; matrices with ``n > split_rows`` (when
         ``split_rows > 0``) are split over rows and write partial sums to a float32 workspace of
         ``workspace_numel`` elements, which ``reduce_tiles`` (``int32 (T2, 4)``: matrix, first column, workspace
         offset, number of splits; None when nothing is split) sums in a fixed order. Cached per arguments.
         """
-        key = ("cols4", int(block), int(split_rows))
+        key = ("cols5", int(block), int(split_rows))
         cached = self._tiles.get(key)
         if cached is None:
             tiles, reduce_tiles = [], []
@@ -344,20 +347,72 @@ class BucketLayout:
                 nsplit = -(-s.n // split_rows) if split_rows > 0 and s.n > split_rows else 1
                 for c in range(0, s.m, block):
                     if nsplit == 1:
-                        tiles.append((i, c, 0, -1))
+                        tiles.append((i, c, 0, s.n, -1))
                     else:
                         for k in range(nsplit):
-                            tiles.append((i, c, k * split_rows, ws + k * s.m * s.rank))
+                            end = min(s.n, (k + 1) * split_rows)
+                            tiles.append((i, c, k * split_rows, end, ws + k * s.m * s.rank))
                         reduce_tiles.append((i, c, ws, nsplit))
                 if nsplit > 1:
                     ws += nsplit * s.m * s.rank
             if ws >= 2**31:
                 raise ValueError("project_t workspace exceeds int32 offsets; use a larger split_rows")
 
-            def dev(rows):
-                return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(self.device)
+            def dev(rows, width):
+                return torch.tensor(rows, dtype=torch.int32).reshape(-1, width).to(self.device)
 
-            cached = (dev(tiles), dev(reduce_tiles) if reduce_tiles else None, ws)
+            cached = (dev(tiles, 5), dev(reduce_tiles, 4) if reduce_tiles else None, ws)
+            self._tiles[key] = cached
+        return cached
+
+    def row_tiles(self, block: int, split_cols: int = 0) -> torch.Tensor:
+        """Tile table of reconstruct: device ``int32 (T, 4)`` ``(matrix, first row, first column, end column)``,
+        ``block`` rows per tile and at most ``split_cols`` columns per program (0: whole rows). Cached."""
+        key = ("rows4", int(block), int(split_cols))
+        t = self._tiles.get(key)
+        if t is None:
+            rows = []
+            for i, s in enumerate(self.matrices):
+                chunk = split_cols if 0 < split_cols < s.m else s.m
+                for r0 in range(0, s.n, block):
+                    for c in range(0, s.m, chunk):
+                        rows.append((i, r0, c, min(s.m, c + chunk)))
+            t = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(self.device)
+            self._tiles[key] = t
+        return t
+
+    def average_tiles(self, which: str, packed: bool, block: int):
+        """Tile tables of the average launch: ``(tiles, first)``.
+
+        ``tiles``: device ``int64 (T, 4)`` ``(matrix or -1, source offset, destination offset, count <= block)``:
+        first the factor (``which`` = "p" or "q") of every matrix in chunks of ``block`` (source = destination, in
+        place), then the uncompressed gradients: from a packed buffer (``packed``) into their bucket positions, or in
+        place in the bucket (one range or none). ``first``: device ``int32 (L + 1,)``, the factor chunks of matrix i
+        are rows ``first[i]:first[i + 1]``. Cached.
+        """
+        if which not in ("p", "q"):
+            raise ValueError(f"which must be 'p' or 'q', got {which!r}")
+        if packed is False and len(self.uncompressed) > 1:
+            raise ValueError("uncompressed gradients in several ranges must be packed")
+        key = ("average", which, bool(packed), int(block))
+        cached = self._tiles.get(key)
+        if cached is None:
+            rows, first = [], [0]
+            for i, s in enumerate(self.matrices):
+                start = s.p_offset if which == "p" else s.q_offset
+                count = (s.n if which == "p" else s.m) * s.rank
+                for c in range(0, count, block):
+                    rows.append((i, start + c, start + c, min(block, count - c)))
+                first.append(len(rows))
+            pos = 0
+            for off, n in self.uncompressed:
+                for c in range(0, n, block):
+                    rows.append((-1, (pos if packed else off) + c, off + c, min(block, n - c)))
+                pos += n
+            cached = (
+                torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).to(self.device),
+                torch.tensor(first, dtype=torch.int32).to(self.device),
+            )
             self._tiles[key] = cached
         return cached
 

@@ -81,22 +81,26 @@ def _kernels():
     return triton_ops
 
 
-def project(buffer, layout: BucketLayout, q, p, error=None, *, backend: str = "auto", config=None) -> None:
+def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, backend: str = "auto", config=None) -> None:
     """Step 1: ``P_i = M_i · Q_i`` for every compressed matrix of the bucket (one launch).
 
     With ``error`` (error feedback, paper Alg. 2), ``M_i + E_i`` is used and written back into ``buffer`` in the same
-    pass. ``config`` overrides the autotuned block sizes (Triton backend only).
+    pass (for the batched view, the padding's ``M + E`` is its error memory). ``p2`` (flat like ``p``): a second copy
+    of P written by the same launch. ``config`` overrides the autotuned block sizes (Triton backend only).
     """
     _check_buffer(buffer, layout)
     _check("q", q, layout.q_numel, buffer.device)
     _check("p", p, layout.p_numel, buffer.device)
+    _check("p2", p2, layout.p_numel, buffer.device)
     _check("error", error, layout.e_numel, buffer.device)
     if layout.num_matrices == 0:
         return
     if resolve_backend(backend, buffer) == "triton":
-        _kernels().project(buffer, layout, q, p, error, config=config)
+        _kernels().project(buffer, layout, q, p, error, p2=p2, config=config)
     else:
         reference.project(buffer, layout, q, p, error)
+        if p2 is not None:
+            p2.copy_(p)
 
 
 def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float = 0.0, out=None, *, backend="auto", config=None):
@@ -124,17 +128,26 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float = 0.0, out
     return out
 
 
-def project_t(buffer, layout: BucketLayout, p, q, *, backend: str = "auto", config=None) -> None:
-    """Step 3: ``Q_i = M_iᵀ · P_i`` for every compressed matrix (one launch, no atomics)."""
+def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, backend: str = "auto", config=None) -> None:
+    """Step 3: ``Q_i = M_iᵀ · P_i`` for every compressed matrix (one launch, two when the plan splits a tall matrix
+    over rows; no atomics).
+
+    ``error``: only read for the batched view, whose padding's ``M + E`` is its error memory (the bucket holds
+    ``M + E`` already after :func:`project` with the error). ``q2`` (flat like ``q``): a second copy of Q.
+    """
     _check_buffer(buffer, layout)
     _check("p", p, layout.p_numel, buffer.device)
     _check("q", q, layout.q_numel, buffer.device)
+    _check("q2", q2, layout.q_numel, buffer.device)
+    _check("error", error, layout.e_numel, buffer.device)
     if layout.num_matrices == 0:
         return
     if resolve_backend(backend, buffer) == "triton":
-        _kernels().project_t(buffer, layout, p, q, config=config)
+        _kernels().project_t(buffer, layout, p, q, error=error, q2=q2, config=config)
     else:
-        reference.project_t(buffer, layout, p, q)
+        reference.project_t(buffer, layout, p, q, error=error)
+        if q2 is not None:
+            q2.copy_(q)
 
 
 def reconstruct(
@@ -148,16 +161,21 @@ def reconstruct(
     *,
     local_p=None,
     local_q=None,
+    commit=None,
     backend: str = "auto",
     config=None,
 ) -> None:
     """Step 4: ``M_i ← P_i · (scale·Q_i)ᵀ``; with ``error`` also ``E_i ← M_i(before) − P_i · (scale·Q_i)ᵀ``.
 
-    One pass over the bucket (no clone of it). ``update_error``: optional 0-d bool device tensor; where it is False
-    the error memory is left unchanged (used to keep the state valid on a non-finite step without a host sync).
-    ``local_p`` / ``local_q`` (flat like ``p`` / ``q``, at most one): the error becomes the local residual
-    ``M_i − P_local·Q_iᵀ`` / ``M_i − P_i·Q_localᵀ`` (alternating hook), the output stays ``P_i·(scale·Q_i)ᵀ``.
-    Deterministic (no atomics). Padding of the batched view is never stored.
+    One pass over the bucket (no clone of it). ``update_error``: a one-element bool device tensor, or the
+    :class:`StepFlags` of :func:`average`; where the step is not finite the error memory is left unchanged (used to
+    keep the state valid on a non-finite step without a host sync). ``local_p`` / ``local_q`` (flat like ``p`` /
+    ``q``, at most one): the error becomes the local residual ``M_i − P_local·Q_iᵀ`` / ``M_i − P_i·Q_localᵀ``
+    (alternating hook), the output stays ``P_i·(scale·Q_i)ᵀ``. ``commit=(which, kept)``: also the warm-start update
+    ``kept_i <- p_i`` (``which="p"``) or ``q_i`` (``"q"``) for every matrix whose factor is not all zero, where the
+    step is finite; needs ``update_error`` from :func:`average` on the same factor (as :func:`commit_factor`, in
+    the same launch). Deterministic (no atomics). Padding of the batched view is never stored in the bucket; its
+    error memory is updated like the rest (PyTorch's batched hook).
     """
     _check_buffer(buffer, layout)
     _check("p", p, layout.p_numel, buffer.device)
@@ -167,18 +185,84 @@ def reconstruct(
     _check("local_q", local_q, layout.q_numel, buffer.device)
     if local_p is not None and local_q is not None:
         raise ValueError("give local_p or local_q, not both")
-    if update_error is not None and (update_error.numel() != 1 or update_error.device != buffer.device):
+    flags = update_error
+    if isinstance(flags, StepFlags):
+        if flags.flags.device != buffer.device:
+            raise ValueError("update_error must be on the bucket's device")
+    elif flags is not None and (flags.numel() != 1 or flags.device != buffer.device):
         raise ValueError("update_error must be a one-element tensor on the bucket's device")
+    if commit is not None:
+        which, kept = commit
+        if which not in ("p", "q"):
+            raise ValueError(f"commit's factor must be 'p' or 'q', got {which!r}")
+        _check("kept", kept, layout.p_numel if which == "p" else layout.q_numel, buffer.device)
+        if not isinstance(flags, StepFlags) or flags.which != which:
+            raise ValueError(f"commit=({which!r}, ...) needs update_error from average() on the {which!r} factor")
     if layout.num_matrices == 0:
         return
     if resolve_backend(backend, buffer) == "triton":
+        if isinstance(flags, StepFlags):
+            flag_tensor, first = flags.flags, flags.first
+        else:
+            flag_tensor, first = flags, None
         _kernels().reconstruct(
-            buffer, layout, p, q, float(scale), error, update_error, local_p=local_p, local_q=local_q, config=config
+            buffer, layout, p, q, float(scale), error, flag_tensor, local_p=local_p, local_q=local_q,
+            commit=commit, first=first, config=config,
         )
     else:
+        ok = flags.ok if isinstance(flags, StepFlags) else flags
         reference.reconstruct(
-            buffer, layout, p, q, float(scale), error, update_error, local_p=local_p, local_q=local_q
+            buffer, layout, p, q, float(scale), error, ok, local_p=local_p, local_q=local_q
         )
+        if commit is not None:
+            which, kept = commit
+            reference.commit_factor(p if which == "p" else q, kept, layout, which, ok)
+
+
+class StepFlags:
+    """What :func:`average` learned about a step, for :func:`reconstruct`: is it finite, which factor matrices are
+    not all zero. Device tensors only (no host synchronization).
+
+    Triton backend: ``flags`` (uint8, one per chunk of the average launch: bit 0 finite, bit 1 non-zero) and
+    ``first`` (int32, the chunks of matrix i are ``first[i]:first[i + 1]``). Torch backend: ``ok`` (one-element
+    bool). ``which``: the factor (``"p"`` or ``"q"``) the flags describe.
+    """
+
+    __slots__ = ("flags", "first", "ok", "which")
+
+    def __init__(self, which: str, flags=None, first=None, ok=None):
+        self.which = which
+        self.flags = flags if flags is not None else ok
+        self.first = first
+        self.ok = ok
+
+
+def average(factor, layout: BucketLayout, which: str, buffer, unc=None, world_size: int = 1, *,
+            backend: str = "auto") -> StepFlags:
+    """The end of a step's all-reduces, one launch: divide the all-reduced ``factor`` (flat P or Q, ``which``) by
+    ``world_size`` in place, divide the all-reduced uncompressed gradients by it and write them into ``buffer``, and
+    return the :class:`StepFlags` that :func:`reconstruct` reads (step finite: every element of ``factor`` and of the
+    uncompressed gradients is finite; per matrix: its averaged factor is not all zero).
+
+    ``unc``: the packed uncompressed gradients (from :func:`pack_uncompressed`, ``layout.uncompressed_numel``
+    elements), or None when they are all-reduced in place in ``buffer`` (one range, or none). The division is
+    PyTorch's ``div_(world_size)`` (IEEE division, rounded to the destination dtype). No host synchronization.
+    """
+    if which not in ("p", "q"):
+        raise ValueError(f"which must be 'p' or 'q', got {which!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    _check_buffer(buffer, layout)
+    _check(which, factor, layout.p_numel if which == "p" else layout.q_numel, buffer.device)
+    if unc is not None:
+        _check_packed("unc", unc, layout, buffer.device)
+    elif len(layout.uncompressed) > 1:
+        raise ValueError("the uncompressed gradients lie in several ranges of the bucket: pass them packed (unc)")
+    if resolve_backend(backend, buffer) == "triton":
+        flags, first = _kernels().average(factor, layout, which, buffer, unc, world_size)
+        return StepFlags(which, flags=flags, first=first)
+    ok = reference.average(factor, layout, buffer, unc, world_size)
+    return StepFlags(which, ok=ok)
 
 
 def _check_packed(name, t, layout, device):
@@ -198,10 +282,14 @@ def pack_uncompressed(buffer, layout: BucketLayout, dst, *, backend: str = "auto
     if resolve_backend(backend, buffer) == "triton":
         _kernels().copy_segments(buffer, dst, layout, to_packed=True)
     else:
-        pos = 0
-        for off, n in layout.uncompressed:
-            dst[pos : pos + n].copy_(buffer[off : off + n])
-            pos += n
+        index = layout.uncompressed_index()
+        if index is None:
+            o, n = layout.uncompressed[0]
+            dst.copy_(buffer[o : o + n])
+        elif dst.dtype == buffer.dtype:
+            torch.index_select(buffer, 0, index, out=dst)
+        else:
+            dst.copy_(buffer.index_select(0, index))
 
 
 def unpack_uncompressed(src, layout: BucketLayout, buffer, scale: float = 1.0, *, backend: str = "auto") -> None:
@@ -214,11 +302,13 @@ def unpack_uncompressed(src, layout: BucketLayout, buffer, scale: float = 1.0, *
     if resolve_backend(backend, buffer) == "triton":
         _kernels().copy_segments(src, buffer, layout, to_packed=False, scale=scale)
     else:
-        pos = 0
-        for off, n in layout.uncompressed:
-            seg = src[pos : pos + n]
-            buffer[off : off + n].copy_(seg * scale if scale != 1.0 else seg)
-            pos += n
+        values = src * scale if scale != 1.0 else src
+        index = layout.uncompressed_index()
+        if index is None:
+            o, n = layout.uncompressed[0]
+            buffer[o : o + n].copy_(values)
+        else:
+            buffer.index_copy_(0, index, values.to(buffer.dtype))
 
 
 def commit_factor(new, kept, layout: BucketLayout, which: str, ok, *, backend: str = "auto") -> None:
@@ -240,7 +330,4 @@ def commit_factor(new, kept, layout: BucketLayout, which: str, ok, *, backend: s
     if resolve_backend(backend, kept) == "triton":
         _kernels().commit_factor(new, kept, layout, which, ok)
     else:
-        index = layout.factor_matrix_index(which)
-        peak = new.new_zeros(layout.num_matrices).scatter_reduce_(0, index, new.abs(), "amax")
-        fresh = peak.ne(0).logical_and_(ok.reshape(())).index_select(0, index)
-        torch.where(fresh, new, kept, out=kept)
+        reference.commit_factor(new, kept, layout, which, ok)

@@ -1,59 +1,41 @@
 """Grouped skinny matmuls over a whole bucket: ``P_i = M_i·Q_i`` (project) and ``Q_i = M_iᵀ·P_i`` (project_t).
 
-One launch covers every compressed matrix of the bucket. Program ``pid`` reads its tile ``(matrix, first row or
-column)`` from a host-built ``int32`` tile table, then the matrix's row of the ``int64`` layout table
-(:data:`powersgd_triton.layout.TABLE_COLUMNS`: offset, n, m, numel, rank, p_offset, q_offset, e_offset). Ragged
-shapes are handled by masks; for the batched view, flat indices ``>= numel`` are the (never stored) zero padding.
+One launch covers every compressed matrix of the bucket. Program ``pid`` reads its tile from a host-built ``int32``
+tile table, then the matrix's row of the ``int64`` layout table (:data:`powersgd_triton.layout.TABLE_COLUMNS`:
+offset, n, m, numel, rank, p_offset, q_offset, e_offset). Ragged shapes are handled by masks; for the batched view,
+flat indices ``>= numel`` are the (never stored) zero padding, whose error memory (``PAD_ERROR``) takes part in the
+products as in PyTorch's batched hook.
 
 Both kernels stream M once and keep the thin factor (``m x r`` or ``n x r``, float32) in cache; they are
 memory-bound for every r we use (arithmetic intensity ≈ 2r / sizeof(M) flop/byte). Loads are upcast to float32 right
-away and accumulation is float32 (also the interpreter's bf16 rule). ``R`` is the bucket's largest rank padded to a
-power of two; columns ``>= r_i`` are masked. ``USE_DOT`` picks ``tl.dot`` (fp32 ``ieee``, needs ``R >= 16``) or a
-broadcast-multiply-and-sum, which wins for r below tensor-core tile sizes.
+away and accumulation is float32. ``R`` is the bucket's largest rank padded to a power of two; columns ``>= r_i``
+are masked. ``USE_DOT`` picks ``tl.dot`` (fp32 ``ieee``, needs ``R >= 16``) or a broadcast multiply whose
+``[rows, k, R]`` products are accumulated elementwise over the loop and summed once after it (no cross-thread
+reduction inside the loop).
+
+Tiles: ``project`` has one program per ``BLOCK_N`` rows of a matrix (the sum over the columns stays in the program);
+``project_t`` one per ``BLOCK_M`` columns and row range: a matrix whose rows are split over several programs writes
+partial sums to a float32 workspace, summed in a fixed order by :func:`_reduce_splits_kernel` (no atomics).
 """
 
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _load_matrix_row(table_ptr, mat):
-    row = table_ptr + mat * 8
-    off = tl.load(row + 0)
-    n = tl.load(row + 1)
-    m = tl.load(row + 2)
-    numel = tl.load(row + 3)
-    r = tl.load(row + 4)
-    p_off = tl.load(row + 5)
-    q_off = tl.load(row + 6)
-    e_off = tl.load(row + 7)
-    return off, n, m, numel, r, p_off, q_off, e_off
-
-
-@triton.jit
-def _cast_for_store(x, ptr):
-    """float32 -> ``ptr``'s element type, rounding to nearest even.
-
-    For bfloat16 the rounding is done on the bits: the interpreter truncates in ``.to(tl.bfloat16)`` while the GPU
-    rounds, and this gives both the same result as torch's ``.to(torch.bfloat16)``.
-    """
-    if ptr.dtype.element_ty == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(ptr.dtype.element_ty)
+from .common import _cast_for_store, _load_matrix_row, loop_range  # noqa: F401 - re-exported
 
 
 @triton.jit
 def _project_kernel(
     buf_ptr,  # bucket buffer (fp32/fp16/bf16), M_i at buf_ptr + off, row-major n x m
     q_ptr,  # flat Q (float32), Q_i row-major m x r at q_ptr + q_off
-    p_ptr,  # flat P (float32) output, P_i row-major n x r at p_ptr + p_off
+    p_ptr,  # flat P output, P_i row-major n x r at p_ptr + p_off
+    p2_ptr,  # second P output (HAS_P2: the alternating hook's local copy), same layout
     e_ptr,  # flat error memory (float32), E_i row-major n x m at e_ptr + e_off (unused unless HAS_ERROR)
     table_ptr,  # int64 [L, 8] layout table
     tiles_ptr,  # int32 [T, 2] (matrix, first row)
     HAS_ERROR: tl.constexpr,
+    PAD_ERROR: tl.constexpr,  # batched view: the padding (flat index >= numel) has error memory too
+    HAS_P2: tl.constexpr,
     R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -68,88 +50,109 @@ def _project_kernel(
     rows = row0 + tl.arange(0, BLOCK_N).to(tl.int64)
     ranks = tl.arange(0, R)
     row_ok = rows < n
-    acc = tl.zeros((BLOCK_N, R), dtype=tl.float32)
-    for k0 in range(0, m, BLOCK_K):
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, R), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_N, BLOCK_K, R), dtype=tl.float32)
+    for k0 in loop_range(0, m, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         col_ok = cols < m
         lin = rows[:, None] * m + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :] & (lin < numel)
+        inside = row_ok[:, None] & col_ok[None, :]
+        mask = inside & (lin < numel)
         x = tl.load(buf_ptr + off + lin, mask=mask, other=0.0).to(tl.float32)
         if HAS_ERROR:
-            x += tl.load(e_ptr + e_off + lin, mask=mask, other=0.0).to(tl.float32)
+            if PAD_ERROR:
+                x += tl.load(e_ptr + e_off + lin, mask=inside, other=0.0).to(tl.float32)
+            else:
+                x += tl.load(e_ptr + e_off + lin, mask=mask, other=0.0).to(tl.float32)
             tl.store(buf_ptr + off + lin, _cast_for_store(x, buf_ptr), mask=mask)
         q_mask = col_ok[:, None] & (ranks[None, :] < r)
         q = tl.load(q_ptr + q_off + cols[:, None] * r + ranks[None, :], mask=q_mask, other=0.0).to(tl.float32)
         if USE_DOT:
             acc += tl.dot(x, q, input_precision="ieee")
         else:
-            acc += tl.sum(x[:, :, None] * q[None, :, :], axis=1)
+            acc3 += x[:, :, None] * q[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(acc3, axis=1)
     p_mask = row_ok[:, None] & (ranks[None, :] < r)
-    tl.store(p_ptr + p_off + rows[:, None] * r + ranks[None, :], acc.to(p_ptr.dtype.element_ty), mask=p_mask)
+    local = p_off + rows[:, None] * r + ranks[None, :]
+    tl.store(p_ptr + local, _cast_for_store(acc, p_ptr), mask=p_mask)
+    if HAS_P2:
+        tl.store(p2_ptr + local, _cast_for_store(acc, p2_ptr), mask=p_mask)
 
 
 @triton.jit
 def _project_t_kernel(
     buf_ptr,  # bucket buffer, M_i row-major n x m at buf_ptr + off
     p_ptr,  # flat P (float32), P_i row-major n x r
-    q_ptr,  # flat Q (float32) output, Q_i row-major m x r
-    ws_ptr,  # float32 workspace for partial sums of split matrices (unused unless SPLIT_ROWS > 0)
+    q_ptr,  # flat Q output, Q_i row-major m x r
+    q2_ptr,  # second Q output (HAS_Q2: the alternating hook's local copy)
+    e_ptr,  # flat error memory (PAD_ERROR only: the padding's error of the batched view)
+    ws_ptr,  # float32 workspace for partial sums of split matrices
     table_ptr,  # int64 [L, 8] layout table
-    tiles_ptr,  # int32 [T, 4] (matrix, first column, first row, workspace offset or -1 to write Q directly)
+    tiles_ptr,  # int32 [T, 5] (matrix, first column, first row, end row, workspace offset or -1: write Q)
+    PAD_ERROR: tl.constexpr,
+    HAS_Q2: tl.constexpr,
     R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_ROWS: tl.constexpr,  # 0: one program reduces all n rows; else at most SPLIT_ROWS rows per program
     USE_DOT: tl.constexpr,
 ):
-    """Q_i[cols] = M_i[rows, cols]ᵀ · P_i[rows] for one tile of BLOCK_M columns, rows reduced in a fixed order.
+    """Q_i[cols] = M_i[rows, cols]ᵀ · P_i[rows] for one tile of BLOCK_M columns and one row range.
 
-    A tall matrix (n > SPLIT_ROWS) is split over rows so that it gets enough programs; its partial sums go to the
-    workspace and :func:`_reduce_splits_kernel` adds them up in a fixed order (no atomics).
+    A program whose row range is not the whole matrix writes its partial sums to the workspace;
+    :func:`_reduce_splits_kernel` adds them up in a fixed order (no atomics).
     """
     pid = tl.program_id(0)
-    mat = tl.load(tiles_ptr + 4 * pid).to(tl.int64)
-    col0 = tl.load(tiles_ptr + 4 * pid + 1).to(tl.int64)
-    row_begin = tl.load(tiles_ptr + 4 * pid + 2).to(tl.int64)
-    ws_off = tl.load(tiles_ptr + 4 * pid + 3).to(tl.int64)
+    mat = tl.load(tiles_ptr + 5 * pid).to(tl.int64)
+    col0 = tl.load(tiles_ptr + 5 * pid + 1).to(tl.int64)
+    row_begin = tl.load(tiles_ptr + 5 * pid + 2).to(tl.int64)
+    row_end = tl.load(tiles_ptr + 5 * pid + 3).to(tl.int64)
+    ws_off = tl.load(tiles_ptr + 5 * pid + 4).to(tl.int64)
     off, n, m, numel, r, p_off, q_off, e_off = _load_matrix_row(table_ptr, mat)
-    row_end = n
-    if SPLIT_ROWS > 0:
-        row_end = tl.minimum(row_begin + SPLIT_ROWS, n)
 
     cols = col0 + tl.arange(0, BLOCK_M).to(tl.int64)
     ranks = tl.arange(0, R)
     col_ok = cols < m
-    acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-    for k0 in range(row_begin, row_end, BLOCK_K):
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_K, BLOCK_M, R), dtype=tl.float32)
+    for k0 in loop_range(row_begin, row_end, BLOCK_K):
         rows = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         row_ok = rows < row_end
         lin = rows[:, None] * m + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :] & (lin < numel)
-        x = tl.load(buf_ptr + off + lin, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_M]
+        inside = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(buf_ptr + off + lin, mask=inside & (lin < numel), other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_M]
+        if PAD_ERROR:
+            x += tl.load(e_ptr + e_off + lin, mask=inside & (lin >= numel), other=0.0).to(tl.float32)
         p_mask = row_ok[:, None] & (ranks[None, :] < r)
         p = tl.load(p_ptr + p_off + rows[:, None] * r + ranks[None, :], mask=p_mask, other=0.0).to(tl.float32)
         if USE_DOT:
             acc += tl.dot(tl.trans(x), p, input_precision="ieee")
         else:
-            acc += tl.sum(x[:, :, None] * p[:, None, :], axis=0)
+            acc3 += x[:, :, None] * p[:, None, :]
+    if not USE_DOT:
+        acc = tl.sum(acc3, axis=0)
     q_mask = col_ok[:, None] & (ranks[None, :] < r)
     local = cols[:, None] * r + ranks[None, :]
-    if SPLIT_ROWS > 0:
-        if ws_off >= 0:
-            tl.store(ws_ptr + ws_off + local, acc, mask=q_mask)
-        else:
-            tl.store(q_ptr + q_off + local, acc.to(q_ptr.dtype.element_ty), mask=q_mask)
+    if ws_off >= 0:
+        tl.store(ws_ptr + ws_off + local, acc, mask=q_mask)
     else:
-        tl.store(q_ptr + q_off + local, acc.to(q_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(q_ptr + q_off + local, _cast_for_store(acc, q_ptr), mask=q_mask)
+        if HAS_Q2:
+            tl.store(q2_ptr + q_off + local, _cast_for_store(acc, q2_ptr), mask=q_mask)
 
 
 @triton.jit
 def _reduce_splits_kernel(
     ws_ptr,  # float32 workspace: for matrix i, nsplit_i consecutive m_i x r_i partial sums
-    q_ptr,  # flat Q (float32) output
+    q_ptr,  # flat Q output
+    q2_ptr,  # second Q output (HAS_Q2)
     table_ptr,  # int64 [L, 8] layout table
     tiles_ptr,  # int32 [T, 4] (matrix, first column, workspace offset of split 0, number of splits)
+    HAS_Q2: tl.constexpr,
     R: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
@@ -165,6 +168,8 @@ def _reduce_splits_kernel(
     mask = (cols < m)[:, None] & (ranks[None, :] < r)
     local = cols[:, None] * r + ranks[None, :]
     acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-    for s in range(0, nsplit):
+    for s in loop_range(0, nsplit):
         acc += tl.load(ws_ptr + ws_off + s * m * r + local, mask=mask, other=0.0)
-    tl.store(q_ptr + q_off + local, acc.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + q_off + local, _cast_for_store(acc, q_ptr), mask=mask)
+    if HAS_Q2:
+        tl.store(q2_ptr + q_off + local, _cast_for_store(acc, q2_ptr), mask=mask)

@@ -4,19 +4,24 @@
 P step, where P was all-reduced) or ``E_i ← M_i − P_i·Q_localᵀ`` (a Q step), while M_i still receives the
 averaged ``P_i·(s·Q_i)ᵀ``.
 
-One launch for the whole bucket, one program per tile of ``BLOCK_N`` rows of a matrix. The program keeps its
-``BLOCK_N x R`` slice of P in registers and streams the columns of M in chunks of ``BLOCK_K``: each element of M is
+One launch for the whole bucket, one program per tile of ``BLOCK_N`` rows and a range of columns of a matrix
+(columns are split freely: every output element is computed by exactly one program). The program keeps its
+``BLOCK_N x R`` slice of P in registers and streams its columns of M in chunks of ``BLOCK_K``: each element of M is
 read once (for the error) and written once, each element of E written once — the bucket is never cloned.
 
-``UPDATE_FLAG``: a one-byte device flag; where it is 0 the error memory is left untouched (the hook clears it on a
-non-finite step, so the state stays valid without a host synchronization). No atomics; every output element is
-computed by one program in a fixed order, so results are bitwise reproducible.
+``HAS_FLAG``: ``n_flags`` uint8 step flags (:func:`powersgd_triton.kernels.segments._average_kernel`, or one byte
+given by the caller); the step is finite when bit 0 is set in all of them. Where it is not, the error memory is left
+untouched (the state stays valid without a host synchronization). ``COMMIT`` (1: P, 2: Q) also writes the factor
+into the warm-start memory ``kept`` where the step is finite and the matrix's factor is not all zero (bit 1 of its
+flags, ``first[mat]:first[mat + 1]``): the programs holding column range 0 write their P rows, those holding row
+block 0 the Q rows of their columns. No atomics; every output element is computed by one program in a fixed order,
+so results are bitwise reproducible.
 """
 
 import triton
 import triton.language as tl
 
-from .lowrank_mm import _cast_for_store, _load_matrix_row
+from .common import _cast_for_store, _flags_all, _flags_any_nonzero, _load_matrix_row, loop_range
 
 
 @triton.jit
@@ -35,49 +40,71 @@ def _reconstruct_kernel(
     q_ptr,  # flat Q (float32), Q_i row-major m x r
     lf_ptr,  # local factor for the error (LOCAL_ERR 1: P_local like p_ptr, 2: Q_local like q_ptr)
     e_ptr,  # flat error memory (float32), E_i row-major n x m (unused unless HAS_ERROR)
-    flag_ptr,  # uint8 flag: update the error memory only if != 0 (unused unless HAS_FLAG)
+    kept_ptr,  # warm-start factor memory (COMMIT 1: like p_ptr, 2: like q_ptr)
+    flags_ptr,  # uint8 step flags: bit 0 finite, bit 1 non-zero (HAS_FLAG / COMMIT)
+    first_ptr,  # int32 [L + 1]: flags of matrix i are first[i]:first[i + 1] (COMMIT)
     table_ptr,  # int64 [L, 8] layout table
-    tiles_ptr,  # int32 [T, 2] (matrix, first row)
-    scale,  # float32 factor applied to Q (1 / world size)
+    tiles_ptr,  # int32 [T, 4] (matrix, first row, first column, end column)
+    n_flags,  # number of flags
+    scale,  # float32 factor applied to Q (1 / world size, or 1 when Q was averaged already)
     HAS_ERROR: tl.constexpr,
     HAS_FLAG: tl.constexpr,
     LOCAL_ERR: tl.constexpr,  # 0: E = M - output; 1: E = M - P_local·Qᵀ; 2: E = M - P·Q_localᵀ
+    PAD_ERROR: tl.constexpr,  # batched view: the padding (flat index >= numel) has error memory too
+    COMMIT: tl.constexpr,  # 0: none; 1: kept P <- P; 2: kept Q <- Q (where finite and non-zero)
     R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    mat = tl.load(tiles_ptr + 2 * pid).to(tl.int64)
-    row0 = tl.load(tiles_ptr + 2 * pid + 1).to(tl.int64)
+    mat = tl.load(tiles_ptr + 4 * pid).to(tl.int64)
+    row0 = tl.load(tiles_ptr + 4 * pid + 1).to(tl.int64)
+    c_begin = tl.load(tiles_ptr + 4 * pid + 2).to(tl.int64)
+    c_end = tl.load(tiles_ptr + 4 * pid + 3).to(tl.int64)
     off, n, m, numel, r, p_off, q_off, e_off = _load_matrix_row(table_ptr, mat)
 
     rows = row0 + tl.arange(0, BLOCK_N).to(tl.int64)
     ranks = tl.arange(0, R)
     row_ok = rows < n
     rank_ok = ranks < r
-    p = tl.load(
-        p_ptr + p_off + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & rank_ok[None, :], other=0.0
-    ).to(tl.float32)
+    p_mask = row_ok[:, None] & rank_ok[None, :]
+    p = tl.load(p_ptr + p_off + rows[:, None] * r + ranks[None, :], mask=p_mask, other=0.0).to(tl.float32)
     if LOCAL_ERR == 1:
-        p_loc = tl.load(
-            lf_ptr + p_off + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & rank_ok[None, :], other=0.0
-        ).to(tl.float32)
+        p_loc = tl.load(lf_ptr + p_off + rows[:, None] * r + ranks[None, :], mask=p_mask, other=0.0).to(tl.float32)
+    ok = 1
     if HAS_FLAG:
-        # broadcast load of the one-byte flag: a [BLOCK_N, BLOCK_K] mask (a scalar bool mask is not portable)
-        keep = tl.load(flag_ptr + tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)) != 0
-    for k0 in range(0, m, BLOCK_K):
+        ok = _flags_all(flags_ptr, n_flags, 256)
+    # block masks from scalars (a scalar bool in a mask expression is not portable to the interpreter)
+    keep = (tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32) + ok) != 0
+    if COMMIT != 0:
+        fresh = ok & _flags_any_nonzero(flags_ptr, first_ptr, mat, 64)
+        if COMMIT == 1:
+            mine = fresh * (c_begin == 0).to(tl.int32)
+            commit_p = (tl.zeros((BLOCK_N, R), dtype=tl.int32) + mine) != 0
+            tl.store(kept_ptr + p_off + rows[:, None] * r + ranks[None, :], _cast_for_store(p, kept_ptr),
+                     mask=p_mask & commit_p)
+        else:
+            mine = fresh * (row0 == 0).to(tl.int32)
+            commit_q = (tl.zeros((BLOCK_K, R), dtype=tl.int32) + mine) != 0
+    for k0 in loop_range(c_begin, c_end, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        col_ok = cols < m
+        col_ok = cols < c_end
         q_mask = col_ok[:, None] & rank_ok[None, :]
         q_raw = tl.load(q_ptr + q_off + cols[:, None] * r + ranks[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        if COMMIT == 2:
+            tl.store(kept_ptr + q_off + cols[:, None] * r + ranks[None, :], _cast_for_store(q_raw, kept_ptr),
+                     mask=q_mask & commit_q)
         approx = _outer(p, q_raw * scale, USE_DOT)
         lin = rows[:, None] * m + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :] & (lin < numel)
+        inside = row_ok[:, None] & col_ok[None, :]
+        mask = inside & (lin < numel)
         if HAS_ERROR:
             before = tl.load(buf_ptr + off + lin, mask=mask, other=0.0).to(tl.float32)
-            e_mask = mask
-            if HAS_FLAG:
+            if PAD_ERROR:  # the padding's M + E is its error memory (the bucket holds no padding)
+                before += tl.load(e_ptr + e_off + lin, mask=inside & (lin >= numel), other=0.0).to(tl.float32)
+                e_mask = inside & keep
+            else:
                 e_mask = mask & keep
             if LOCAL_ERR == 1:
                 approx_e = _outer(p_loc, q_raw, USE_DOT)
@@ -86,5 +113,5 @@ def _reconstruct_kernel(
                 approx_e = _outer(p, q_loc.to(tl.float32), USE_DOT)
             else:
                 approx_e = approx
-            tl.store(e_ptr + e_off + lin, (before - approx_e).to(e_ptr.dtype.element_ty), mask=e_mask)
+            tl.store(e_ptr + e_off + lin, _cast_for_store(before - approx_e, e_ptr), mask=e_mask)
         tl.store(buf_ptr + off + lin, _cast_for_store(approx, buf_ptr), mask=mask)

@@ -31,7 +31,16 @@ def _store_matrix(buffer: torch.Tensor, s: MatrixSpec, value: torch.Tensor) -> N
 
 
 def _error(error: torch.Tensor, s: MatrixSpec) -> torch.Tensor:
-    return error[s.e_offset : s.e_offset + s.numel]
+    """E_i, flat: ``n*m`` elements for the batched view (its padding has error memory too), else ``numel``."""
+    return error[s.e_offset : s.e_offset + (s.n * s.m if s.grad_index < 0 else s.numel)]
+
+
+def _with_padding_error(mat: torch.Tensor, error: Optional[torch.Tensor], s: MatrixSpec) -> torch.Tensor:
+    """The batched view's ``M + E``: the bucket holds it for the first ``numel`` elements (after :func:`project`),
+    the padding's is its error memory. ``mat``: the zero-padded ``n x m`` copy from :func:`_matrix`."""
+    if error is not None and s.numel < s.n * s.m:
+        mat.view(-1)[s.numel :] = _error(error, s)[s.numel :].to(mat.dtype)
+    return mat
 
 
 def _factor(x: torch.Tensor, off: int, rows: int, r: int) -> torch.Tensor:
@@ -56,7 +65,7 @@ def project(
             mat = view.to(compute_dtype)
             if error is not None:
                 mat = mat.clone()
-                mat.view(-1)[: s.numel] += _error(error, s).to(compute_dtype)
+                mat.view(-1).add_(_error(error, s).to(compute_dtype))
                 _store_matrix(buffer, s, mat)
         qf = _factor(q, s.q_offset, s.m, s.rank).to(compute_dtype)
         # (Qᵀ·Mᵀ)ᵀ: the skinny product runs 3-10x faster this way round on CPU BLAS (bench/RESULTS.md §4)
@@ -69,10 +78,11 @@ def project_t(
     p: torch.Tensor,
     q: torch.Tensor,
     compute_dtype: torch.dtype = torch.float32,
+    error: Optional[torch.Tensor] = None,
 ) -> None:
-    """Q_i = M_iᵀ · P_i for every i."""
+    """Q_i = M_iᵀ · P_i for every i (``error``: the batched view's padding error, see :func:`_with_padding_error`)."""
     for s in layout.matrices:
-        mat = _matrix(buffer, s).to(compute_dtype)
+        mat = _with_padding_error(_matrix(buffer, s).to(compute_dtype), error, s)
         pf = _factor(p, s.p_offset, s.n, s.rank).to(compute_dtype)
         _factor(q, s.q_offset, s.m, s.rank).copy_(torch.mm(pf.t(), mat).t())  # (Pᵀ·M)ᵀ, as in project
 
@@ -168,11 +178,70 @@ def reconstruct(
             torch.mm(pf, qs.t(), out=m_view)
             continue
         before = _matrix(buffer, s).to(compute_dtype)
+        if e is not None and s.numel < s.n * s.m:
+            before = _with_padding_error(before.clone(), error, s)
         approx = pf @ qs.t()
         if e is not None:
             approx_e = approx if err_left is pf and err_right is qs else err_left @ err_right.t()
-            new = (before - approx_e).reshape(-1)[: s.numel].to(e.dtype)
+            new = (before - approx_e).reshape(-1)[: e.numel()].to(e.dtype)
             if update_error is not None:
                 new = torch.where(update_error, new, e)
             e.copy_(new)
         _store_matrix(buffer, s, approx)
+
+
+def all_finite(*tensors: Optional[torch.Tensor]) -> torch.Tensor:
+    """0-d device bool: every element of every tensor is finite; no host sync, a few ops whatever the size.
+
+    A float64 sum of float32/float16/bfloat16 values cannot overflow (it would need more than 1e269 elements), so
+    it is finite exactly when every element is; ``s * 0 == 0`` is False exactly when ``s`` is inf or NaN.
+    (``torch.isfinite(t).all()`` is five launches per tensor on CUDA: isfinite is a composite op.)
+    """
+    total = None
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        s = t.sum(dtype=torch.float64)
+        total = s if total is None else total.add_(s)
+    if total is None:
+        raise ValueError("all_finite needs at least one non-empty tensor")
+    return total.mul_(0).eq_(0).to(torch.bool)
+
+
+def average(
+    factor: torch.Tensor,
+    layout: BucketLayout,
+    buffer: torch.Tensor,
+    unc: Optional[torch.Tensor],
+    world_size: int,
+) -> torch.Tensor:
+    """``factor /= world_size``; the uncompressed gradients divided by it and written into ``buffer`` (from the packed
+    ``unc``, or in place); returns the 0-d bool "every element finite" (see :func:`all_finite`)."""
+    if world_size != 1:
+        factor.div_(world_size)
+    part = unc
+    if unc is not None:
+        if world_size != 1:
+            unc.div_(world_size)
+        index = layout.uncompressed_index()
+        if index is None:
+            o, n = layout.uncompressed[0]
+            buffer[o : o + n].copy_(unc)
+        else:
+            buffer.index_copy_(0, index, unc.to(buffer.dtype))
+    elif layout.uncompressed:
+        o, n = layout.uncompressed[0]
+        part = buffer[o : o + n]
+        if world_size != 1:
+            part.div_(world_size)
+    return all_finite(factor, part)
+
+
+def commit_factor(new: torch.Tensor, kept: torch.Tensor, layout: BucketLayout, which: str, ok) -> None:
+    """``kept_i <- new_i`` for every matrix i whose ``new_i`` is not all zero, where ``ok`` (one-element bool)."""
+    index = layout.factor_matrix_index(which)
+    peak = new.new_zeros(layout.num_matrices).scatter_reduce_(0, index, new.abs(), "amax")
+    fresh = peak.ne(0)
+    if ok is not None:
+        fresh = fresh.logical_and_(ok.reshape(()))
+    torch.where(fresh.index_select(0, index), new, kept, out=kept)

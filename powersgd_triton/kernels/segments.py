@@ -1,15 +1,22 @@
-"""Gather / scatter of the uncompressed gradients of a bucket in one launch (alternating hook's single all-reduce).
+"""Uncompressed gradients and the end of a step, one launch each.
 
-The uncompressed gradients (biases, norms, small matrices) are a few ragged segments of the bucket buffer. One
-program copies one chunk of at most ``BLOCK`` contiguous elements, from a host-built ``int64`` tile table
-``(source offset, destination offset, count)``, multiplying by ``scale`` and casting to the destination dtype
-(float32 upcasts are exact; downcasts round to nearest even).
+:func:`_copy_segments_kernel`: gather / scatter of the uncompressed gradients of a bucket (biases, norms, small
+matrices: a few ragged segments of the bucket buffer). One program copies one chunk of at most ``BLOCK`` contiguous
+elements, from a host-built ``int64`` tile table ``(source offset, destination offset, count)``, multiplying by
+``scale`` and casting to the destination dtype (float32 upcasts are exact; downcasts round to nearest even).
+
+:func:`_average_kernel`: after the last all-reduce of a step, in one launch: divide the all-reduced factor by the
+world size in place, divide the all-reduced uncompressed gradients by it and write them into the bucket (from a
+packed buffer, or in place when they are one range of the bucket), and write one uint8 flag per program (bit 0: its
+chunk is finite; bit 1: its chunk of the factor is not all zero after the division). ``reconstruct`` reads the flags:
+it updates the error memory and commits the warm-start factor only when every flag has bit 0 (no host
+synchronization), and commits a matrix's factor only when one of that matrix's flags has bit 1.
 """
 
 import triton
 import triton.language as tl
 
-from .lowrank_mm import _cast_for_store
+from .common import _cast_for_store
 
 
 @triton.jit
@@ -28,3 +35,35 @@ def _copy_segments_kernel(
     mask = offs < count
     x = tl.load(src_ptr + src0 + offs, mask=mask, other=0.0).to(tl.float32) * scale
     tl.store(dst_ptr + dst0 + offs, _cast_for_store(x, dst_ptr), mask=mask)
+
+
+@triton.jit
+def _average_kernel(
+    f_ptr,  # flat all-reduced factor (P or Q), divided in place
+    src_ptr,  # all-reduced uncompressed gradients (packed buffer, or the bucket itself)
+    dst_ptr,  # the bucket buffer
+    flags_ptr,  # uint8 [T] output flags
+    tiles_ptr,  # int64 [T, 4] (matrix or -1 for uncompressed, source offset, destination offset, count <= BLOCK)
+    world,  # float32 world size
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    mat = tl.load(tiles_ptr + 4 * pid)
+    src0 = tl.load(tiles_ptr + 4 * pid + 1)
+    dst0 = tl.load(tiles_ptr + 4 * pid + 2)
+    count = tl.load(tiles_ptr + 4 * pid + 3)
+    offs = tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < count
+    if mat >= 0:
+        x = tl.load(f_ptr + src0 + offs, mask=mask, other=0.0).to(tl.float32)
+        y = tl.div_rn(x, tl.zeros_like(x) + world)
+        tl.store(f_ptr + src0 + offs, _cast_for_store(y, f_ptr), mask=mask)
+        finite = tl.min((x * 0.0 == 0.0).to(tl.int32), axis=0)
+        nonzero = tl.max((y != 0.0).to(tl.int32), axis=0)
+        flag = finite | (nonzero << 1)
+    else:
+        x = tl.load(src_ptr + src0 + offs, mask=mask, other=0.0).to(tl.float32)
+        y = tl.div_rn(x, tl.zeros_like(x) + world)
+        tl.store(dst_ptr + dst0 + offs, _cast_for_store(y, dst_ptr), mask=mask)
+        flag = tl.min((x * 0.0 == 0.0).to(tl.int32), axis=0)
+    tl.store(flags_ptr + pid, flag.to(tl.uint8))

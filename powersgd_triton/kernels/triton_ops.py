@@ -32,7 +32,7 @@ from ..layout import KERNELS, MIN_DOT_RANK, BucketLayout, padded_rank  # noqa: F
 from .lowrank_mm import _project_kernel, _project_t_kernel, _reduce_splits_kernel
 from .orthogonalize import _commit_factor_kernel, _orthogonalize_kernel
 from .reconstruct import _reconstruct_kernel
-from .segments import _copy_segments_kernel
+from .segments import _average_kernel, _copy_segments_kernel
 
 KERNEL_FUNCTIONS = {
     "project": _project_kernel,
@@ -41,23 +41,33 @@ KERNEL_FUNCTIONS = {
     "reconstruct": _reconstruct_kernel,
     "reduce_splits": _reduce_splits_kernel,  # second stage of project_t for split (tall) matrices
     "copy_segments": _copy_segments_kernel,  # pack / unpack of the uncompressed gradients
-    "commit_factor": _commit_factor_kernel,  # warm-start factor update where finite and non-zero
+    "average": _average_kernel,  # after the last all-reduce: divide by the world size, unpack, step flags
+    "commit_factor": _commit_factor_kernel,  # warm-start factor update where finite and non-zero (standalone)
 }
+# The kernels that stream the bucket (the ones the performance targets are about).
+STREAMING_KERNELS = ("project", "project_t", "reconstruct")
 SEGMENT_BLOCK = 1024
-# Register budget for the broadcast-multiply path: elements of the [BLOCK, BLOCK_K, R] product per program.
-MAX_BROADCAST_ELEMENTS = 16384
+AVERAGE_BLOCK = 1024
+# Register budget of the broadcast-multiply path, per thread: elements of the [rows, k, R] accumulator (project,
+# project_t) or product (reconstruct), and elements of one loaded tile. 16 and 8 keep the heuristic configs at
+# <= 128 registers without spills for R <= 8 on sm_90 (ptxas -v, triton 3.9: tests/test_compile_table.py); 32
+# accumulator elements per thread measured 128-150 registers.
+BROADCAST_ELEMENTS_PER_THREAD = 16
+TILE_ELEMENTS_PER_THREAD = 8
 # Orthogonalize keeps a [BLOCK, R] fp32 tile per program and unrolls R columns: at most 16 tile elements per thread
 # (BLOCK * R <= 512 * num_warps). Larger tiles take minutes to compile at R >= 16 (measured, CPU, sm_90, triton 3.9:
 # BLOCK 512 / 4 warps / R 16: 220 s; BLOCK 512 / 8 warps / R 32: 450 s), which live tuning would pay per config, and
 # are likely to spill registers (not measured yet: no GPU run).
 MAX_ORTHO_TILE_PER_WARP = 512
-# project_t splits matrices taller than this over several programs (GPT-2's 50257-row embedding would otherwise
-# get only m / BLOCK_M programs).
-DEFAULT_SPLIT_ROWS = 2048
+# The tile plans aim at this many programs per SM (>= 2: while one program waits for memory another issues loads).
+PROGRAMS_PER_SM = 2
+# SM count used for plans when the device has none to ask (CPU, interpreter): 1 keeps interpreted grids small. The
+# GPU's own count is read from CUDA (132 on H100/H200).
+DEFAULT_NUM_SMS = 1
 
 INTERPRETER_CONFIGS: Dict[str, dict] = {
     "project": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
-    "project_t": dict(BLOCK_M=64, BLOCK_K=64, SPLIT_ROWS=0, USE_DOT=False, num_warps=4, num_stages=1),
+    "project_t": dict(BLOCK_M=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
     "orthogonalize": dict(BLOCK=128, num_warps=4, num_stages=1),
     "reconstruct": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
 }
@@ -67,21 +77,31 @@ def _tile_key(kernel: str) -> str:
     return "BLOCK_M" if kernel == "project_t" else "BLOCK_N"
 
 
-# Candidate (tile, BLOCK_K) pairs; filtered per rank by the register budget of the broadcast path.
+# Candidate (tile, BLOCK_K) pairs of the broadcast path, filtered per rank by the register budget.
 _BROADCAST_TILES = {
-    "project": [(16, 128), (32, 32), (32, 64), (32, 128), (64, 32), (64, 64), (128, 32)],
-    "reconstruct": [(16, 128), (32, 32), (32, 64), (32, 128), (64, 32), (64, 64), (128, 32)],
-    "project_t": [(32, 64), (64, 16), (64, 32), (64, 64), (128, 16), (128, 32)],
+    "project": [(4, 64), (4, 128), (8, 16), (8, 32), (8, 64), (8, 128), (16, 16), (16, 32), (16, 64), (32, 32)],
+    "reconstruct": [(4, 64), (4, 128), (8, 16), (8, 32), (8, 64), (16, 16), (16, 32), (16, 64), (32, 32)],
+    "project_t": [(32, 4), (32, 8), (32, 16), (64, 2), (64, 4), (64, 8), (64, 16), (128, 4), (128, 8)],
 }
-_DOT_TILES = [(64, 32), (64, 64), (128, 32)]
+_DOT_TILES = [(16, 32), (16, 64), (32, 32), (64, 32)]
+
+
+def device_sms(device) -> int:
+    """SM count of ``device`` (CUDA), else :data:`DEFAULT_NUM_SMS`."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return DEFAULT_NUM_SMS
 
 
 def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     """Candidate configs the autotuner times for ``kernel`` at this rank and gradient dtype.
 
-    Broadcast-multiply tiles are kept while ``tile * BLOCK_K * R <= MAX_BROADCAST_ELEMENTS`` (registers);
-    ``tl.dot`` tiles are offered from rank 8 on (below that, padding r to 16 only multiplies the FMAs).
+    Broadcast-multiply tiles are kept while ``tile * BLOCK_K * R <= 16 * 32 * num_warps`` (16 accumulator elements
+    per thread) and ``tile * BLOCK_K <= 8 * 32 * num_warps``; ``tl.dot`` tiles are offered from rank 8 on (below that, padding r to 16 only multiplies the FMAs).
+    Every tile comes with ``num_stages`` 1, 2 and 3 (software pipelining of the loads of the next iterations).
     Orthogonalize tiles are kept while ``BLOCK * R <= MAX_ORTHO_TILE_PER_WARP * num_warps`` (BLOCK 64 always).
+    The row or column splits are not part of a config: they are planned per bucket from the GPU's SM count.
     Raises ``ValueError`` for an unknown kernel name.
     """
     if kernel not in KERNELS:
@@ -97,27 +117,39 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     tile = _tile_key(kernel)
     out = []
     r = padded_rank(max_rank)
-    for bt, bk in _BROADCAST_TILES[kernel]:
-        if bt * bk * r > MAX_BROADCAST_ELEMENTS:
+    for (bt, bk), warps, stages in itertools.product(_BROADCAST_TILES[kernel], (4, 8), (1, 2, 3)):
+        if bt * bk * r > BROADCAST_ELEMENTS_PER_THREAD * 32 * warps or bt * bk > TILE_ELEMENTS_PER_THREAD * 32 * warps:
             continue
-        for warps in (4, 8):
-            out.append({tile: bt, "BLOCK_K": bk, "USE_DOT": False, "num_warps": warps, "num_stages": 1})
+        out.append({tile: bt, "BLOCK_K": bk, "USE_DOT": False, "num_warps": warps, "num_stages": stages})
     if max_rank >= 8:
-        for (bt, bk), stages in itertools.product(_DOT_TILES, (1, 2)):
+        for (bt, bk), stages in itertools.product(_DOT_TILES, (1, 2, 3)):
+            if kernel == "project_t":
+                bt, bk = bk, bt  # BLOCK_M columns x BLOCK_K rows; tl.dot needs both >= 16
             out.append({tile: bt, "BLOCK_K": bk, "USE_DOT": True, "num_warps": 4, "num_stages": stages})
     if not out:  # very large rank: smallest broadcast tile
-        out.append({tile: 16, "BLOCK_K": 16, "USE_DOT": False, "num_warps": 4, "num_stages": 1})
-    if kernel == "project_t":
-        for c in out:
-            c["SPLIT_ROWS"] = DEFAULT_SPLIT_ROWS
+        out.append({tile: 4 if kernel != "project_t" else 32, "BLOCK_K": 16 if kernel != "project_t" else 2,
+                    "USE_DOT": False, "num_warps": 4, "num_stages": 2})
     return out
 
 
-def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.dtype) -> dict:
+def _rows_total(layout, kernel: str, tile: int) -> Optional[int]:
+    mats = getattr(layout, "matrices", None)
+    if not mats:
+        return None
+    if kernel == "project_t":
+        return sum(-(-s.m // tile) for s in mats)
+    return sum(-(-s.n // tile) for s in mats)
+
+
+def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.dtype,
+                     num_sms: Optional[int] = None) -> dict:
     """Untuned default for ``kernel``: the interpreter config under TRITON_INTERPRET=1, else a GPU heuristic.
 
-    GPU heuristic: memory-bound streaming with about 8K fp32 products per program in registers for r <= 8, tensor
-    cores (``tl.dot``) from r >= 16 on.
+    GPU heuristic: rank <= 8 broadcast multiply with 32 accumulator elements per thread (no spills, <= 128 registers
+    on sm_90), ``tl.dot`` tiles of 16 rows from rank 16 on, ``num_stages=2`` (the next tile's loads in flight).
+    ``project`` takes 16-row blocks, or 8 when that is what gives ``PROGRAMS_PER_SM`` programs per SM on ``layout``
+    (``num_sms``: the GPU's SM count; 132, an H100/H200, when not given); the other kernels' splits are planned at
+    launch from the SM count (:func:`split_rows`, :func:`split_cols`, :func:`plan`).
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
@@ -127,20 +159,29 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
     if kernel == "orthogonalize":
         return dict(BLOCK=256 if max_rank <= 8 else 64, num_warps=4, num_stages=1)
     r = padded_rank(max_rank)
-    wide_k = 128 if dtype in (torch.float16, torch.bfloat16) else 64
-    split = {"SPLIT_ROWS": DEFAULT_SPLIT_ROWS} if kernel == "project_t" else {}
     if r >= MIN_DOT_RANK:
-        return {_tile_key(kernel): 64, "BLOCK_K": 32, "USE_DOT": True, "num_warps": 4, "num_stages": 2, **split}
-    bk = max(16, min(wide_k, 8192 // (32 * r)))
+        if kernel == "project_t":
+            return dict(BLOCK_M=32, BLOCK_K=16, USE_DOT=True, num_warps=4, num_stages=2)
+        return {"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": True, "num_warps": 4, "num_stages": 2}
+    budget = BROADCAST_ELEMENTS_PER_THREAD * 32 * 4  # accumulator / product elements per program (4 warps)
+    tile_max = TILE_ELEMENTS_PER_THREAD * 32 * 4
     if kernel == "project_t":
-        bk = max(16, min(64, 8192 // (64 * r)))
-        return dict(BLOCK_M=64, BLOCK_K=bk, USE_DOT=False, num_warps=4, num_stages=1, **split)
-    return {"BLOCK_N": 32, "BLOCK_K": bk, "USE_DOT": False, "num_warps": 4, "num_stages": 1}
+        bk = max(2, min(tile_max // 64, budget // (64 * r)))
+        return dict(BLOCK_M=64, BLOCK_K=bk, USE_DOT=False, num_warps=4, num_stages=2)
+    if num_sms is None:
+        num_sms = 132
+    bn = 16
+    if kernel == "project":
+        rows = _rows_total(layout, kernel, 16)
+        if rows is not None and rows < PROGRAMS_PER_SM * num_sms:
+            bn = 8
+    bk = max(16, min(tile_max // bn, budget // (bn * r)))
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False, "num_warps": 4, "num_stages": 2}
 
 
 def _resolve(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional[dict]) -> dict:
     if config is None:
-        return heuristic_config(kernel, layout, dtype)
+        return heuristic_config(kernel, layout, dtype, device_sms(layout.device))
     return config
 
 
@@ -148,34 +189,160 @@ def _launch_options(cfg: dict) -> dict:
     return {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 1)}
 
 
-def project(buffer, layout: BucketLayout, q, p, error=None, *, config: Optional[dict] = None) -> None:
-    """One launch: ``P_i = (M_i [+ E_i]) · Q_i`` for all i (see :func:`powersgd_triton.ops.project`)."""
+def _pow2_split(work_per_program: float, align: int, extent: int) -> int:
+    """Smallest ``align * 2**k`` >= ``work_per_program`` (at least ``2 * align``), or 0 when >= ``extent``."""
+    split = 2 * align
+    while split < work_per_program:
+        split *= 2
+    return 0 if split >= extent else split
+
+
+def split_rows(layout: BucketLayout, cfg: dict, num_sms: int) -> int:
+    """Rows per project_t program: ``cfg["SPLIT_ROWS"]`` if given, else planned so that the bucket gets about
+    ``PROGRAMS_PER_SM * num_sms`` programs of balanced length (a power-of-two multiple of ``BLOCK_K``; 0: none)."""
+    if "SPLIT_ROWS" in cfg:
+        return int(cfg["SPLIT_ROWS"])
+    bm = cfg["BLOCK_M"]
+    tiles = sum(-(-s.m // bm) for s in layout.matrices)
+    target = PROGRAMS_PER_SM * num_sms
+    work = sum(s.n * -(-s.m // bm) for s in layout.matrices)  # rows walked by all column tiles
+    tallest = max(s.n for s in layout.matrices)
+    if tiles >= target and tallest * tiles <= 2 * work:  # enough programs and no matrix much longer than the rest
+        return 0
+    return _pow2_split(work / target, cfg["BLOCK_K"], tallest)
+
+
+def split_cols(layout: BucketLayout, cfg: dict, num_sms: int) -> int:
+    """Columns per reconstruct program: ``cfg["SPLIT_COLS"]`` if given, else planned like :func:`split_rows`."""
+    if "SPLIT_COLS" in cfg:
+        return int(cfg["SPLIT_COLS"])
+    bn = cfg["BLOCK_N"]
+    tiles = sum(-(-s.n // bn) for s in layout.matrices)
+    target = PROGRAMS_PER_SM * num_sms
+    work = sum(s.m * -(-s.n // bn) for s in layout.matrices)
+    widest = max(s.m for s in layout.matrices)
+    if tiles >= target and widest * tiles <= 2 * work:
+        return 0
+    return _pow2_split(work / target, cfg["BLOCK_K"], widest)
+
+
+def _factor_rank(layout: BucketLayout, cfg: dict) -> int:
+    return padded_rank(layout.max_rank, cfg.get("USE_DOT", False))
+
+
+def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional[dict] = None, *,
+         num_sms: Optional[int] = None, variant: Optional[dict] = None) -> List[dict]:
+    """The launches of one bucket step ``kernel`` on ``layout``, as the performance model reads them.
+
+    Returns a list of dicts (one per launch) with keys ``kernel`` (a name of :data:`KERNEL_FUNCTIONS`),
+    ``programs``, ``iterations`` (most loop trips of one program), ``bytes_read``, ``bytes_written`` (DRAM bytes,
+    each element once), ``config`` and ``variant`` (what :func:`compile_aot` needs), plus ``dtype``, ``max_rank``,
+    ``flops`` (multiply-adds x 2 on the padded rank) and ``l2_bytes`` (factor bytes re-read by several programs,
+    served by L2). ``kernel`` is one of ``project``, ``project_t``, ``reconstruct``, ``average``, ``copy_segments``;
+    ``orthogonalize`` is :func:`orthogonalize_plan`. ``num_sms`` sizes the splits (default: the layout's device).
+    """
+    cfg = dict(config) if config is not None else heuristic_config(kernel, layout, dtype, num_sms)
+    if num_sms is None:
+        num_sms = device_sms(layout.device)
+    variant = dict(variant or {})
+    es = torch.empty((), dtype=dtype).element_size()
+    mats = layout.matrices
+    mn = sum(s.numel for s in mats)
+    e_numel = layout.e_numel
+    p4, q4 = 4 * layout.p_numel, 4 * layout.q_numel
+    base = dict(config=cfg, variant=variant, dtype=str(dtype).replace("torch.", ""), max_rank=layout.max_rank)
+    if kernel == "project":
+        R = _factor_rank(layout, cfg)
+        bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+        err = variant.get("HAS_ERROR", True)
+        programs = sum(-(-s.n // bn) for s in mats)
+        return [dict(base, kernel="project", programs=programs, iterations=max(-(-s.m // bk) for s in mats),
+                     bytes_read=mn * es + (4 * e_numel if err else 0) + q4,
+                     bytes_written=(mn * es if err else 0) + p4 * (2 if variant.get("HAS_P2") else 1),
+                     flops=2 * R * sum(s.n * s.m for s in mats),
+                     l2_bytes=sum(-(-s.n // bn) * s.m * s.rank * 4 for s in mats))]
+    if kernel == "project_t":
+        R = _factor_rank(layout, cfg)
+        bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
+        split = split_rows(layout, cfg, num_sms)
+        programs, iters, ws, red = 0, 0, 0, 0
+        for s in mats:
+            ns = -(-s.n // split) if split and s.n > split else 1
+            ct = -(-s.m // bm)
+            programs += ct * ns
+            iters = max(iters, -(-min(s.n, split or s.n) // bk))
+            if ns > 1:
+                ws += ns * s.m * s.rank * 4
+                red += ct
+        out = [dict(base, kernel="project_t", programs=programs, iterations=iters,
+                    bytes_read=mn * es + p4, bytes_written=q4 + ws,
+                    flops=2 * R * sum(s.n * s.m for s in mats),
+                    l2_bytes=sum(-(-s.m // bm) * s.n * s.rank * 4 for s in mats), split_rows=split)]
+        if red:
+            out.append(dict(base, kernel="reduce_splits", programs=red, iterations=max(
+                -(-s.n // split) for s in mats if split and s.n > split), bytes_read=ws, bytes_written=q4,
+                flops=0, l2_bytes=0))
+        return out
+    if kernel == "reconstruct":
+        R = _factor_rank(layout, cfg)
+        bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+        split = split_cols(layout, cfg, num_sms)
+        err = variant.get("HAS_ERROR", True)
+        programs = sum(-(-s.n // bn) * (-(-s.m // split) if split else 1) for s in mats)
+        iters = max(-(-min(s.m, split or s.m) // bk) for s in mats)
+        commit = {1: p4, 2: q4}.get(variant.get("COMMIT", 0), 0)
+        local = {1: p4, 2: q4}.get(variant.get("LOCAL_ERR", 0), 0)
+        return [dict(base, kernel="reconstruct", programs=programs, iterations=iters,
+                     bytes_read=p4 + q4 + local + ((mn * es + (e_numel - mn) * 4) if err else 0),
+                     bytes_written=mn * es + (4 * e_numel if err else 0) + commit,
+                     flops=2 * R * sum(s.n * s.m for s in mats) * (2 if local else 1),
+                     l2_bytes=programs * bn * R * 4 + sum(-(-s.n // bn) * s.m * s.rank * 4 for s in mats),
+                     split_cols=split)]
+    if kernel in ("average", "copy_segments"):
+        which = variant.get("which", "q")
+        factor = 0 if kernel == "copy_segments" else (layout.p_numel if which == "p" else layout.q_numel)
+        unc = layout.uncompressed_numel
+        block = AVERAGE_BLOCK if kernel == "average" else SEGMENT_BLOCK
+        programs = sum(-(-n // block) for _, n in layout.uncompressed)
+        programs += sum(-(-((s.n if which == "p" else s.m) * s.rank) // block) for s in mats) if factor else 0
+        return [dict(base, kernel=kernel, programs=programs, iterations=1, bytes_read=4 * factor + unc * es,
+                     bytes_written=4 * factor + unc * es + (programs if kernel == "average" else 0),
+                     flops=0, l2_bytes=0, config=dict(BLOCK=block, num_warps=4, num_stages=1))]
+    raise ValueError(f"no plan for kernel {kernel!r}")
+
+
+def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, config: Optional[dict] = None) -> None:
+    """One launch: ``P_i = (M_i [+ E_i]) · Q_i`` for all i (see :func:`powersgd_triton.ops.project`); ``p2``: a
+    second copy of P written by the same launch."""
     cfg = _resolve("project", layout, buffer.dtype, config)
     tiles = layout.tiles("rows", cfg["BLOCK_N"])
-    R = padded_rank(layout.max_rank, cfg["USE_DOT"])
+    R = _factor_rank(layout, cfg)
     _project_kernel[(tiles.shape[0],)](
-        buffer, q, p, error if error is not None else p, layout.table, tiles,
-        HAS_ERROR=error is not None, R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"],
-        **_launch_options(cfg),
+        buffer, q, p, p2 if p2 is not None else p, error if error is not None else p, layout.table, tiles,
+        HAS_ERROR=error is not None, PAD_ERROR=layout.batched and error is not None, HAS_P2=p2 is not None,
+        R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"], **_launch_options(cfg),
     )
 
 
-def project_t(buffer, layout: BucketLayout, p, q, *, config: Optional[dict] = None) -> None:
+def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, config: Optional[dict] = None) -> None:
     """``Q_i = M_iᵀ · P_i`` for all i (see :func:`powersgd_triton.ops.project_t`): one launch, plus one for the
-    fixed-order reduction when a matrix taller than ``SPLIT_ROWS`` is split over rows."""
+    fixed-order reduction when the plan splits a matrix over rows. ``error``: the batched view's error memory (its
+    padding's part is the padding's M + E); ``q2``: a second copy of Q."""
     cfg = _resolve("project_t", layout, buffer.dtype, config)
-    split = int(cfg.get("SPLIT_ROWS", 0))
+    split = split_rows(layout, cfg, device_sms(layout.device))
     tiles, reduce_tiles, ws_numel = layout.column_tiles(cfg["BLOCK_M"], split)
-    R = padded_rank(layout.max_rank, cfg["USE_DOT"])
+    R = _factor_rank(layout, cfg)
     ws = layout.workspace(ws_numel) if reduce_tiles is not None else p
+    pad = layout.batched and error is not None
     _project_t_kernel[(tiles.shape[0],)](
-        buffer, p, q, ws, layout.table, tiles,
-        R=R, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], SPLIT_ROWS=split if reduce_tiles is not None else 0,
+        buffer, p, q, q2 if q2 is not None else q, error if pad else p, ws, layout.table, tiles,
+        PAD_ERROR=pad, HAS_Q2=q2 is not None, R=R, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
         USE_DOT=cfg["USE_DOT"], **_launch_options(cfg),
     )
     if reduce_tiles is not None:
         _reduce_splits_kernel[(reduce_tiles.shape[0],)](
-            ws, q, layout.table, reduce_tiles, R=R, BLOCK_M=cfg["BLOCK_M"], num_warps=4, num_stages=1
+            ws, q, q2 if q2 is not None else q, layout.table, reduce_tiles, HAS_Q2=q2 is not None, R=R,
+            BLOCK_M=cfg["BLOCK_M"], num_warps=4, num_stages=1,
         )
 
 
@@ -190,6 +357,27 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, c
     )
 
 
+def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] = None) -> List[dict]:
+    """The launches of :func:`orthogonalize` in :func:`plan`'s format (today's kernel: one program per matrix,
+    ``R + 1`` passes of two loops over its rows). Stands in until the parallel orthogonalization provides its own."""
+    cfg = dict(config) if config is not None else heuristic_config("orthogonalize", layout, torch.float32)
+    R = padded_rank(layout.max_rank)
+    rows = [(s.n if which == "p" else s.m) for s in layout.matrices]
+    numel = layout.p_numel if which == "p" else layout.q_numel
+    return [dict(kernel="orthogonalize", programs=layout.num_matrices,
+                 iterations=max(-(-n // cfg["BLOCK"]) for n in rows) * (2 * R + 1),
+                 bytes_read=4 * numel, bytes_written=4 * numel, config=cfg,
+                 variant=dict(ROWS_COL=1, OFF_COL=5) if which == "p" else dict(ROWS_COL=2, OFF_COL=6),
+                 dtype="float32", max_rank=layout.max_rank, flops=4 * R * R * numel // max(1, layout.max_rank),
+                 l2_bytes=4 * numel * 2 * R, serial=True)]
+
+
+def _flag_bytes(flags):
+    if flags.dtype == torch.bool:
+        return flags.view(torch.uint8)
+    return flags
+
+
 def reconstruct(
     buffer,
     layout: BucketLayout,
@@ -201,25 +389,34 @@ def reconstruct(
     *,
     local_p=None,
     local_q=None,
+    commit=None,
+    first=None,
     config: Optional[dict] = None,
 ) -> None:
     """One launch: ``M_i ← P_i·(scale·Q_i)ᵀ`` and optionally ``E_i ← M_i − P_i·(scale·Q_i)ᵀ`` for all i.
 
     With ``local_p`` (``local_q``) the error is the local residual ``M_i − P_local·Q_iᵀ`` (``M_i − P_i·Q_localᵀ``).
+    ``update_error``: uint8/bool device flags (all must have bit 0 set for the error update). ``commit``:
+    ``(which, kept)``: also ``kept_i <- p_i`` (``"p"``) or ``q_i`` (``"q"``) where the step is finite and the
+    matrix's flags (``first``, from :meth:`~powersgd_triton.layout.BucketLayout.average_tiles`) say non-zero.
     """
     cfg = _resolve("reconstruct", layout, buffer.dtype, config)
-    tiles = layout.tiles("rows", cfg["BLOCK_N"])
-    R = padded_rank(layout.max_rank, cfg["USE_DOT"])
-    flag = p
-    if update_error is not None:
-        flag = update_error.reshape(1)
-        if flag.dtype == torch.bool:
-            flag = flag.view(torch.uint8)
+    split = split_cols(layout, cfg, device_sms(layout.device))
+    tiles = layout.row_tiles(cfg["BLOCK_N"], split)
+    R = _factor_rank(layout, cfg)
+    flags = _flag_bytes(update_error.reshape(-1)) if update_error is not None else p
+    n_flags = update_error.numel() if update_error is not None else 0
     local_err = 1 if local_p is not None else 2 if local_q is not None else 0
     local = local_p if local_p is not None else local_q if local_q is not None else p
+    commit_mode, kept = 0, p
+    if commit is not None:
+        which, kept = commit
+        commit_mode = 1 if which == "p" else 2
     _reconstruct_kernel[(tiles.shape[0],)](
-        buffer, p, q, local, error if error is not None else p, flag, layout.table, tiles, float(scale),
+        buffer, p, q, local, error if error is not None else p, kept, flags, first if first is not None else tiles,
+        layout.table, tiles, n_flags, float(scale),
         HAS_ERROR=error is not None, HAS_FLAG=update_error is not None, LOCAL_ERR=local_err,
+        PAD_ERROR=layout.batched and error is not None, COMMIT=commit_mode,
         R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"],
         **_launch_options(cfg),
     )
@@ -231,6 +428,22 @@ def copy_segments(src, dst, layout: BucketLayout, to_packed: bool, scale: float 
     if tiles.shape[0] == 0:
         return
     _copy_segments_kernel[(tiles.shape[0],)](src, dst, tiles, float(scale), BLOCK=SEGMENT_BLOCK, num_warps=4)
+
+
+def average(factor, layout: BucketLayout, which: str, buffer, unc, world_size: int):
+    """One launch after the last all-reduce: ``factor /= world_size`` in place; ``unc / world_size`` into the
+    bucket's uncompressed positions (``unc`` packed, or None when they are one range of ``buffer``, divided in
+    place); returns ``(flags, first)``: uint8 step flags (bit 0 finite, bit 1 non-zero factor chunk) and the int32
+    table of each matrix's flags, for :func:`reconstruct`."""
+    packed = unc is not None
+    tiles, first = layout.average_tiles(which, packed, AVERAGE_BLOCK)
+    flags = torch.empty(tiles.shape[0], dtype=torch.uint8, device=buffer.device)
+    if tiles.shape[0]:
+        _average_kernel[(tiles.shape[0],)](
+            factor, unc if packed else buffer, buffer, flags, tiles, float(world_size), BLOCK=AVERAGE_BLOCK,
+            num_warps=4,
+        )
+    return flags, first
 
 
 def commit_factor(new, kept, layout: BucketLayout, which: str, ok) -> None:
@@ -252,19 +465,22 @@ def _signature(kernel: str, grad_dtype: torch.dtype) -> Dict[str, str]:
     g = "*" + _TRITON_DTYPES[grad_dtype]
     f, i64, i32 = "*fp32", "*i64", "*i32"
     if kernel == "project":
-        return dict(buf_ptr=g, q_ptr=f, p_ptr=f, e_ptr=f, table_ptr=i64, tiles_ptr=i32)
+        return dict(buf_ptr=g, q_ptr=f, p_ptr=f, p2_ptr=f, e_ptr=f, table_ptr=i64, tiles_ptr=i32)
     if kernel == "project_t":
-        return dict(buf_ptr=g, p_ptr=f, q_ptr=f, ws_ptr=f, table_ptr=i64, tiles_ptr=i32)
+        return dict(buf_ptr=g, p_ptr=f, q_ptr=f, q2_ptr=f, e_ptr=f, ws_ptr=f, table_ptr=i64, tiles_ptr=i32)
     if kernel == "reduce_splits":
-        return dict(ws_ptr=f, q_ptr=f, table_ptr=i64, tiles_ptr=i32)
+        return dict(ws_ptr=f, q_ptr=f, q2_ptr=f, table_ptr=i64, tiles_ptr=i32)
     if kernel == "copy_segments":
         return dict(src_ptr=g, dst_ptr=f, tiles_ptr=i64, scale="fp32")
+    if kernel == "average":
+        return dict(f_ptr=f, src_ptr=g, dst_ptr=g, flags_ptr="*u8", tiles_ptr=i64, world="fp32")
     if kernel == "commit_factor":
         return dict(new_ptr=f, kept_ptr=f, flag_ptr="*u8", table_ptr=i64)
     if kernel == "orthogonalize":
         return dict(x_ptr=f, out_ptr=f, table_ptr=i64, eps="fp32")
     return dict(
-        buf_ptr=g, p_ptr=f, q_ptr=f, lf_ptr=f, e_ptr=f, flag_ptr="*u8", table_ptr=i64, tiles_ptr=i32, scale="fp32"
+        buf_ptr=g, p_ptr=f, q_ptr=f, lf_ptr=f, e_ptr=f, kept_ptr=f, flags_ptr="*u8", first_ptr=i32, table_ptr=i64,
+        tiles_ptr=i32, n_flags="i32", scale="fp32",
     )
 
 
@@ -275,20 +491,26 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
         c.update(BLOCK=config["BLOCK"], ROWS_COL=variant.get("ROWS_COL", 1), OFF_COL=variant.get("OFF_COL", 5))
         return c
     if kernel == "reduce_splits":
-        c.update(BLOCK_M=config["BLOCK_M"], R=padded_rank(max_rank, use_dot))
+        c.update(BLOCK_M=config["BLOCK_M"], HAS_Q2=variant.get("HAS_Q2", False))
         return c
     if kernel == "copy_segments":
         return {"BLOCK": SEGMENT_BLOCK}
+    if kernel == "average":
+        return {"BLOCK": AVERAGE_BLOCK}
     if kernel == "commit_factor":
         return {"BLOCK": 256, "ROWS_COL": variant.get("ROWS_COL", 2), "OFF_COL": variant.get("OFF_COL", 6)}
     c.update({k: config[k] for k in (_tile_key(kernel), "BLOCK_K", "USE_DOT")})
-    if kernel == "project_t":
-        c["SPLIT_ROWS"] = variant.get("SPLIT_ROWS", config.get("SPLIT_ROWS", 0))
-    if kernel in ("project", "reconstruct"):
+    c["PAD_ERROR"] = variant.get("PAD_ERROR", False)
+    if kernel == "project":
         c["HAS_ERROR"] = variant.get("HAS_ERROR", True)
+        c["HAS_P2"] = variant.get("HAS_P2", False)
+    if kernel == "project_t":
+        c["HAS_Q2"] = variant.get("HAS_Q2", False)
     if kernel == "reconstruct":
+        c["HAS_ERROR"] = variant.get("HAS_ERROR", True)
         c["HAS_FLAG"] = variant.get("HAS_FLAG", True)
         c["LOCAL_ERR"] = variant.get("LOCAL_ERR", 0)
+        c["COMMIT"] = variant.get("COMMIT", 0)
     return c
 
 
@@ -314,29 +536,42 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     options = {"num_warps": config.get("num_warps", 4), "num_stages": config.get("num_stages", 1)}
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-    if kernel == "project_t" and constexprs["SPLIT_ROWS"] > 0:  # the split path launches the reducer too
-        compile_aot("reduce_splits", config, grad_dtype, max_rank, arch)
+    if kernel == "project_t" and variant is not None and variant.get("split"):  # the split path's reducer too
+        compile_aot("reduce_splits", config, grad_dtype, max_rank, arch, dict(HAS_Q2=variant.get("HAS_Q2", False)))
     return compiled
 
 
 def variants(kernel: str) -> Iterable[dict]:
-    """The feature-flag combinations a kernel is launched with (all are compiled in the AOT test)."""
+    """The feature-flag combinations a kernel is launched with (all are compiled in the AOT test), largest first.
+
+    ``project``: error feedback or not, the alternating hook's second P output, the batched view's padding error.
+    ``project_t``: plain, with the reducer of split matrices (``split``), second Q output, padding error.
+    ``reconstruct``: the standard hooks (error feedback and/or warm-start commit of Q, gated by the step flags), the
+    alternating hook's P and Q steps (local error, commit of P or Q), the batched view's padding error.
+    """
     if kernel == "project":
-        return [dict(HAS_ERROR=True), dict(HAS_ERROR=False)]
+        return [dict(HAS_ERROR=True, HAS_P2=True), dict(HAS_ERROR=True), dict(HAS_ERROR=False),
+                dict(HAS_ERROR=False, HAS_P2=True), dict(HAS_ERROR=True, PAD_ERROR=True)]
     if kernel == "reconstruct":
         return [
+            dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=2, COMMIT=2),
+            dict(HAS_ERROR=True, HAS_FLAG=True, COMMIT=2),
             dict(HAS_ERROR=True, HAS_FLAG=True),
             dict(HAS_ERROR=True, HAS_FLAG=False),
             dict(HAS_ERROR=False, HAS_FLAG=False),
-            dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=1),
-            dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=2),
+            dict(HAS_ERROR=False, HAS_FLAG=True, COMMIT=2),
+            dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=1, COMMIT=1),
+            dict(HAS_ERROR=False, HAS_FLAG=True, COMMIT=1),
+            dict(HAS_ERROR=True, HAS_FLAG=True, PAD_ERROR=True, COMMIT=2),
         ]
     if kernel == "orthogonalize":
         return [dict(ROWS_COL=1, OFF_COL=5), dict(ROWS_COL=2, OFF_COL=6)]
     if kernel == "project_t":
-        return [dict(SPLIT_ROWS=0), dict(SPLIT_ROWS=DEFAULT_SPLIT_ROWS)]
+        return [dict(split=True, HAS_Q2=True), dict(split=True), dict(), dict(PAD_ERROR=True)]
     if kernel == "copy_segments":
         return [dict(to_packed=True), dict(to_packed=False)]
-    if kernel == "commit_factor":
+    if kernel in ("commit_factor",):
         return [dict(ROWS_COL=1, OFF_COL=5), dict(ROWS_COL=2, OFF_COL=6)]
+    if kernel == "reduce_splits":
+        return [dict(HAS_Q2=True), dict()]
     return [dict()]
