@@ -74,7 +74,12 @@ def _layerwise_worker(rank, world_size, backend, buckets=BUCKETS, configs=CONFIG
 
 
 class BatchedOracle:
-    """The batched PowerSGD algorithm in float64 for all ranks at once (no communication needed)."""
+    """The batched PowerSGD algorithm in float64 for all ranks at once (no communication needed).
+
+    As PyTorch's ``batched_powerSGD_hook``: the bucket is zero-padded to ``s * s`` and the error memory covers the
+    whole padded matrix (``error = padded input - P·Qᵀ``, padding included), so the padding's error feeds the next
+    step's products.
+    """
 
     def __init__(self, world_size, matrix_approximation_rank, use_error_feedback=True, warm_start=True,
                  orthogonalization_epsilon=0.0, random_seed=0, **_):
@@ -97,7 +102,9 @@ class BatchedOracle:
         ms = []
         for k, d in enumerate(datas):
             m = torch.zeros(s * s, dtype=torch.float64)
-            m[:n] = d.double() + (self.err[(index, k)] if self.ef and (index, k) in self.err else 0.0)
+            m[:n] = d.double()
+            if self.ef and (index, k) in self.err:
+                m += self.err[(index, k)]  # s * s elements: the padding's error too
             ms.append(m.view(s, s))
         if index not in self.q or not self.warm:
             with torch.random.fork_rng(devices=[]):
@@ -106,12 +113,12 @@ class BatchedOracle:
         q = gs64(self.q[index], self.eps)
         p = gs64(sum(m @ q for m in ms), self.eps)
         q = sum(m.t() @ p for m in ms) / self.ws
-        out = (p @ q.t()).reshape(-1)[:n]
+        approx = (p @ q.t()).reshape(-1)
         if self.ef:
             for k, m in enumerate(ms):
-                self.err[(index, k)] = m.reshape(-1)[:n] - out
+                self.err[(index, k)] = m.reshape(-1) - approx
         self.q[index] = q
-        return out
+        return approx[:n]
 
 
 # The batched view of a bucket of N elements is s x s, s = ceil(sqrt(N)). Buckets here keep s >= 2r: when the rank

@@ -241,7 +241,12 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
     served by L2). ``kernel`` is one of ``project``, ``project_t``, ``reconstruct``, ``average``, ``copy_segments``;
     ``orthogonalize`` is :func:`orthogonalize_plan`. ``num_sms`` sizes the splits (default: the layout's device).
     """
-    cfg = dict(config) if config is not None else heuristic_config(kernel, layout, dtype, num_sms)
+    if config is not None:
+        cfg = dict(config)
+    elif kernel in KERNELS:
+        cfg = heuristic_config(kernel, layout, dtype, num_sms)
+    else:
+        cfg = {}
     if num_sms is None:
         num_sms = device_sms(layout.device)
     variant = dict(variant or {})

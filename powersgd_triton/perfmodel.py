@@ -1,0 +1,301 @@
+"""A performance model of one compressed step of the Triton kernels, computed without a GPU.
+
+``python -m powersgd_triton.perfmodel --models resnet50 gpt2 bert-base --ranks 1 4 16 --dtypes fp32 bf16 --gpu h200``
+(also ``powersgd-triton bench --model-only ...``) prints, for every bucket of a model (DDP's 25 MB buckets of
+:mod:`powersgd_triton.shapes`), rank, gradient dtype and GPU, each launch of the standard hook's step: programs,
+waves, blocks per SM, registers, spills, bytes moved, the predicted time and the fraction of copy bandwidth it
+reaches, and the whole step against the 7-pass floor (``project`` reads g and e and writes g, ``project_t`` reads g,
+``reconstruct`` reads g and writes g and e: five passes over the gradient dtype and two over the float32 error).
+
+Inputs of the model, per launch: the tile plan (:func:`powersgd_triton.kernels.triton_ops.plan` and
+``orthogonalize_plan``: a list of dicts with ``kernel``, ``programs``, ``iterations`` (loop trips of the longest
+program), ``bytes_read``, ``bytes_written``, ``config``, ``variant``; optional ``flops``, ``l2_bytes``, ``serial``),
+the compiled kernel's metadata for ``sm_<arch>`` (registers and spills from ``ptxas -v``, shared memory, warps,
+stages, whether the loop's loads are software-pipelined: ``cp.async`` in the PTX; through
+:func:`powersgd_triton.autotune.aot.resource_usage`), and a :class:`GPUSpec`.
+
+The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_check.py``):
+
+1. Occupancy: ``blocks_per_sm`` from registers, shared memory, warps (``aot.blocks_per_sm``, CUDA's occupancy
+   arithmetic). ``slots = blocks_per_sm * SMs``; programs run in ``waves = ceil(programs / slots)``; all programs of a
+   launch do the same work (``bytes / programs``) and the longest loop (``iterations``) sets a wave's length.
+2. A program's loop iteration waits for its loads once: one DRAM latency (``dram_latency_s``) per iteration, divided
+   by ``num_stages`` only when the compiled loop is pipelined (``cp.async`` found), plus two latencies of table
+   look-ups before the loop. Programs on one SM overlap their waits (that is what occupancy buys).
+3. A wave takes the longest of: that latency chain, its bytes at copy bandwidth (``hbm_bandwidth * copy_fraction``),
+   its L2 traffic (factor re-reads, spills) at ``l2_bandwidth``, its multiply-adds at ``fp32_flops *
+   fma_efficiency`` (FMA issue slots shared with address arithmetic, loads and conversions).
+4. Each launch adds ``launch_overhead_s`` (start-up and tail of a kernel on a busy stream, no CUDA graph).
+5. ``serial`` launches (today's orthogonalize: one program walks a factor) pay ``l2_latency_s`` per iteration.
+
+The percentages are "bytes moved / predicted time" over copy bandwidth. Nothing here is measured; bench/RESULTS.md
+says which figures a GPU run replaced.
+"""
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .benchmarking import DTYPES, FakeGradBucket, model_bucket_shapes
+from .layout import BucketLayout
+from .shapes import numel
+
+__all__ = ["GPUSpec", "GPUS", "step_plan", "predict", "predict_step", "model_table", "main"]
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """What the model knows about a GPU. Bandwidths in bytes/s, latencies and overheads in seconds."""
+
+    name: str
+    arch: int  # compute capability x 10 (the AOT target)
+    sms: int
+    hbm_bandwidth: float  # peak DRAM bandwidth
+    copy_fraction: float  # device-to-device copy reaches this fraction of the peak
+    l2_bandwidth: float
+    fp32_flops: float  # peak fp32 FMA rate x 2
+    regs_per_sm: int = 65536
+    smem_per_sm: int = 228 * 1024
+    dram_latency_s: float = 800e-9
+    l2_latency_s: float = 300e-9
+    launch_overhead_s: float = 2.0e-6
+    fma_efficiency: float = 0.5
+
+    @property
+    def copy_bandwidth(self) -> float:
+        return self.hbm_bandwidth * self.copy_fraction
+
+
+# Published peaks (NVIDIA H100 SXM5 / H200 SXM data sheets); copy fraction from the H200's measured ~4.3 TB/s copy
+# (DESIGN.md), used for both; L2 bandwidth and latencies are typical microbenchmark figures for Hopper.
+GPUS: Dict[str, GPUSpec] = {
+    "h100": GPUSpec("H100 SXM", 90, 132, 3.35e12, 0.9, 10e12, 67e12),
+    "h200": GPUSpec("H200 SXM", 90, 132, 4.8e12, 0.9, 10e12, 67e12),
+}
+
+Usage = Callable[[dict, int], dict]
+_USAGE: Dict[tuple, dict] = {}
+
+
+def compiled_usage(launch: dict, arch: int) -> dict:
+    """Registers, spills, shared memory, warps, stages, blocks per SM and ``pipelined`` of one planned launch,
+    from an ahead-of-time compile for ``sm_<arch>`` (cached per kernel, config, variant, dtype and rank). Needs
+    ``TRITON_INTERPRET`` unset; raises what the compiler raises."""
+    from .autotune import aot
+    from .kernels import triton_ops
+
+    key = (launch["kernel"], repr(sorted(launch["config"].items())), repr(sorted(launch["variant"].items())),
+           launch["dtype"], triton_ops.padded_rank(launch["max_rank"], launch["config"].get("USE_DOT", False)), arch)
+    if key not in _USAGE:
+        compiled = triton_ops.compile_aot(launch["kernel"], launch["config"], getattr(torch, launch["dtype"]),
+                                          launch["max_rank"], arch, launch["variant"])
+        usage = aot.resource_usage(compiled, arch)
+        ptx = compiled.asm["ptx"]
+        usage["pipelined"] = bool(re.search(r"cp\.async|cp\.async\.bulk", ptx if isinstance(ptx, str) else ptx.decode()))
+        _USAGE[key] = usage
+    return dict(_USAGE[key])
+
+
+def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_feedback: bool = True,
+              warm_start: bool = True, configs: Optional[Dict[str, dict]] = None) -> List[dict]:
+    """The launches of one compressed step of ``powerSGD_hook`` on ``layout`` (Triton backend, heuristic configs
+    unless ``configs`` gives some): pack, orthogonalize Q, project, orthogonalize P, project_t (+ reduce),
+    average, reconstruct. Each entry has a ``step`` name besides :func:`triton_ops.plan`'s keys."""
+    from .kernels import triton_ops as T
+
+    configs = configs or {}
+    out: List[dict] = []
+
+    def add(step, launches):
+        for launch in launches:
+            launch["step"] = step
+            out.append(launch)
+
+    if len(layout.uncompressed) > 1:
+        add("pack", T.plan("copy_segments", layout, dtype, num_sms=num_sms, variant=dict(to_packed=True)))
+    add("orthogonalize Q", T.orthogonalize_plan(layout, "q", configs.get("orthogonalize")))
+    add("project", T.plan("project", layout, dtype, configs.get("project"), num_sms=num_sms,
+                          variant=dict(HAS_ERROR=error_feedback)))
+    add("orthogonalize P", T.orthogonalize_plan(layout, "p", configs.get("orthogonalize")))
+    add("project_t", T.plan("project_t", layout, dtype, configs.get("project_t"), num_sms=num_sms,
+                            variant=dict(PAD_ERROR=False)))
+    for launch in out:
+        if launch["kernel"] == "reduce_splits":
+            launch["variant"] = dict(HAS_Q2=False)
+    add("average", T.plan("average", layout, dtype, num_sms=num_sms, variant=dict(which="q")))
+    variant = dict(HAS_ERROR=error_feedback, HAS_FLAG=error_feedback or warm_start, COMMIT=2 if warm_start else 0)
+    add("reconstruct", T.plan("reconstruct", layout, dtype, configs.get("reconstruct"), num_sms=num_sms,
+                              variant=variant))
+    for launch in out:
+        if launch["kernel"] == "average":
+            launch["variant"] = {}
+        if launch["kernel"] == "copy_segments":
+            launch["variant"] = dict(to_packed=True)
+    return out
+
+
+def predict(launch: dict, spec: GPUSpec, usage: Optional[dict] = None) -> dict:
+    """The model's prediction for one planned launch (see the module docstring). ``usage``: the compiled metadata
+    (:func:`compiled_usage`); computed when not given. Returns the launch's figures: ``programs``, ``waves``,
+    ``blocks_per_sm``, ``occupancy`` (resident warps / 64), ``registers``, ``spill_bytes``, ``bytes``, ``time_s``,
+    ``copy_fraction`` (bytes / time over copy bandwidth), ``bound`` (what sets the time)."""
+    if usage is None:
+        usage = compiled_usage(launch, spec.arch)
+    programs = max(1, int(launch["programs"]))
+    iterations = max(1, int(launch["iterations"]))
+    bpsm = max(1, int(usage["blocks_per_sm"]))
+    warps = int(usage.get("num_warps", 4))
+    slots = bpsm * spec.sms
+    waves = math.ceil(programs / slots)
+    total = int(launch["bytes_read"]) + int(launch["bytes_written"])
+    flops = float(launch.get("flops", 0))
+    spill_traffic = 2 * int(usage.get("spill_bytes", 0)) * 32 * warps * programs * iterations
+    l2 = float(launch.get("l2_bytes", 0)) + spill_traffic
+    stages = int(usage.get("num_stages", 1)) if usage.get("pipelined") else 1
+    if launch.get("serial"):
+        chain = iterations * spec.l2_latency_s + 2 * spec.dram_latency_s
+    else:
+        chain = iterations * spec.dram_latency_s / max(1, stages) + 2 * spec.dram_latency_s
+    time_s, bound = 0.0, "latency"
+    left = programs
+    for _ in range(waves):
+        k = min(left, slots)
+        left -= k
+        share = k / programs
+        parts = {
+            "latency": chain,
+            "bandwidth": total * share / spec.copy_bandwidth,
+            "l2": l2 * share / spec.l2_bandwidth,
+            "compute": flops * share / (spec.fp32_flops * spec.fma_efficiency),
+        }
+        worst = max(parts, key=parts.get)
+        if parts[worst] >= parts.get(bound, 0.0):
+            bound = worst
+        time_s += parts[worst]
+    time_s += spec.launch_overhead_s
+    resident = min(bpsm, math.ceil(programs / spec.sms))
+    return dict(
+        step=launch.get("step", launch["kernel"]), kernel=launch["kernel"], programs=programs, waves=waves,
+        iterations=iterations, blocks_per_sm=bpsm, occupancy=min(1.0, resident * warps / 64),
+        registers=usage.get("registers"), spill_bytes=usage.get("spill_bytes", 0), stages=stages,
+        bytes=total, time_s=time_s, copy_fraction=total / time_s / spec.copy_bandwidth, bound=bound,
+    )
+
+
+def floor_bytes(layout: BucketLayout, dtype: torch.dtype) -> int:
+    """Bytes of the 7-pass floor of one step: 5 passes over the compressed gradients, 2 over their error memory."""
+    es = torch.empty((), dtype=dtype).element_size()
+    g = sum(s.numel for s in layout.matrices)
+    return 5 * g * es + 2 * 4 * layout.e_numel
+
+
+def predict_step(layout: BucketLayout, dtype: torch.dtype, spec: GPUSpec, *, usage: Optional[Usage] = None,
+                 **kwargs) -> dict:
+    """Every launch of one compressed step (:func:`step_plan`) predicted; ``step_s`` their sum, ``floor_s`` the
+    7-pass floor at copy bandwidth, ``of_floor`` = floor / step."""
+    rows = []
+    for launch in step_plan(layout, dtype, num_sms=spec.sms, **kwargs):
+        u = usage(launch, spec.arch) if usage is not None else None
+        rows.append(predict(launch, spec, u))
+    step_s = sum(r["time_s"] for r in rows)
+    floor_s = floor_bytes(layout, dtype) / spec.copy_bandwidth
+    return dict(launches=rows, step_s=step_s, floor_s=floor_s, of_floor=floor_s / step_s)
+
+
+def model_layouts(model: str, rank: int, dtype: torch.dtype, bucket_cap_mb: float = 25.0,
+                  min_bucket_fraction: float = 0.5) -> List[BucketLayout]:
+    """Layouts of ``model``'s DDP buckets holding at least ``min_bucket_fraction`` of the cap (the full 25 MB buckets;
+    DDP's small first and last buckets are left out). No gradient memory is touched (meta tensors)."""
+    out = []
+    cap = bucket_cap_mb * 2**20
+    esize = torch.empty((), dtype=dtype).element_size()
+    for shapes in model_bucket_shapes(model, dtype, bucket_cap_mb, first_bucket_mb=0.0):
+        n = sum(numel(s) for s in shapes)
+        if n * esize < min_bucket_fraction * cap:
+            continue
+        bucket = FakeGradBucket(torch.empty(n, dtype=dtype, device="meta"), shapes)
+        out.append(BucketLayout.from_gradients(bucket.buffer(), bucket.gradients(), rank, 2.0))
+    return out
+
+
+def model_table(models: Sequence[str], ranks: Sequence[int], dtypes: Sequence[str], gpu: str = "h200",
+                usage: Optional[Usage] = None) -> List[dict]:
+    """One row per (model, rank, dtype, bucket, launch) with :func:`predict`'s figures, plus a ``step`` row per
+    bucket (``kernel="step"``: the sum, and ``of_floor``)."""
+    spec = GPUS[gpu]
+    rows = []
+    for model in models:
+        for dname in dtypes:
+            dtype = DTYPES[dname]
+            for rank in ranks:
+                for bi, layout in enumerate(model_layouts(model, rank, dtype)):
+                    pred = predict_step(layout, dtype, spec, usage=usage)
+                    base = dict(model=model, rank=rank, dtype=dname, bucket=bi,
+                                bucket_mb=layout.numel * torch.empty((), dtype=dtype).element_size() / 2**20)
+                    for r in pred["launches"]:
+                        rows.append(dict(base, **r))
+                    rows.append(dict(base, step="step", kernel="step", time_s=pred["step_s"],
+                                     floor_s=pred["floor_s"], of_floor=pred["of_floor"],
+                                     bytes=floor_bytes(layout, dtype)))
+    return rows
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """Markdown: one line per launch kind per (model, dtype, rank), worst bucket of each, and the step lines."""
+    grouped: Dict[tuple, List[dict]] = {}
+    for r in rows:
+        grouped.setdefault((r["model"], r["dtype"], r["rank"], r["step"]), []).append(r)
+    lines = ["| model | dtype | rank | launch | programs | waves | blocks/SM | regs | spills | MB moved | "
+             "predicted µs | % of copy BW | bound |", "|" + "---|" * 13]
+    for (model, dname, rank, step), rs in grouped.items():
+        if step == "step":
+            t = sum(r["time_s"] for r in rs)
+            f = sum(r["floor_s"] for r in rs)
+            lines.append(f"| {model} | {dname} | {rank} | **whole step** ({len(rs)} buckets) | | | | | | "
+                         f"{sum(r['bytes'] for r in rs) / 1e6:.1f} (floor) | {t * 1e6:.1f} | "
+                         f"floor {f * 1e6:.1f} µs = {100 * f / t:.0f} % | |")
+            continue
+        worst = min(rs, key=lambda r: r["copy_fraction"])
+        lines.append(
+            f"| {model} | {dname} | {rank} | {step} | {worst['programs']} | {worst['waves']} | "
+            f"{worst['blocks_per_sm']} | {worst['registers']} | {worst['spill_bytes']} | "
+            f"{sum(r['bytes'] for r in rs) / 1e6:.1f} | {sum(r['time_s'] for r in rs) * 1e6:.1f} | "
+            f"{100 * worst['copy_fraction']:.0f} | {worst['bound']} |"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", nargs="+", default=["resnet50", "gpt2", "bert-base"])
+    p.add_argument("--ranks", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
+    p.add_argument("--gpu", default="h200", choices=sorted(GPUS))
+
+
+def run(args) -> int:
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the model reads the kernels compiled for the GPU", file=sys.stderr)
+        return 2
+    spec = GPUS[args.gpu]
+    rows = model_table(args.models, args.ranks, args.dtypes, args.gpu, usage=compiled_usage)
+    print(f"Performance model, {spec.name} (sm_{spec.arch}, {spec.sms} SMs, copy {spec.copy_bandwidth / 1e12:.2f} TB/s)"
+          f"; worst bucket per launch; not a measurement")
+    print(format_table(rows))
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m powersgd_triton.perfmodel", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Device work of one compressed step on a 161-gradient (ResNet-50-shaped) bucket, Triton backend: at most 8 device
+ops besides the collectives (Triton launches plus every other ATen op that touches data), for the standard,
+batched and alternating hooks. Counted with the interpreter's launch hook without running the kernels (the count does
+not depend on the numbers: the hooks never read device values on the host)."""
+
+import pytest
+import torch
+
+from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton import benchmarking as B
+from powersgd_triton.shapes import model_shapes
+
+pytest.importorskip("triton")
+
+HOOKS = {"powerSGD": powerSGD_hook, "batched": batched_powerSGD_hook, "alternating": alternating_powerSGD_hook}
+
+
+def _bucket(rng):
+    shapes = B.shrink_shapes(model_shapes("resnet50"), 8)  # the 161 gradients, channel dims / 8: interpreter-sized
+    assert len(shapes) == 161
+    n = sum(torch.Size(s).numel() for s in shapes)
+    return B.FakeGradBucket(torch.randn(n, generator=rng), shapes)
+
+
+@pytest.mark.parametrize("hook", list(HOOKS))
+@pytest.mark.parametrize("error_feedback", [True, False], ids=["ef", "no-ef"])
+def test_device_ops_per_compressed_step(hook, error_feedback, rng, world1):
+    bucket = _bucket(rng)
+    state = PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=1, backend="triton",
+                          use_error_feedback=error_feedback)
+    fn = HOOKS[hook]
+    for _ in range(3):  # plain step, first compressed step (draws Q), one more (the alternating hook's other half)
+        fn(state, bucket).wait()
+    counts = []
+    for _ in range(2):  # both half-steps of the alternating hook
+        c = B.count_step(lambda: fn(state, bucket).wait(), triton_execute=False)
+        counts.append(c)
+        print(f"{hook} ef={error_feedback}: {c.triton_launches} Triton launches {c.triton_by_kernel}, "
+              f"{c.aten_compute} other device ops {dict((k, v) for k, v in c.by_op.items() if 'c10d' not in k)}, "
+              f"{c.allreduce_calls} all-reduces")
+    for c in counts:
+        assert c.triton_launches + c.aten_compute <= 8, (c.triton_by_kernel, c.by_op)
+        assert c.allreduce_calls == (1 if hook == "alternating" else 3 if hook == "powerSGD" else 2)
