@@ -30,7 +30,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-counts", action="store_true", help="times only")
     p.add_argument("--json", default=None, help="write the rows and the environment as JSON")
     p.add_argument("--markdown", default=None, help="write the table as markdown")
+    p.add_argument("--model-only", action="store_true",
+                   help="no timing: print the performance model's prediction (powersgd_triton.perfmodel) for "
+                        "--models/--ranks/--dtypes on --gpu, from the kernels compiled for it (no GPU needed)")
+    p.add_argument("--gpu", default="h200", help="GPU spec of --model-only: h100 or h200 (default h200)")
     p.set_defaults(func=run)
+
+
+def argparse_namespace(**kwargs):
+    import argparse
+
+    return argparse.Namespace(**kwargs)
 
 
 def _usage(message: str) -> int:
@@ -58,6 +68,12 @@ def run(args) -> int:
         return _usage(f"unknown or empty --models/--dtypes {bad}; models: {sorted(MODELS)}, dtypes: {sorted(B.DTYPES)}")
     if min(ranks) < 1:
         return _usage("--ranks must be >= 1")
+    if getattr(args, "model_only", False):
+        from . import perfmodel
+
+        if args.gpu not in perfmodel.GPUS:
+            return _usage(f"--gpu must be one of {sorted(perfmodel.GPUS)}, got {args.gpu!r}")
+        return perfmodel.run(argparse_namespace(models=models, ranks=ranks, dtypes=dtypes, gpu=args.gpu))
     if args.device == "cuda" and not torch.cuda.is_available():
         return _usage("--device cuda: no CUDA device here")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)

@@ -249,7 +249,8 @@ def format_table(rows: Sequence[dict]) -> str:
     """Markdown: one line per launch kind per (model, dtype, rank), worst bucket of each, and the step lines."""
     grouped: Dict[tuple, List[dict]] = {}
     for r in rows:
-        grouped.setdefault((r["model"], r["dtype"], r["rank"], r["step"]), []).append(r)
+        name = r["step"] if r["kernel"] in ("step", "orthogonalize") or r["step"] == r["kernel"] else f"{r['step']} ({r['kernel']})"
+        grouped.setdefault((r["model"], r["dtype"], r["rank"], name), []).append(r)
     lines = ["| model | dtype | rank | launch | programs | waves | blocks/SM | regs | spills | MB moved | "
              "predicted µs | % of copy BW | bound |", "|" + "---|" * 13]
     for (model, dname, rank, step), rs in grouped.items():

@@ -190,9 +190,10 @@ def _launch_options(cfg: dict) -> dict:
 
 
 def _pow2_split(work_per_program: float, align: int, extent: int) -> int:
-    """Smallest ``align * 2**k`` >= ``work_per_program`` (at least ``2 * align``), or 0 when >= ``extent``."""
+    """Largest ``align * 2**k`` <= ``work_per_program`` (at least ``2 * align``: a few loop trips), so that the
+    bucket gets at least the target number of programs; 0 (no split) when that is >= ``extent``."""
     split = 2 * align
-    while split < work_per_program:
+    while split * 2 <= work_per_program:
         split *= 2
     return 0 if split >= extent else split
 

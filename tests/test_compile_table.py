@@ -1,0 +1,76 @@
+"""The streaming kernels' heuristic configs for sm_90: registers, spills and compile time, without a GPU.
+
+Compiled ahead of time (``triton_ops.compile_aot``, a fresh Triton cache so nothing is read back) at every padded
+rank 1..32, each with its largest feature variant (``triton_ops.variants(kernel)[0]``: the most code) in bfloat16
+(the bf16 store path is the longest), in a pool of 2 processes; registers and spill bytes come from ``ptxas -v``
+(``autotune.aot.resource_usage``). Issue targets: no spills at any rank <= 32, <= 128 registers per thread at ranks
+<= 8, every compile < 15 s. One config per kernel and rank keeps the test short (~1-2 min on 2 cores).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    from concurrent.futures import ProcessPoolExecutor
+    import torch
+    from powersgd_triton.kernels import triton_ops as T
+    from powersgd_triton.autotune import aot
+
+    class _Layout:
+        def __init__(self, r):
+            self.max_rank = r
+
+    def job(args):
+        kernel, rank = args
+        cfg = T.heuristic_config(kernel, _Layout(rank), torch.bfloat16, 132)
+        variant = dict(T.variants(kernel)[0])
+        variant.pop("split", None)  # the reducer is a separate kernel
+        t0 = time.perf_counter()
+        try:
+            c = T.compile_aot(kernel, cfg, torch.bfloat16, rank, 90, variant)
+            seconds = time.perf_counter() - t0
+            u = aot.resource_usage(c, 90)
+            return dict(ok=True, kernel=kernel, rank=rank, config=cfg, variant=variant, seconds=seconds,
+                        registers=u["registers"], spill_bytes=u["spill_bytes"], blocks_per_sm=u["blocks_per_sm"])
+        except Exception as e:
+            return dict(ok=False, kernel=kernel, rank=rank, config=cfg, error=repr(e)[:2000])
+
+    if __name__ == "__main__":
+        jobs = [(k, r) for r in (32, 16, 8, 4, 2, 1) for k in T.STREAMING_KERNELS]
+        with ProcessPoolExecutor(max_workers=2) as pool:
+            json.dump(list(pool.map(job, jobs)), sys.stdout)
+    """
+)
+
+
+@pytest.mark.timeout(900)
+def test_streaming_kernels_registers_spills_compile_time(tmp_path):
+    script = tmp_path / "table.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)
+    print("\nkernel        R  registers spills blocks/SM compile_s  config")
+    for r in rows:
+        if r["ok"]:
+            print(f"{r['kernel']:12s} {r['rank']:2d} {r['registers']:9d} {r['spill_bytes']:6d} {r['blocks_per_sm']:9d} "
+                  f"{r['seconds']:9.1f}  {r['config']}")
+    failed = [r for r in rows if not r["ok"]]
+    assert not failed, failed
+    assert all(r["spill_bytes"] == 0 for r in rows), [r for r in rows if r["spill_bytes"]]
+    assert all(r["registers"] <= 128 for r in rows if r["rank"] <= 8), [r for r in rows if r["registers"] > 128]
+    slowest = max(rows, key=lambda r: r["seconds"])
+    print(f"slowest compile: {slowest['kernel']} R={slowest['rank']} {slowest['seconds']:.1f} s")
+    assert slowest["seconds"] < 15.0, slowest
