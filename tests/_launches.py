@@ -72,9 +72,10 @@ def synchronous_all_reduce(counter: CountLaunches):
 @contextlib.contextmanager
 def counting_bucket_kernels(counter: CountLaunches):
     """Within the block, each call of a bucket step of :mod:`powersgd_triton.ops` counts as one launch (project,
-    orthogonalize, project_t, reconstruct, pack_uncompressed, unpack_uncompressed, commit_factor)."""
+    orthogonalize, project_t, reconstruct, pack_uncompressed, unpack_uncompressed, average, commit_factor)."""
     saved = {}
-    for name in ("project", "orthogonalize", "project_t", "reconstruct", "pack_uncompressed", "unpack_uncompressed", "commit_factor"):
+    for name in ("project", "orthogonalize", "project_t", "reconstruct", "pack_uncompressed", "unpack_uncompressed",
+                 "average", "commit_factor"):
         original = getattr(ops_module, name)
         saved[name] = original
 

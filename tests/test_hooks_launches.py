@@ -34,6 +34,9 @@ def _count_worker(rank, world_size, layers, batched):
 def test_launches_independent_of_matrix_count(tmp_path, batched):
     few, many = (run_ranks(_count_worker, 1, tmp_path, layers, batched, timeout=60)[0] for layers in (2, 30))
     assert few == many, (few, many)
-    assert few["kernels"] == {"orthogonalize": 2, "project": 1, "project_t": 1, "reconstruct": 1, "commit_factor": 1}
+    expected = {"orthogonalize": 2, "project": 1, "project_t": 1, "average": 1, "reconstruct": 1}
+    if not batched:
+        expected["pack_uncompressed"] = 1  # the biases lie in several ranges of the bucket
+    assert few["kernels"] == expected
     assert few["collectives"] == (2 if batched else 3)
-    assert sum(few["ops"].values()) <= 10, few["ops"]
+    assert sum(few["ops"].values()) <= 2, few["ops"]

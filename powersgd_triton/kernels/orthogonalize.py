@@ -16,6 +16,8 @@ instead of becoming NaN; NaN or inf input stays non-finite. Norms are accumulate
 import triton
 import triton.language as tl
 
+from .common import loop_range
+
 
 @triton.jit
 def _column(tile, ranks, j):
@@ -102,13 +104,13 @@ def _commit_factor_kernel(
     base = tl.load(row + OFF_COL)
     offs = tl.arange(0, BLOCK).to(tl.int64)
     peak = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, count, BLOCK):
+    for k0 in loop_range(0, count, BLOCK):
         x = tl.load(new_ptr + base + k0 + offs, mask=k0 + offs < count, other=0.0).to(tl.float32)
         peak = tl.maximum(peak, tl.abs(x))
     # as a [BLOCK] mask: a scalar bool in a mask expression is not portable (the interpreter rejects it)
     nonzero = (tl.zeros((BLOCK,), dtype=tl.float32) + tl.max(peak, axis=0)) != 0.0
     ok = tl.load(flag_ptr + tl.zeros((BLOCK,), dtype=tl.int32)) != 0
-    for k0 in range(0, count, BLOCK):
+    for k0 in loop_range(0, count, BLOCK):
         mask = k0 + offs < count
         x = tl.load(new_ptr + base + k0 + offs, mask=mask, other=0.0)
         tl.store(kept_ptr + base + k0 + offs, x, mask=mask & ok & nonzero)
