@@ -9,8 +9,8 @@ leave the replicate all-reduce's result in ``reduce_output`` (in place). :func:`
 there on every FSDP module of a model.
 
 The reduce-scatter output of one FSDP parameter group is a flat buffer holding, for each parameter with a gradient in
-the group's order, the rows of this rank's dim-0 shard, padded to ``ceil(rows / S)`` rows. Each parameter's real
-rows (``rows_on_this_rank x numel/rows``: a ``Linear`` weight's row block, a conv weight as rows x the rest) are a
+the group's order, the rows of this rank's dim-0 shard, padded to ``ceil(dim0 / S)`` rows. Each parameter's real
+rows (``rows_on_this_rank x numel/dim0``: a ``Linear`` weight's row block, a conv weight as rows x the rest) are a
 matrix of a :class:`~powersgd_triton.layout.BucketLayout` exactly like a gradient of a DDP bucket, so the layer-wise
 hooks run unchanged on it: :func:`~powersgd_triton.powerSGD_hook` (all-reduce of the uncompressed shards, of P, of Q)
 or :func:`~powersgd_triton.alternating_powerSGD_hook` (one all-reduce), over the replicate group, with the same
@@ -45,16 +45,19 @@ registration (``RuntimeError`` naming the module on a mismatch: e.g. a parameter
 ``module.set_reduce_scatter_unused_params(True)``), and ``set_requires_all_reduce(False)``, which FSDP does not apply
 to an all-reduce hook on a 1-D mesh (refused).
 
-Torch versions: FSDP2 with ``FSDPModule.set_all_reduce_hook``; the registration reads FSDP's per-parameter shard
-metadata (``sharded_size``, ``padded_sharded_param_size``) and checks it against the layout computed from the public
-DTensor shape and mesh, so a version that lays shards out differently is refused, never silently misread. Tested
-with torch 2.13 (CPU, gloo).
+Torch versions: FSDP2 has ``FSDPModule.set_all_reduce_hook`` from torch 2.7 on (older versions are refused with a
+``RuntimeError``). The registration reads FSDP's per-parameter shard metadata (``sharded_size``,
+``padded_sharded_param_size``, ``fsdp_placement``, ``mp_policy``) and checks it against the layout computed from the
+public DTensor shape and mesh, so a version that lays shards out differently is refused, never silently misread. Run
+and tested with torch 2.13 (CPU, gloo); the FSDP2 sources of torch 2.7 and 2.11 were read for the same hook call,
+reduce-scatter layout and divide factors (2.11 has one parameter group per module and no
+``set_reduce_scatter_unused_params``; 2.7 names its divide factor ``reduce_scatter_reduce_op``).
 """
 
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -123,7 +126,6 @@ class ShardGroup:
         self.module_name = module_name
         self.module = module
         self._fsdp_group = fsdp_group
-        self._fsdp_params = list(fsdp_group.fsdp_params)
         self.params = params
         self._sharded = sharded  # FSDPParam per entry of params (their sharded nn.Parameters are read per call)
         self.dtype = dtype
@@ -202,6 +204,13 @@ def _unknown(what: str) -> RuntimeError:
     )
 
 
+def _divide_factor_set(fsdp_group) -> bool:
+    """A custom gradient divide factor: ``gradient_divide_factor`` (torch >= 2.8) or a custom
+    ``reduce_scatter_reduce_op`` (torch 2.7's ``set_reduce_scatter_divide_factor``)."""
+    return (getattr(fsdp_group, "gradient_divide_factor", None) is not None
+            or getattr(fsdp_group, "reduce_scatter_reduce_op", None) is not None)
+
+
 def _reduce_dtype(fp, fsdp_group, orig: torch.dtype) -> torch.dtype:
     """The dtype FSDP reduce-scatters this parameter's gradient in: FSDP's own rule (``FSDPParam.init_dtype_attrs``)
     applied to the module's ``MixedPrecisionPolicy`` (FSDP sets the attributes only at its lazy init)."""
@@ -228,10 +237,11 @@ def _read_group(index: int, name: str, module, fsdp_group, names: Dict[int, str]
     if getattr(fsdp_group, "_all_reduce_hook", None) is not None:
         raise ValueError(f"{label} already has an all-reduce hook (set_all_reduce_hook): register PowerSGD once, on "
                          "a model with no other all-reduce hook")
-    if getattr(fsdp_group, "gradient_divide_factor", None) is not None:
+    if _divide_factor_set(fsdp_group):
         raise ValueError(
-            f"{label} has a custom gradient divide factor (set_gradient_divide_factor): PowerSGD averages over the "
-            "replicate group, which that factor is meant to replace; leave the factor unset"
+            f"{label} has a custom gradient divide factor (set_gradient_divide_factor, or "
+            "set_reduce_scatter_divide_factor before torch 2.8): PowerSGD averages over the replicate group, which that "
+            "factor is meant to replace; leave the factor unset"
         )
     params, sharded, dtypes = [], [], set()
     mesh = None
@@ -344,7 +354,7 @@ class FSDPPowerSGD:
                 "mesh (it calls the hook on every reduce-scatter); for gradient accumulation use "
                 "set_requires_gradient_sync(False), which skips the reduce-scatter too"
             )
-        if getattr(fsdp_group, "gradient_divide_factor", None) is not None:
+        if _divide_factor_set(fsdp_group):
             raise RuntimeError(f"{group.label}: a gradient divide factor was set after registering PowerSGD; "
                                "PowerSGD averages over the replicate group: leave it unset")
         if output.dim() != 1 or not output.is_contiguous():
@@ -356,11 +366,13 @@ class FSDPPowerSGD:
         live = group.with_grad()
         expected = sum(group.params[i].padded_numel for i in live)
         if output.numel() != expected:
+            remedy = ("call module.set_reduce_scatter_unused_params(True) on it (zero gradients for unused parameters)"
+                      if hasattr(group.module, "set_reduce_scatter_unused_params") else
+                      "use every parameter in the forward, or set requires_grad=False on the unused ones")
             raise RuntimeError(
                 f"{group.label}: the reduce-scatter output has {output.numel()} elements, the shards of its "
                 f"{len(live)} parameters that require grad have {expected}: some parameter got no gradient in this "
-                "backward (unused in the forward). PowerSGD needs every shard in its place: call "
-                "module.set_reduce_scatter_unused_params(True) on it (zero gradients for unused parameters)"
+                f"backward (unused in the forward). PowerSGD needs every shard in its place: {remedy}"
             )
         return live
 
