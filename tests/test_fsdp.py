@@ -4,7 +4,8 @@ One 4-rank gloo run (2 replicas x 2 shards) checks what needs several ranks, aga
 to ``fully_shard``, PyTorch's own replicate all-reduce) as the oracle: lossless-rank gradients equal native HSDP's;
 rank-4 training keeps the replicas' parameters bitwise identical (both hooks); a resume from per-rank state equals
 an uninterrupted run bitwise (both hooks); the bytes across the replicate group are exactly P, Q and the uncompressed
-shards; groups that are not the replicas are refused on every rank; a parameter without gradient is refused.
+shards; gradients reduced in bfloat16 or float16 match native HSDP's to their rounding; groups that are not the
+replicas are refused on every rank; a parameter without gradient is refused.
 Configuration errors that one rank can see are checked in-process on a world of one. The ranks run the hooks' torch
 backend (the kernels see the same ``BucketLayout`` as for DDP and are tested there, also in Triton's interpreter).
 """
@@ -133,6 +134,23 @@ def _hsdp_worker(rank, world_size, seed):
     out["layouts"] = {i: (m.layout.p_numel, m.layout.q_numel, m.layout.uncompressed_numel, m.layout.num_matrices)
                       for i, m in state.buckets.items()}
 
+    # --- mixed precision: gradients reduced in bfloat16 (params too) and in float16 (FSDP's pre/post-divide split),
+    # lossless rank against native HSDP with the same policy: right to the reduce dtype's rounding
+    out["mixed"] = {}
+    for name, policy in (("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
+                         ("fp16", MixedPrecisionPolicy(reduce_dtype=torch.float16))):
+        a, b = _build(mesh, mp_policy=policy), _build(mesh["shard"], mp_policy=policy)
+        h = register_fsdp(b, PowerSGDState(replicate, matrix_approximation_rank=64, start_powerSGD_iter=2,
+                                           min_compression_rate=1e-9, backend="torch"))
+        errs = []
+        for step in range(3):
+            for m in (a, b):
+                m.zero_grad()
+                _loss(m, step, rank, seed).backward()
+            errs.append(max(_rel(pb.grad.to_local(), pa.grad.to_local())
+                            for pa, pb in zip(a.parameters(), b.parameters())))
+        out["mixed"][name] = (errs, sorted({str(g.dtype) for g in h.groups}))
+
     # --- rank 4, 20 steps: the replicas hold bitwise identical parameters (both hooks); resume = uninterrupted
     for hook in (powerSGD_hook, alternating_powerSGD_hook):
         name = hook.__name__
@@ -203,6 +221,9 @@ def test_hsdp_2x2_against_native_hsdp(tmp_path, rng):
             limit = 1e-6 if step < 2 else 1e-5
             assert max(errs.values()) <= limit, (rank, step, errs)
         assert out["iter"] == 4
+        for name, dtype, limit in (("bf16", "torch.bfloat16", 2e-2), ("fp16", "torch.float16", 3e-3)):
+            errs, dtypes = out["mixed"][name]
+            assert dtypes == [dtype] and max(errs) <= limit, (rank, name, errs)
         # bytes: native all-reduces the padded shards; ours P + Q (+ uncompressed), float32
         layouts = out["layouts"]
         assert sorted(layouts) == [0, 1, 2]
