@@ -19,7 +19,8 @@ def _cells(nb):
     return [(c["cell_type"], c["source"].rstrip("\n"), sorted(c.get("metadata", {}).get("tags", []))) for c in nb["cells"]]
 
 
-EXPECTED = ("01_quickstart", "02_accuracy_vs_reference", "03_speed_vs_reference", "04_convergence", "05_autotuning")
+EXPECTED = ("01_quickstart", "02_accuracy_vs_reference", "03_speed_vs_reference", "04_convergence", "05_autotuning",
+            "06_fsdp_hsdp")
 
 
 def test_the_notebooks_are_there():

@@ -37,8 +37,10 @@ def check_ddp_model(model) -> None:
 
     if _is_fsdp(model):
         raise TypeError(
-            f"PowerSGD hooks do not support FSDP ({type(model).__name__}): they compress DistributedDataParallel "
-            "buckets; FSDP reduce-scatters sharded gradients. Use DistributedDataParallel"
+            f"PowerSGD DDP hooks do not support FSDP ({type(model).__name__}): they compress DistributedDataParallel "
+            "buckets; FSDP reduce-scatters sharded gradients. Use DistributedDataParallel, or for HSDP with FSDP2 "
+            "(fully_shard on a 1-D shard mesh) powersgd_triton.fsdp.register_fsdp, which compresses the replicate "
+            "all-reduce"
         )
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(

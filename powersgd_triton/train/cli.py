@@ -10,7 +10,9 @@ import sys
 from typing import Any, Dict, List
 
 from ..cli import positive, text_table
-from .loop import COMPARE_HOOKS, HOOK_LABELS, HOOKS, TrainConfig, WORKLOAD_DEFAULTS
+from .fsdp import LABELS as FSDP_LABELS
+from .fsdp import parse_mesh
+from .loop import COMPARE_HOOKS, FSDP_HOOKS, HOOK_LABELS, HOOKS, TrainConfig, WORKLOAD_DEFAULTS
 
 PROG = "powersgd-triton train"
 
@@ -82,7 +84,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    metavar="HOOKS",
                    help="run several hooks from the same seed and print one side-by-side table "
                         f"(default list: {','.join(COMPARE_HOOKS)})")
-    p.add_argument("--world-size", type=int, default=2, help="ranks to start (ignored under torchrun)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks to start (ignored under torchrun and with --fsdp)")
+    p.add_argument("--fsdp", type=parse_mesh, default=None, metavar="RxS",
+                   help="HSDP with FSDP2 on R x S ranks (R replicas of S-way shards, e.g. 2x2) instead of DDP: our "
+                        "hooks compress the all-reduce across the R replicas; allreduce is native HSDP (2-D mesh); "
+                        f"--compare defaults to {','.join(FSDP_HOOKS)}")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD matrix approximation rank")
     p.add_argument("--start-iter", type=int, default=10,
                    help="start_powerSGD_iter: plain all-reduce for the first steps (DDP rebuilds its buckets)")
@@ -118,7 +124,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     hooks = tuple(args.compare) if args.compare else (args.hook,)
+    if args.fsdp is not None and hooks == COMPARE_HOOKS:  # a bare --compare: the hooks FSDP runs
+        hooks = FSDP_HOOKS
     return TrainConfig(
+        fsdp=args.fsdp,
         workload=args.workload,
         hooks=hooks,
         world_size=args.world_size,
@@ -157,6 +166,10 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _buckets(run: Dict[str, Any]) -> str:
+    if run.get("fsdp_mesh"):
+        r, s = run["fsdp_mesh"]
+        groups = run.get("fsdp_groups")
+        return f"{r}x{s} mesh" + (f", {len(groups)} FSDP groups" if groups else ", 2-D (native HSDP)")
     n = len(run.get("ddp_bucket_sizes") or [])
     count = f"{n} bucket{'s' if n != 1 else ''}" if n else "? buckets"
     if run.get("bucket_cap_mb") is not None:
@@ -170,17 +183,18 @@ def format_table(result: Dict[str, Any]) -> str:
     cfg = result["config"]
     charlm = cfg["workload"] == "charlm"
     base = runs.get("allreduce")
-    head = ["hook", "DDP buckets", "final test acc"]
+    fsdp = cfg.get("fsdp")
+    head = ["hook", "HSDP" if fsdp else "DDP buckets", "final test acc"]
     if charlm:
         head.append("test bits/char")
     else:
         head.append("test loss")
     head += ["ms/step", "all-reduced/step/rank", "all-reduce calls/step", "compression (state)"]
     if base:
-        head.append("bytes vs all-reduce")
+        head.append("bytes vs native HSDP" if fsdp else "bytes vs all-reduce")
     rows = []
     for name, run in runs.items():
-        label = HOOK_LABELS.get(name, name)
+        label = (FSDP_LABELS if fsdp else HOOK_LABELS).get(name, name)
         if run.get("kernel_backend"):
             label += f" ({run['kernel_backend']} kernels)"
         row = [label, _buckets(run), f"{run['final_test_accuracy']:.4f}"]
@@ -207,6 +221,10 @@ def format_table(result: Dict[str, Any]) -> str:
         "bytes and calls: measured through dist.all_reduce, per rank, averaged over the compressed steps "
         f"(steps >= {cfg['start_iter']}); ms/step: rank 0, same steps",
     ]
+    if fsdp:
+        notes[0] = notes[0].replace("through dist.all_reduce", "through dist.all_reduce over the replicate group")
+        notes.append(f"HSDP on {fsdp[0]}x{fsdp[1]} ranks: {fsdp[0]} replicas of {fsdp[1]}-way FSDP2 shards; the "
+                     "reduce-scatters and all-gathers inside a shard group are the same for every row and not counted")
     if any(run.get("compressed_steps") == 0 for run in runs.values()):
         notes[0] = (
             f"no compressed step: the run ended before step {cfg['start_iter']} (--start-iter), so every hook "
@@ -238,6 +256,9 @@ def run(args: argparse.Namespace) -> int:
         if tr is not None:
             cfg.world_size = tr.world_size
         resolved = cfg.resolved()  # validate before starting anything
+        if tr is not None and resolved.world_size != tr.world_size:
+            raise ValueError(f"--fsdp {args.fsdp[0]}x{args.fsdp[1]} needs {resolved.world_size} ranks; torchrun "
+                             f"started {tr.world_size}")
         if args.out and (tr is None or tr.rank == 0):  # only rank 0 writes it (the directory may be on its node only)
             _check_out_path(args.out)
         check_available(resolved)

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,8 @@ from .models import build_model
 
 HOOKS = ("powersgd", "batched", "alternating", "reference", "allreduce")
 COMPARE_HOOKS = ("powersgd", "alternating", "reference", "allreduce")
+# With --fsdp RxS (HSDP): our two hooks over the replicate group, and native HSDP ("allreduce": a 2-D mesh).
+FSDP_HOOKS = ("powersgd", "alternating", "allreduce")
 
 # Per-workload defaults (chosen so that a default run takes well under a minute on 2 CPU cores).
 WORKLOAD_DEFAULTS: Dict[str, Dict[str, Any]] = {
@@ -66,6 +68,7 @@ class TrainConfig:
     backend: str = "auto"  # process group backend: gloo | nccl | auto
     kernels: str = "auto"  # our hooks' backend= keyword: auto | triton | torch
     bucket_cap_mb: Optional[float] = None  # DDP bucket cap for our hooks and all-reduce (None: DDP default)
+    fsdp: Optional[Tuple[int, int]] = None  # (R, S): HSDP with FSDP2 on R x S ranks instead of DDP (see train.fsdp)
     reference_bucket_cap_mb: float = REFERENCE_BUCKET_CAP_MB
     use_error_feedback: bool = True
     warm_start: bool = True
@@ -94,6 +97,10 @@ class TrainConfig:
             if values.get(key) is None:
                 values[key] = default
         cfg = TrainConfig(**values)
+        if cfg.fsdp is not None:
+            from .fsdp import check_fsdp_config
+
+            check_fsdp_config(cfg)  # sets world_size = R * S
         if cfg.world_size < 1:
             raise ValueError(f"world size must be at least 1, got {cfg.world_size}")
         if cfg.rank < 1:
@@ -133,6 +140,7 @@ class TrainConfig:
     def to_json(self) -> Dict[str, Any]:
         out = asdict(self)
         out["hooks"] = list(self.hooks)
+        out["fsdp"] = None if self.fsdp is None else list(self.fsdp)
         return out
 
 
@@ -142,13 +150,29 @@ class TrainConfig:
 
 class AllReduceCounter:
     """Replaces ``torch.distributed.all_reduce`` with a wrapper that counts bytes and calls (thread-safe: gloo
-    runs ``.then`` callbacks, which issue PyTorch's later all-reduces, on its worker threads)."""
+    runs ``.then`` callbacks, which issue PyTorch's later all-reduces, on its worker threads).
 
-    def __init__(self):
+    ``ranks``: count only the all-reduces over a group of exactly these global ranks (HSDP: the replicate group;
+    ``None``: every all-reduce)."""
+
+    def __init__(self, ranks: Optional[Sequence[int]] = None):
         self.bytes = 0
         self.calls = 0
         self._lock = threading.Lock()
         self._saved: List[Tuple[Any, str, Any]] = []
+        self._ranks = None if ranks is None else tuple(sorted(int(r) for r in ranks))
+        self._group_ranks: Dict[Any, Tuple[int, ...]] = {}
+
+    def _counts(self, args, kwargs) -> bool:
+        if self._ranks is None:
+            return True
+        group = kwargs.get("group", args[1] if len(args) > 1 else None)  # all_reduce(tensor, op, group, async_op)
+        key = id(group)
+        ranks = self._group_ranks.get(key)
+        if ranks is None:
+            ranks = tuple(sorted(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)))
+            self._group_ranks[key] = ranks
+        return ranks == self._ranks
 
     def install(self) -> "AllReduceCounter":
         import torch.distributed.distributed_c10d as c10d
@@ -157,9 +181,10 @@ class AllReduceCounter:
         counter = self
 
         def all_reduce(tensor, *args, **kwargs):
-            with counter._lock:
-                counter.bytes += tensor.numel() * tensor.element_size()
-                counter.calls += 1
+            if counter._counts(args, kwargs):
+                with counter._lock:
+                    counter.bytes += tensor.numel() * tensor.element_size()
+                    counter.calls += 1
             return original(tensor, *args, **kwargs)
 
         all_reduce.__wrapped__ = original  # type: ignore[attr-defined]
@@ -334,15 +359,28 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
     model = build_model(cfg.workload, data).to(device)
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     ddp_kwargs: Dict[str, Any] = {}
-    if hook_name == "reference":
-        ddp_kwargs["bucket_cap_mb"] = cfg.reference_bucket_cap_mb
-    elif cfg.bucket_cap_mb is not None:
-        ddp_kwargs["bucket_cap_mb"] = cfg.bucket_cap_mb
-    if device.type == "cuda":
-        ddp_kwargs["device_ids"] = [device.index]
-    ddp = DDP(model, **ddp_kwargs)
-    state, hook = make_hook(hook_name, cfg)
-    ddp.register_comm_hook(state, hook)
+    counted_ranks = None  # every all-reduce counts (DDP)
+    evaluates = rank == 0  # the ranks that run the evaluation forward (rank 0 records it)
+    if cfg.fsdp is not None:
+        from .fsdp import wrap_model
+
+        fsdp_run = wrap_model(hook_name, cfg, model, rank)
+        ddp = model
+        state, hook = fsdp_run.state, fsdp_run.hook
+        gradient_bytes = fsdp_run.shard_bytes
+        counted_ranks = fsdp_run.replicate_ranks
+        evaluates = fsdp_run.evaluates
+    else:
+        if hook_name == "reference":
+            ddp_kwargs["bucket_cap_mb"] = cfg.reference_bucket_cap_mb
+        elif cfg.bucket_cap_mb is not None:
+            ddp_kwargs["bucket_cap_mb"] = cfg.bucket_cap_mb
+        if device.type == "cuda":
+            ddp_kwargs["device_ids"] = [device.index]
+        ddp = DDP(model, **ddp_kwargs)
+        state, hook = make_hook(hook_name, cfg)
+        ddp.register_comm_hook(state, hook)
+    inner = model  # the module that evaluates (the DDP wrapper's module; the FSDP root itself)
 
     if cfg.optimizer == "adam":
         opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -359,7 +397,7 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
     test_loss: List[float] = []
     test_bpc: List[float] = []
     step = 0
-    counter = AllReduceCounter().install()
+    counter = AllReduceCounter(counted_ranks).install()
     t_run = time.perf_counter()
     try:
         for epoch in range(n_epochs):
@@ -399,9 +437,12 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
                 if i % 10 == 0:
                     bar.set_postfix(loss=f"{lv:.3f}")
             bar.close()
-            # every rank holds the same weights; rank 0 evaluates (others go on to the next all-reduce and wait)
+            # every rank holds the same weights; rank 0 evaluates (others go on to the next all-reduce and wait;
+            # with FSDP rank 0's shard group runs the forward with it)
+            if evaluates and rank != 0:
+                evaluate(inner, cfg, data, device)
             if rank == 0:
-                ev = evaluate(ddp.module, cfg, data, device)
+                ev = evaluate(inner, cfg, data, device)
                 test_acc.append(ev["accuracy"])
                 test_loss.append(ev["loss"])
                 if "bits_per_char" in ev:
@@ -464,7 +505,7 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
         "compression_rate": compression_rate,
         "numel_before_compression": numel_before,
         "numel_after_compression": numel_after,
-        "ddp_bucket_sizes": _bucket_sizes(ddp),
+        "ddp_bucket_sizes": _bucket_sizes(ddp) if cfg.fsdp is None else None,
         "bucket_cap_mb": ddp_kwargs.get("bucket_cap_mb"),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
@@ -473,6 +514,8 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
     if cfg.workload == "charlm":
         out["test_bits_per_char"] = test_bpc
         out["final_test_bits_per_char"] = test_bpc[-1] if test_bpc else None
+    if cfg.fsdp is not None:
+        out.update(fsdp_run.metrics())
     del ddp, opt
     return out
 
@@ -553,6 +596,9 @@ def run_training(config: TrainConfig) -> Dict[str, Any]:
     if env is not None:
         cfg.world_size = env.world_size
         cfg = cfg.resolved()
+        if cfg.world_size != env.world_size:  # --fsdp R x S sets it
+            raise ValueError(f"--fsdp {cfg.fsdp[0]}x{cfg.fsdp[1]} needs {cfg.world_size} ranks; torchrun started "
+                             f"{env.world_size}")
         runs = rank_main(env.rank, env.world_size, None, cfg, local_rank=env.local_rank)
         if env.rank != 0:
             return None

@@ -1,0 +1,121 @@
+"""``powersgd-triton train --fsdp RxS``: HSDP with FSDP2 on ``R x S`` ranks instead of DDP.
+
+The ranks form a 2-D mesh ``(replicate=R, shard=S)`` (rank ``i`` is replica ``i // S``, shard ``i % S``). Every module
+of the workload's model that has parameters of its own, then the root, is sharded with ``fully_shard``:
+
+* our hooks (``powersgd``, ``alternating``): on the 1-D shard mesh ``mesh["shard"]``, with
+  :func:`powersgd_triton.fsdp.register_fsdp` doing the replicate all-reduce over ``mesh["replicate"]``;
+* ``allreduce``: native HSDP, ``fully_shard(..., mesh=mesh)`` on the 2-D mesh (FSDP's own replicate all-reduce).
+
+Every rank trains on its own batches (the data-parallel world is all ``R x S`` ranks). Bytes and calls are those of
+the all-reduces over the replicate group (what crosses between replicas: nodes), per rank, counted through
+``dist.all_reduce`` as for DDP; the reduce-scatters and all-gathers inside the shard group are the same for all
+hooks and not counted. Rank 0's shard group (ranks ``0..S-1``) runs the evaluation forward, rank 0 records it.
+"""
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+LABELS = {
+    "powersgd": "powersgd_triton.powerSGD_hook over the replicate group",
+    "alternating": "powersgd_triton.alternating_powerSGD_hook over the replicate group",
+    "allreduce": "native HSDP (2-D mesh) all-reduce",
+}
+
+
+def parse_mesh(text: str) -> Tuple[int, int]:
+    """``"2x2"`` (or ``2×2``) -> ``(R, S)``; ``argparse.ArgumentTypeError`` otherwise."""
+    parts = str(text).lower().replace("×", "x").split("x")
+    try:
+        r, s = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RxS (replicas x shards), e.g. 2x2; got {text!r}") from None
+    if r < 2 or s < 1:
+        raise argparse.ArgumentTypeError(
+            f"--fsdp {text}: needs at least 2 replicas (R) to have a replicate all-reduce to compress, and S >= 1"
+        )
+    return r, s
+
+
+def check_fsdp_config(cfg) -> None:
+    """Validate the FSDP fields of a resolved :class:`~powersgd_triton.train.loop.TrainConfig` (``ValueError``) and
+    set ``world_size = R * S``."""
+    from .loop import FSDP_HOOKS
+
+    try:
+        r, s = (int(v) for v in cfg.fsdp)
+    except (TypeError, ValueError):
+        raise ValueError(f"fsdp must be (R, S), got {cfg.fsdp!r}") from None
+    if r < 2 or s < 1:
+        raise ValueError(f"--fsdp {r}x{s}: needs R >= 2 replicas and S >= 1 shards")
+    bad = [h for h in cfg.hooks if h not in FSDP_HOOKS]
+    if bad:
+        raise ValueError(f"--fsdp runs the hooks {', '.join(FSDP_HOOKS)} (allreduce: native HSDP); not {', '.join(bad)}")
+    if cfg.bucket_cap_mb is not None:
+        raise ValueError("--bucket-cap-mb is a DDP option; with --fsdp each FSDP module is one group")
+    cfg.fsdp = (r, s)
+    cfg.world_size = r * s
+
+
+@dataclass
+class FSDPRun:
+    """One rank's FSDP setup for one hook: what the training loop needs from it."""
+
+    state: Any  # PowerSGDState (None for native HSDP)
+    hook: Any  # the hook function, or FSDP's native all-reduce (described by name)
+    replicate_ranks: List[int]
+    evaluates: bool
+    shard_bytes: int  # bytes of this rank's gradient shards (what native HSDP all-reduces, without padding)
+    groups: List[Dict[str, Any]] = field(default_factory=list)
+    mesh: Tuple[int, int] = (1, 1)
+
+    def metrics(self) -> Dict[str, Any]:
+        return {"fsdp_mesh": list(self.mesh), "fsdp_groups": self.groups, "replicate_ranks": self.replicate_ranks}
+
+
+def _native_hsdp():
+    """Stands in for the hook in the metrics of the native HSDP run."""
+
+
+_native_hsdp.__qualname__ = "fully_shard(mesh=2-D HSDP mesh)"
+_native_hsdp.__module__ = "torch.distributed.fsdp"
+
+
+def wrap_model(hook_name: str, cfg, model: torch.nn.Module, rank: int) -> FSDPRun:
+    """Shard ``model`` in place for ``hook_name`` (see the module docstring) and register the hook; collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    r, s = cfg.fsdp
+    device_type = "cuda" if cfg.device == "cuda" else "cpu"
+    mesh = init_device_mesh(device_type, (r, s), mesh_dim_names=("replicate", "shard"))
+    native = hook_name == "allreduce"
+    shard_on = mesh if native else mesh["shard"]
+    owners = [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))]
+    for m in owners:
+        fully_shard(m, mesh=shard_on)
+    fully_shard(model, mesh=shard_on)
+    replicate = mesh["replicate"].get_group()
+    replicate_ranks = [int(x) for x in dist.get_process_group_ranks(replicate)]
+    shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    evaluates = rank // s == 0
+    if native:
+        return FSDPRun(None, _native_hsdp, replicate_ranks, evaluates, shard_bytes, mesh=(r, s))
+
+    from ..benchmarking import make_hook as make_powersgd_hook
+    from ..fsdp import register_fsdp
+
+    state, hook = make_powersgd_hook(
+        "alternating" if hook_name == "alternating" else "ours", cfg.rank, backend=cfg.kernels,
+        start_powerSGD_iter=cfg.start_iter, min_compression_rate=cfg.min_compression_rate,
+        use_error_feedback=cfg.use_error_feedback, warm_start=cfg.warm_start, random_seed=cfg.seed,
+        process_group=replicate,
+    )
+    handle = register_fsdp(model, state, hook)
+    groups = [{"module": g.module_name, "parameters": [[p.name, list(p.shape)] for p in g.params]}
+              for g in handle.groups]
+    return FSDPRun(state, hook, replicate_ranks, evaluates, shard_bytes, groups=groups, mesh=(r, s))
