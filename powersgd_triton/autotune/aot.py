@@ -10,19 +10,144 @@ config, and each target ``sm_<arch>``, in a pool of processes. A config fails wh
 shared memory exceeds what one block may use on that target. By default each config is compiled with its kernel's
 first feature variant (error feedback and the update flag on: the largest code); ``--all-variants`` compiles them all.
 Needs ``TRITON_INTERPRET`` unset. Exit status 1 when anything fails; ``--json PATH`` writes every result.
+
+:func:`resource_usage` reads what one compiled kernel needs per thread and per block (registers, spills, shared memory)
+and how many of its blocks fit on one SM, without a GPU.
 """
 
 import argparse
 import json
 import multiprocessing
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Dict, Iterable, List, Optional, Sequence
 
 # Largest shared memory one block may use (bytes), per target: A100 163 KiB, H100/H200 227 KiB, sm_86/89 99 KiB.
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+
+
+# Per-SM limits of the occupancy calculation (CUDA C++ Programming Guide, "Technical Specifications per Compute
+# Capability"; the arithmetic of cuda_occupancy.h): 64K 32-bit registers in 4 sub-partitions, allocated per warp in
+# units of 256, at most 255 per thread; 2048 threads (64 warps) and 32 blocks per SM; shared memory per SM 164 KiB
+# (A100) / 228 KiB (H100, H200), allocated in 128-byte units, plus 1 KiB the system reserves per block.
+SM_LIMITS = {
+    80: dict(regs=65536, sub_partitions=4, reg_unit=256, max_regs_per_thread=255, warps=64, blocks=32,
+             shared=164 * 1024, shared_unit=128, shared_reserved=1024),
+    90: dict(regs=65536, sub_partitions=4, reg_unit=256, max_regs_per_thread=255, warps=64, blocks=32,
+             shared=228 * 1024, shared_unit=128, shared_reserved=1024),
+}
+
+
+def _round_up(x: int, unit: int) -> int:
+    return -(-x // unit) * unit
+
+
+def blocks_per_sm(registers: int, num_warps: int, shared_bytes: int, arch: int) -> Dict[str, int]:
+    """How many blocks of a kernel fit on one SM of ``sm_<arch>`` (80 or 90): the minimum of four limits.
+
+    ``registers`` per thread, ``num_warps`` per block, ``shared_bytes`` of shared memory per block (Triton's
+    dynamic shared memory plus any static). Returns ``blocks_per_sm`` and the limits ``by_registers``
+    (each of the 4 sub-partitions holds ``16384 // round_up(32 * registers, 256)`` warps), ``by_shared``,
+    ``by_warps`` (64 per SM) and ``by_blocks`` (32 per SM). Raises ``ValueError`` for another arch.
+    """
+    if arch not in SM_LIMITS:
+        raise ValueError(f"no occupancy limits for sm_{arch}; known: {sorted(SM_LIMITS)}")
+    lim = SM_LIMITS[arch]
+    if registers > lim["max_regs_per_thread"]:
+        by_regs = 0
+    else:
+        regs_per_warp = _round_up(max(registers, 1) * 32, lim["reg_unit"])
+        warps_per_part = (lim["regs"] // lim["sub_partitions"]) // regs_per_warp
+        by_regs = warps_per_part * lim["sub_partitions"] // num_warps
+    smem = _round_up(shared_bytes + lim["shared_reserved"], lim["shared_unit"])
+    by_shared = lim["shared"] // smem
+    by_warps = lim["warps"] // num_warps
+    limits = dict(by_registers=by_regs, by_shared=by_shared, by_warps=by_warps, by_blocks=lim["blocks"])
+    return dict(blocks_per_sm=min(limits.values()), **limits)
+
+
+def _nvidia_tool(name: str, arch: int) -> Optional[str]:
+    """Path of the CUDA tool ``name`` that Triton ships (and uses for ``sm_<arch>``), or None."""
+    if name == "ptxas":
+        try:  # the ptxas Triton itself compiles this arch with (triton >= 3.5 has one per arch family)
+            from triton.backends.nvidia.compiler import get_ptxas
+
+            try:
+                return get_ptxas(arch).path
+            except TypeError:
+                return get_ptxas().path
+        except Exception:  # noqa: BLE001 - older/newer triton: fall back to the shipped binary
+            pass
+    try:
+        import triton.backends.nvidia as nv
+
+        path = os.path.join(os.path.dirname(nv.__file__), "bin", name)
+        return path if os.access(path, os.X_OK) else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+_USAGE_CACHE: Dict[tuple, dict] = {}
+
+
+def resource_usage(compiled, arch: int) -> dict:
+    """Registers, spills, shared memory and occupancy of a kernel compiled by ``triton_ops.compile_aot`` (no GPU).
+
+    ``compiled`` is Triton's ``CompiledKernel`` for ``sm_<arch>`` (``arch`` 80 or 90). Runs ``ptxas -v`` (the one
+    Triton ships for that arch) on the kernel's PTX for the register count and the spill bytes, reads the shared
+    memory, warps and stages from Triton's metadata, and applies :func:`blocks_per_sm`. Returns a dict:
+    ``registers`` (per thread), ``spill_bytes`` (spill stores + spill loads, bytes per thread), ``stack_bytes``,
+    ``shared_bytes`` (per block: Triton's dynamic + ptxas's static), ``num_warps``, ``num_stages``,
+    ``blocks_per_sm`` and its four limits (``by_registers``, ``by_shared``, ``by_warps``, ``by_blocks``).
+    Raises ``ValueError`` for an arch without limits and ``RuntimeError`` when ptxas is missing or fails.
+    On a GPU the loaded kernel's ``n_regs`` (and ``n_spills``, local memory in 4-byte words) are the driver's view
+    of the same binary.
+    """
+    if arch not in SM_LIMITS:
+        raise ValueError(f"no occupancy limits for sm_{arch}; known: {sorted(SM_LIMITS)}")
+    md = compiled.metadata
+    key = (getattr(md, "hash", None) or id(compiled), arch)
+    if key in _USAGE_CACHE:
+        return dict(_USAGE_CACHE[key])
+    ptx = compiled.asm["ptx"]
+    if isinstance(ptx, bytes):
+        ptx = ptx.decode()
+    ptxas = _nvidia_tool("ptxas", arch)
+    if ptxas is None:
+        raise RuntimeError("ptxas not found (triton ships it under triton/backends/nvidia/bin)")
+    target = re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.MULTILINE)
+    cmd = [ptxas, "-v", f"--gpu-name={target.group(1) if target else f'sm_{arch}'}"]
+    if not getattr(md, "enable_fp_fusion", True):
+        cmd.append("--fmad=false")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run(cmd + [src, "-o", os.path.join(d, "kernel.cubin")], capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    if proc.returncode != 0 or regs is None:
+        raise RuntimeError(f"ptxas -v failed ({proc.returncode}): {log[-2000:]}")
+    spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    smem = re.search(r"(\d+) bytes smem", log)
+    shared = int(getattr(md, "shared", 0) or 0) + (int(smem.group(1)) if smem else 0)
+    num_warps = int(getattr(md, "num_warps", 4))
+    out = dict(
+        registers=int(regs.group(1)),
+        spill_bytes=int(spill.group(2)) + int(spill.group(3)) if spill else 0,
+        stack_bytes=int(spill.group(1)) if spill else 0,
+        shared_bytes=shared,
+        num_warps=num_warps,
+        num_stages=int(getattr(md, "num_stages", 1)),
+    )
+    out.update(blocks_per_sm(out["registers"], num_warps, shared, arch))
+    _USAGE_CACHE[key] = dict(out)
+    return out
 
 
 def jobs(

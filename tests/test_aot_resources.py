@@ -1,0 +1,108 @@
+"""autotune.aot.resource_usage / blocks_per_sm: registers, spills and occupancy of compiled kernels, without a GPU.
+
+The occupancy arithmetic is checked against cases worked by hand from the sm_80/sm_90 limits; resource_usage on the
+``project`` kernel compiled for sm_90 with its heuristic config and with every block size doubled (4x the products a
+thread holds in registers on the broadcast path: it must hit the 255-register cap and spill). Compiles run in a
+subprocess with ``TRITON_INTERPRET`` unset (this process has interpreted kernels).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from powersgd_triton.autotune.aot import SM_LIMITS, blocks_per_sm
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize(
+    "regs, warps, shared, arch, expected",
+    [
+        # 255 regs -> 8160 rounded to 8192 per warp; 16384 per sub-partition holds 2 warps; 8 warps per SM: 2 blocks
+        (255, 4, 0, 90, dict(blocks_per_sm=2, by_registers=2)),
+        # 166 regs -> 5312 -> 5376 per warp: 3 warps per sub-partition, 12 per SM: 3 blocks of 4 warps
+        (166, 4, 2048, 80, dict(blocks_per_sm=3, by_registers=3)),
+        # 32 regs -> 1024 per warp: 16 per sub-partition, 64 per SM = the warp limit: 16 blocks of 4, 8 of 8
+        (32, 4, 0, 90, dict(blocks_per_sm=16, by_registers=16, by_warps=16)),
+        (32, 8, 0, 80, dict(blocks_per_sm=8, by_warps=8)),
+        # 1 warp of 16 regs: the 32-blocks-per-SM limit binds
+        (16, 1, 0, 90, dict(blocks_per_sm=32, by_blocks=32, by_warps=64)),
+        # 100 KiB + 1 KiB reserved per block: 1 fits in A100's 164 KiB, 2 in H100's 228 KiB
+        (32, 4, 100 * 1024, 80, dict(blocks_per_sm=1, by_shared=1)),
+        (32, 4, 100 * 1024, 90, dict(blocks_per_sm=2, by_shared=2)),
+        # over the 255-register limit: cannot launch
+        (256, 4, 0, 90, dict(blocks_per_sm=0, by_registers=0)),
+    ],
+)
+def test_blocks_per_sm_worked_by_hand(regs, warps, shared, arch, expected):
+    got = blocks_per_sm(regs, warps, shared, arch)
+    assert {k: got[k] for k in expected} == expected, got
+    assert got["blocks_per_sm"] == min(got["by_registers"], got["by_shared"], got["by_warps"], got["by_blocks"])
+
+
+def test_blocks_per_sm_refuses_unknown_arch():
+    with pytest.raises(ValueError, match="sm_75"):
+        blocks_per_sm(32, 4, 0, 75)
+    assert set(SM_LIMITS) == {80, 90}
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, tempfile
+    import torch
+    from powersgd_triton.kernels import triton_ops as T
+    from powersgd_triton.autotune.aot import _nvidia_tool, resource_usage
+
+    class _Layout:
+        max_rank = 4
+
+    light = T.heuristic_config("project", _Layout(), torch.float32)
+    heavy = {k: (2 * v if k.startswith("BLOCK") else v) for k, v in light.items()}
+    out = {}
+    for name, cfg in (("light", light), ("heavy", heavy)):
+        c = T.compile_aot("project", cfg, torch.float32, 4, 90, None)
+        u = resource_usage(c, 90)
+        # the registers of the cubin Triton built, as cuobjdump reads them (None when triton ships no cuobjdump)
+        tool = _nvidia_tool("cuobjdump", 90)
+        u["cubin_registers"] = None
+        if tool:
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(c.asm["cubin"])
+                f.flush()
+                dump = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+            u["cubin_registers"] = int(dump.split("REG:")[1].split()[0])
+        u["metadata_shared"] = c.metadata.shared
+        u["config"] = cfg
+        out[name] = u
+    json.dump(out, sys.stdout)
+    """
+)
+
+
+@pytest.mark.timeout(300)
+def test_resource_usage_heuristic_vs_register_heavy_config(tmp_path):
+    pytest.importorskip("triton")
+    script = tmp_path / "usage.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=REPO, TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout)
+    light, heavy = res["light"], res["heavy"]
+    for u in (light, heavy):
+        if u["cubin_registers"] is not None:  # ptxas -v re-run agrees with the binary Triton built
+            assert u["registers"] == u["cubin_registers"], u
+        assert u["shared_bytes"] >= u["metadata_shared"]
+        assert (u["num_warps"], u["num_stages"]) == (u["config"]["num_warps"], u["config"]["num_stages"])
+        assert u["blocks_per_sm"] == blocks_per_sm(u["registers"], u["num_warps"], u["shared_bytes"], 90)[
+            "blocks_per_sm"]
+    # 4x the [BLOCK_N, BLOCK_K, R] products per thread: at the register cap, spilling, fewer blocks per SM
+    assert heavy["registers"] == 255 and heavy["spill_bytes"] > 0, heavy
+    assert light["registers"] < heavy["registers"] and light["spill_bytes"] == 0, light
+    assert heavy["blocks_per_sm"] < light["blocks_per_sm"]
