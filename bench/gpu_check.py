@@ -1059,7 +1059,8 @@ def _jit_binaries():
 
     out = {}
     for name, fn in T.KERNEL_FUNCTIONS.items():
-        for caches in getattr(fn, "device_caches", {}).values():
+        jit = fn if hasattr(fn, "device_caches") else getattr(fn, "fn", None)  # a JITFunction, maybe wrapped
+        for caches in getattr(jit, "device_caches", {}).values():
             for k in list(caches[0].values()):
                 if hasattr(k, "metadata") and hasattr(k, "asm"):
                     out[(name, getattr(k, "hash", id(k)))] = k
@@ -1201,13 +1202,16 @@ def _wait(procs, deadline):
     return late
 
 
-def _child_env(interpret: bool):
+def _child_env(interpret: bool, aot: bool = False):
+    """The environment of a compile-phase child. Workers keep this process's (Triton's cache key may include
+    environment variables: a difference would make their binaries miss in this process)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, without its warning
+    if aot:
+        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, without its warning
     return env
 
 
@@ -1235,7 +1239,8 @@ def section_compile():
         log(f"  AOT-compiling what {len(items)} items launch ({len(cases)} bucket cases) for sm_90, "
             f"{min(jobs, 2)} processes, {budget:.0f}s")
         with open(tmp / "aot.log", "w") as logf:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(False), stdout=logf, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(False, aot=True), stdout=logf,
+                                    stderr=subprocess.STDOUT,
                                     start_new_session=True)
             late = _wait([proc], deadline)
         done = [json.loads(x) for x in jsonl.read_text().splitlines()] if jsonl.exists() else []
