@@ -1248,7 +1248,8 @@ def section_compile():
         planned = json.loads(planned_file.read_text()) if planned_file.exists() else []
         for r in done:
             u = r.get("usage") or {}
-            sec["binaries"].append(dict(kernel=r["kernel"], constexprs=dict(r["config"], R=r["R"], **r["variant"]),
+            cfg = r.get("config_used", r["config"])
+            sec["binaries"].append(dict(kernel=r["kernel"], constexprs=dict(cfg, R=r["R"], **r["variant"]),
                                         dtype=r["dtype"], arch=r["arch"], compile_s=r["seconds"], ok=r["ok"],
                                         error=r.get("error"), item=r.get("case"), usage=u or None,
                                         usage_error=r.get("usage_error"), num_warps=u.get("num_warps"),

@@ -290,7 +290,7 @@ def compile_one(job: dict, usage: bool = False) -> dict:
             try:
                 k = ops.compile_aot(job["kernel"], cfg, parse_dtype(job["dtype"]), job["rank"], job["arch"],
                                     job["variant"])
-                res["config"] = cfg
+                res["config_used"] = cfg  # a helper kernel: the block sizes it was compiled with
                 break
             except KeyError:
                 if i == len(configs) - 1:
