@@ -416,7 +416,11 @@ def check_kernel(variant, kind, dtype, rank, gen):
         lkw64 = {} if local is None else {f"local_{local}": loc.double()}
         flag = torch.tensor(keep, device=DEVICE)
         e_in = err.clone()
-        e_out = torch.full_like(err, nan) if (has_err and keep) else err
+        e_out = err
+        if has_err and keep:  # E_i's first numel elements must be written (poisoned here); anything after them in
+            e_out = err.clone()  # E (a batched view's padding error, where the layout keeps one) is input as well
+            for sp in lay.matrices:
+                e_out[sp.e_offset : sp.e_offset + sp.numel] = nan
         if not has_err:  # the kernel only writes M: poison the compressed regions
             buf.masked_fill_(~outside, nan)
         ops.reconstruct(buf, lay, p, q, scale, e_out if has_err else None, flag if has_err else None,
