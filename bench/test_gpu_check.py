@@ -26,6 +26,9 @@ def _run(tmp_path, *args, timeout=240):
 def test_gpu_check_dry_run(tmp_path):
     proc, data, md = _run(tmp_path, "--budget", "150")
     out = proc.stdout + proc.stderr
+    bad = [f"{c['variant']} {c['dtype']}: {c.get('checks') or c.get('error')}"
+           for c in data["sections"].get("nonfinite", {}).get("cases", []) if not c.get("ok")]
+    assert not bad, "outputs finite where the float64 oracle's are not (or an error):\n" + "\n".join(bad)
     assert proc.returncode == 0, out[-4000:] + json.dumps(data["errors"])[:2000]
     assert data["dry_run"] is True
     assert data["errors"] == {}, data["errors"]
