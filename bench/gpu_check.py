@@ -73,6 +73,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json/.md (default $OUT)")
     ap.add_argument("--warm-worker", default=None, help=argparse.SUPPRESS)  # "i/N": compile-phase worker (GPU)
     ap.add_argument("--warm-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--warm-deadline", type=float, default=None, help=argparse.SUPPRESS)  # time.time() to stop
     return ap.parse_args(argv)
 
 
@@ -601,15 +602,21 @@ def check_special(variant, dtype, rank, gen):
     p = B.random_buffer(lay.p_numel, f32, DEVICE, gen)
     err = B.random_buffer(lay.e_numel, f32, DEVICE, gen, scale=0.1)
     placed = []
-    m_at = lambda i, k: _poke(buf, mats[i].offset, mats[i].numel, k, gcpu, placed, f"M{i}")  # noqa: E731
-    p_at = lambda t, i, k: _poke(t, mats[i].p_offset, mats[i].n * mats[i].rank, k, gcpu, placed, f"P{i}")  # noqa
-    q_at = lambda t, i, k: _poke(t, mats[i].q_offset, mats[i].m * mats[i].rank, k, gcpu, placed, f"Q{i}")  # noqa
-    e_at = lambda i, k: _poke(err, mats[i].e_offset, mats[i].numel, k, gcpu, placed, f"E{i}")  # noqa: E731
-    outs = {}  # name -> (ours, oracle); the name's first letter (lower case) says its layout: m, p, q, e
+
+    def put(*specs):
+        """Each (region, matrix i, value k[, tensor]): special value k at a random element of matrix i's region
+        of the bucket (M), the error (E) or a factor tensor (P, Q: p, q or a local factor)."""
+        for region, i, k, *t in specs:
+            sp = mats[i]
+            start, count, target = {"M": (sp.offset, sp.numel, buf), "E": (sp.e_offset, sp.numel, err),
+                                    "P": (sp.p_offset, sp.n * sp.rank, t[0] if t else p),
+                                    "Q": (sp.q_offset, sp.m * sp.rank, t[0] if t else q)}[region]
+            _poke(target, start, count, k, gcpu, placed, f"{region}{i}")
+
+    outs = {}  # output name -> (ours, float64 oracle)
     if variant in ("project", "project+error"):
         use_err = variant == "project+error"
-        m_at(0, 0), m_at(1, 2), q_at(q, 2, 1)
-        e_at(3, 0) if use_err else m_at(3, 1)
+        put(("M", 0, 0), ("M", 1, 2), ("Q", 2, 1), ("E", 3, 0) if use_err else ("M", 3, 1))
         before = buf.clone()
         p_out = torch.full_like(p, float("nan"))
         ops.project(buf, lay, q, p_out, err if use_err else None, backend="triton")
@@ -621,8 +628,7 @@ def check_special(variant, dtype, rank, gen):
     elif variant in ("orthogonalize-p", "orthogonalize-q"):
         which = variant[-1]
         x = p if which == "p" else q
-        poke = p_at if which == "p" else q_at
-        poke(x, 0, 1), poke(x, 1, 2), poke(x, 3, 0)
+        put(*((which.upper(), i, k) for i, k in ((0, 1), (1, 2), (3, 0))))
         out = torch.full_like(x, float("nan"))
         ops.orthogonalize(x, lay, which, 0.0, out=out, backend="triton")
         sync()
@@ -630,7 +636,7 @@ def check_special(variant, dtype, rank, gen):
         reference.orthogonalize(x.double(), lay, which, 0.0, out=ref, compute_dtype=f64)
         outs[which.upper()] = (out, ref)
     elif variant == "project_t":
-        m_at(0, 1), m_at(1, 3), p_at(p, 3, 1)
+        put(("M", 0, 1), ("M", 1, 3), ("P", 3, 1))
         q_out = torch.full_like(q, float("nan"))
         ops.project_t(buf, lay, p, q_out, backend="triton")
         sync()
@@ -641,11 +647,11 @@ def check_special(variant, dtype, rank, gen):
         has_err = variant != "reconstruct"
         keep = variant != "reconstruct+error,flag=0"
         local = {"reconstruct+error,local_p": "p", "reconstruct+error,local_q": "q"}.get(variant)
-        p_at(p, 0, 1), q_at(q, 1, 0), m_at(3, 1), e_at(2, 3)
+        put(("P", 0, 1), ("Q", 1, 0), ("M", 3, 1), ("E", 2, 3))
         lkw, lkw64 = {}, {}
         if local is not None:
             loc = B.random_buffer(lay.p_numel if local == "p" else lay.q_numel, f32, DEVICE, gen)
-            (p_at if local == "p" else q_at)(loc, 2, 0)
+            put((local.upper(), 2, 0, loc))
             lkw, lkw64 = {f"local_{local}": loc}, {f"local_{local}": loc.double()}
         flag = torch.tensor(keep, device=DEVICE)
         before, e_in = buf.clone(), err.clone()
@@ -1125,7 +1131,10 @@ def warm_worker() -> int:
         os.replace(tmp, out)
 
     known = _jit_binaries()
+    parent = os.getppid()
     for item in mine:
+        if os.getppid() != parent or (ARGS.warm_deadline and time.time() > ARGS.warm_deadline):
+            break  # the run went on without us (or ended): stop, leave no orphan on the GPU
         t0 = time.time()
         err = None
         try:
@@ -1283,8 +1292,8 @@ def section_compile():
         for i in range(n):
             logs.append(open(tmp / f"w{i}.log", "w"))
             cmd = [sys.executable, str(Path(__file__).resolve()), "--warm-worker", f"{i}/{n}", "--warm-out",
-                   str(tmp / f"w{i}.json"), "--sections", ARGS.sections] + (["--quick"] if QUICK else []) + (
-                   ["--dry-run"] if DRY else [])
+                   str(tmp / f"w{i}.json"), "--sections", ARGS.sections, "--warm-deadline", str(deadline)] + (
+                   ["--quick"] if QUICK else []) + (["--dry-run"] if DRY else [])
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_child_env(DRY), stdout=logs[-1],
                                           stderr=subprocess.STDOUT, start_new_session=True))
         late = _wait(procs, deadline)
