@@ -678,8 +678,9 @@ def check_special(variant, dtype, rank, gen):
             outs["packed"] = (dst, buf[idx].double())
         else:
             src = B.random_buffer(idx.numel(), f32, DEVICE, gen)
-            _poke(src, 0, idx.numel(), 0, gcpu, placed, "src")
-            _poke(src, 0, idx.numel(), 1, gcpu, placed, "src")
+            half = idx.numel() // 2  # two different elements
+            _poke(src, 0, half, 0, gcpu, placed, "src")
+            _poke(src, half, idx.numel() - half, 1, gcpu, placed, "src")
             buf.index_fill_(0, idx, float("nan"))
             ops.unpack_uncompressed(src, lay, buf, 0.5, backend="triton")
             sync()
