@@ -1,30 +1,44 @@
 #!/usr/bin/env python3
-"""ONE command for a GPU run of powersgd_triton, under 5 minutes: correctness, bandwidth, hook step, counts.
+"""ONE command for a GPU run of powersgd_triton: compiles, correctness, non-finite inputs, bandwidth, hook step.
 
-    PYTHONPATH=. python bench/gpu_check.py              # on the GPU machine, from the repository root
+    PYTHONPATH=. python bench/gpu_check.py --quick      # on the GPU machine, from a bare checkout: < 3 min on an H200
+    PYTHONPATH=. python bench/gpu_check.py              # the full run, < 5 min
     PYTHONPATH=. python bench/gpu_check.py --dry-run    # CPU + Triton interpreter, tiny shapes (the CI smoke test)
 
+Needs only torch, triton and numpy (nothing to install; platformdirs, filelock, tqdm are used when present).
 Sections (each one catches and records its own failures, then the run goes on; every item checks the time left):
 
 1. ``env``: versions, GPU name, SMs, L2, driver and clocks.
-2. ``copy``: the device's copy bandwidth, a large ``copy_`` timed with ``triton.testing.do_bench`` (median),
+2. ``compile``: every kernel variant the later sections launch is compiled first, under its own budget, so the timed
+   sections start warm. On a GPU: worker processes (one per CPU core, up to 16) each run a share of the later
+   sections' items once (same shapes, dtypes, ranks and configs), which fills Triton's on-disk cache; then per
+   compiled binary its compile seconds, registers, spills, shared memory, warps/stages and blocks per SM
+   (``autotune.aot.resource_usage``: ``ptxas -v``) beside the loaded kernel's ``n_regs``/``n_spills``. In the dry
+   run: the same kernels are compiled ahead of time for sm_90 (``python -m powersgd_triton.autotune.aot --plan``) for
+   the same tables; the interpreter runs the checks.
+3. ``copy``: the device's copy bandwidth, a large ``copy_`` timed with ``triton.testing.do_bench`` (median),
    counting bytes read + written.
-3. ``correctness``: every compiled kernel variant against a float64 torch oracle on fresh random inputs, outputs
-   poisoned with NaN before the launch (every element must be written), regions outside the compressed matrices
-   checked untouched; real ResNet-50 and GPT-2 buckets, ragged shapes (with an all-zero layer) and the batched view;
-   ranks 1/4/16; fp32, bf16, fp16; also the local-residual reconstruct (alternating hook) and the one-launch
-   pack/unpack of the uncompressed gradients.
-4. ``kernels``: each kernel's achieved bandwidth (byte model: bytes read + written, once each) on the 25 MB buckets
-   of ResNet-50 and GPT-2, as a fraction of the measured copy bandwidth; PyTorch's hook's code for the same step
-   beside it (rank 4).
-5. ``hooks``: the whole hook step (every bucket of the model) of PyTorch's ``powerSGD_hook`` against ours (Triton
-   backend), ResNet-50 and GPT-2, ranks 1 and 4, fp32 then bf16: ``do_bench`` median over two rotating copies of
-   the buckets, device kernels per step (``torch.profiler``), Triton launches, ATen ops, all-reduce calls and bytes,
-   memory held per bucket and peak extra memory of a step.
+4. ``correctness``: every kernel variant against a float64 torch oracle on fresh random inputs, outputs poisoned with
+   NaN before the launch (every element must be written), regions outside the compressed matrices checked untouched;
+   real ResNet-50 and GPT-2 buckets, ragged shapes (with an all-zero layer) and the batched view; ranks 1/4/16; fp32,
+   bf16, fp16; also the local-residual reconstruct (alternating hook) and the pack/unpack of uncompressed gradients.
+5. ``nonfinite``: every kernel variant in every gradient dtype on inputs holding +-inf and NaNs with the payloads
+   GPUs produce (``0x7FFFFFFF``, ``0xFFFFFFFF`` as float32; ``0x7FFF``, ``0xFFFF`` as bf16/fp16) besides the
+   canonical one: each output must be non-finite exactly where the float64 oracle's is, and finite elements right.
+6. ``kernels``: each kernel's achieved bandwidth (byte model: bytes read + written, once each) on the 25 MB buckets
+   of ResNet-50 (and GPT-2 in the full run), as a fraction of the measured copy bandwidth; PyTorch's hook's code for
+   the same step beside it (rank 4).
+7. ``hooks``: the whole hook step (every bucket of the model) of PyTorch's ``powerSGD_hook`` against ours (Triton
+   backend), rank 4 fp32 and bf16 (full run: also rank 1/16 and GPT-2): ``do_bench`` median over two rotating copies
+   of the buckets, device kernels per step (``torch.profiler``), Triton launches, ATen ops, all-reduce calls and
+   bytes, memory held per bucket and peak extra memory of a step.
 
-Prints progress as it goes and a markdown summary at the end; writes ``gpu_check.json`` and ``gpu_check.md`` into
-``$OUT`` (or ``--out``) after every section, so a run cut short still leaves its results. Targets (not asserted):
-hook step >= 5x faster than PyTorch's on an H100/H200; each kernel >= 60 % of the copy bandwidth on 25 MB buckets.
+``--quick`` keeps what matters (every kernel's correctness and non-finite checks, ResNet-50 25 MB bucket bandwidth at
+rank 4 fp32, the ResNet-50 hook step at rank 4 fp32 and bf16). Prints progress as it goes and a markdown summary at
+the end; writes ``gpu_check.json`` and ``gpu_check.md`` into ``$OUT`` (or ``--out``) after every section, so a run cut
+short still leaves its results; every skipped item is listed with its reason. Targets (not asserted): hook step >= 5x
+faster than PyTorch's on an H100/H200; each kernel >= 60 % of the copy bandwidth on 25 MB buckets. Exit status 1 when
+a check failed or a section raised.
 """
 
 import argparse
@@ -45,21 +59,36 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", "--cpu", dest="dry_run", action="store_true",
                     help="run on CPU with the Triton interpreter and tiny shapes (checks the script, not the GPU)")
+    ap.add_argument("--quick", action="store_true",
+                    help="only the numbers that matter (see the module docstring); < 3 min on an H200")
     ap.add_argument("--budget", type=float, default=None,
-                    help="seconds for the whole run (default 255 on a GPU, 150 dry)")
-    ap.add_argument("--sections", default="env,copy,correctness,kernels,hooks,kernels-extra,hooks-extra",
-                    help="comma list of sections to run (default: all)")
+                    help="seconds for the whole run (default: 170 with --quick, 285 full, 150 dry)")
+    ap.add_argument("--compile-budget", type=float, default=None,
+                    help="seconds for the compile phase (default: 70 with --quick, 90 full, 30 dry)")
+    ap.add_argument("--jobs", type=int, default=None, help="compile processes (default: CPU cores, at most 16)")
+    ap.add_argument("--compile-mode", choices=("auto", "aot", "workers"), default="auto",
+                    help="auto: JIT warm-up workers on a GPU, ahead-of-time sm_90 compiles in the dry run; "
+                         "'workers' in the dry run runs the workers in the interpreter (tests their plumbing)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma list of sections to run (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json/.md (default $OUT)")
+    ap.add_argument("--warm-worker", default=None, help=argparse.SUPPRESS)  # "i/N": compile-phase worker (GPU)
+    ap.add_argument("--warm-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--warm-deadline", type=float, default=None, help=argparse.SUPPRESS)  # time.time() to stop
     return ap.parse_args(argv)
 
 
+SECTIONS = ("env", "compile", "copy", "correctness", "nonfinite", "kernels", "hooks", "kernels-extra", "hooks-extra")
 ARGS = parse_args()
 if ARGS.dry_run:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+WORKER = ARGS.warm_worker is not None
+QUICK = ARGS.quick
 T0 = time.time()
-BUDGET = ARGS.budget if ARGS.budget is not None else (150.0 if ARGS.dry_run else 255.0)
-# Hard stop a little after the budget, whatever hangs: prints every thread's stack and exits.
-faulthandler.dump_traceback_later(BUDGET + 30, exit=True)
+BUDGET = ARGS.budget if ARGS.budget is not None else (150.0 if ARGS.dry_run else 170.0 if QUICK else 285.0)
+COMPILE_BUDGET = ARGS.compile_budget if ARGS.compile_budget is not None else (
+    30.0 if ARGS.dry_run else 70.0 if QUICK else 90.0)
+if not WORKER:  # hard stop a little after the budget, whatever hangs: prints every thread's stack and exits
+    faulthandler.dump_traceback_later(BUDGET + 30, exit=True)
 
 import torch  # noqa: E402
 
@@ -76,15 +105,24 @@ SHRINK = 32 if DRY else 1
 BUCKET_MB = 0.05 if DRY else 25.0
 FIRST_BUCKET_MB = 0.005 if DRY else B.DDP_FIRST_BUCKET_MB
 ROTATE = 1 if DRY else 2  # copies of the buckets used in turn by the hook timing
-MAX_KERNEL_BUCKETS = 1 if DRY else None
+MAX_KERNEL_BUCKETS = 1 if (DRY or QUICK) else None
+MAX_HOOK_BUCKETS = 1 if DRY else None  # the interpreter: the first bucket of the model walks every code path
 
-RESULTS = {"script": "bench/gpu_check.py", "argv": sys.argv[1:], "dry_run": DRY, "budget_s": BUDGET,
-           "sections": {}, "errors": {}, "skipped": []}
+RESULTS = {"script": "bench/gpu_check.py", "argv": sys.argv[1:], "dry_run": DRY, "quick": QUICK, "budget_s": BUDGET,
+           "compile_budget_s": COMPILE_BUDGET, "sections": {}, "errors": {}, "skipped": []}
 
 
-# Seconds each section leaves for the ones after it (correctness -> kernels -> hooks -> extras).
-RESERVE = {"correctness": 5.0, "kernels": 5.0, "hooks": 5.0} if DRY else {"correctness": 135.0, "kernels": 85.0,
-                                                                         "hooks": 8.0}
+# Seconds each section leaves for the ones after it (compile -> correctness -> nonfinite -> kernels -> hooks).
+if DRY:
+    RESERVE = {"compile": 70.0, "correctness": 50.0, "nonfinite": 25.0, "kernels": 15.0, "hooks": 5.0}
+elif QUICK:
+    RESERVE = {"compile": 80.0, "correctness": 75.0, "nonfinite": 65.0, "kernels": 50.0, "hooks": 5.0}
+else:
+    RESERVE = {"compile": 180.0, "correctness": 140.0, "nonfinite": 125.0, "kernels": 85.0, "hooks": 8.0}
+# Longest each section may take (it stops there and lists what it skipped).
+CAP = {"correctness": 45.0 if DRY else 30.0 if QUICK else 60.0, "nonfinite": 40.0 if DRY else 15.0 if QUICK else 20.0,
+       "kernels": 25.0 if DRY else 25.0 if QUICK else 45.0, "kernels-extra": 15.0 if DRY else 20.0,
+       "hooks": 40.0 if DRY else 60.0, "hooks-extra": 35.0}
 
 
 def elapsed() -> float:
@@ -223,7 +261,7 @@ def _bucket_from_shapes(shapes, dtype, gen, zero_index=None):
 
 def _ragged_shapes(gen_cpu):
     shapes = []
-    for i in range(40):
+    for i in range(10 if DRY else 40):  # the interpreter runs one program per matrix, ~0.5 s each
         kind = i % 5
         a = int(torch.randint(1, 300, (1,), generator=gen_cpu))
         b = int(torch.randint(1, 300, (1,), generator=gen_cpu))
@@ -379,7 +417,11 @@ def check_kernel(variant, kind, dtype, rank, gen):
         lkw64 = {} if local is None else {f"local_{local}": loc.double()}
         flag = torch.tensor(keep, device=DEVICE)
         e_in = err.clone()
-        e_out = torch.full_like(err, nan) if (has_err and keep) else err
+        e_out = err
+        if has_err and keep:  # E_i's first numel elements must be written (poisoned here); anything after them in
+            e_out = err.clone()  # E (a batched view's padding error, where the layout keeps one) is input as well
+            for sp in lay.matrices:
+                e_out[sp.e_offset : sp.e_offset + sp.numel] = nan
         if not has_err:  # the kernel only writes M: poison the compressed regions
             buf.masked_fill_(~outside, nan)
         ops.reconstruct(buf, lay, p, q, scale, e_out if has_err else None, flag if has_err else None,
@@ -447,6 +489,11 @@ def correctness_plan():
     plan += every("ragged", f32, 1) + every("ragged", f32, 16) + every("resnet50", f32, 16)
     plan += every("ragged", bf16, 4) + every("ragged", bf16, 1) + every("ragged", bf16, 16)
     plan += every("ragged", f16, 4)
+    if QUICK:  # every variant on the real bucket in fp32 and bf16, then one case of each other layout kind
+        plan = every("resnet50", f32, 4) + every("resnet50", bf16, 4) + [
+            ("project+error", "ragged", f32, 16), ("orthogonalize-p", "ragged", f32, 16),
+            ("reconstruct+error", "batched", bf16, 1), ("project_t", "gpt2", f32, 4),
+            ("reconstruct+error", "ragged", f16, 4)]
     if DRY:  # the interpreter is slow: every variant once, then one case of each other layout kind
         plan = [(v, "resnet50", f32, 4) for v in CORR_VARIANTS] + [
             ("project+error", "ragged", f32, 16), ("orthogonalize-p", "ragged", f32, 4),
@@ -457,7 +504,7 @@ def correctness_plan():
 def section_correctness():
     rows = []
     RESULTS["sections"]["correctness"] = {"cases": rows}
-    cap = time.time() + (95.0 if not DRY else 60.0)
+    cap = time.time() + CAP["correctness"]
     plan = correctness_plan()
     gen = generator()
     RESULTS["sections"]["correctness"]["seed_note"] = "fresh random seed per run (os.urandom)"
@@ -486,6 +533,212 @@ def section_correctness():
     log(f"  correctness: {n_ok}/{len(rows)} passed ({len(plan)} planned)")
 
 
+# =============================================================================================== 5. nonfinite
+# Bit patterns of the special values put into the inputs, per dtype: the NaNs NVIDIA arithmetic produces (all ones
+# after the sign: 0x7FFFFFFF from inf - inf, and the same with the sign bit), the canonical quiet NaN the interpreter
+# and x86 produce, and the infinities.
+SPECIAL_BITS = {
+    torch.float32: [("nan 0x7FFFFFFF", 0x7FFFFFFF), ("nan 0xFFFFFFFF", 0xFFFFFFFF), ("+inf", 0x7F800000),
+                    ("-inf", 0xFF800000), ("nan 0x7FC00000", 0x7FC00000)],
+    torch.bfloat16: [("nan 0x7FFF", 0x7FFF), ("nan 0xFFFF", 0xFFFF), ("+inf", 0x7F80), ("-inf", 0xFF80),
+                     ("nan 0x7FC0", 0x7FC0)],
+    torch.float16: [("nan 0x7FFF", 0x7FFF), ("nan 0xFFFF", 0xFFFF), ("+inf", 0x7C00), ("-inf", 0xFC00),
+                    ("nan 0x7E00", 0x7E00)],
+}
+# A bucket with 4 compressed matrices and 2 uncompressed vectors (min_compression_rate 1).
+SPECIAL_SHAPES = [(33, 20), (7,), (16, 4, 3, 3), (40, 9), (3,), (25, 30)]
+
+
+def special_value(dtype, i):
+    """(label, 0-d tensor of ``dtype``) of the i-th special value of that dtype (cycling), from its bit pattern."""
+    label, bits = SPECIAL_BITS[dtype][i % len(SPECIAL_BITS[dtype])]
+    width = torch.finfo(dtype).bits
+    signed = bits - (1 << width) if bits >= 1 << (width - 1) else bits
+    ints = torch.tensor([signed], dtype=torch.int32 if width == 32 else torch.int16)
+    return label, ints.view(dtype)[0]
+
+
+def _poke(t, start, count, which, gen, placed, name):
+    """Put special value ``which`` (of t's dtype) at a random element of ``t[start:start+count]``."""
+    label, v = special_value(t.dtype, which)
+    i = start + int(torch.randint(0, count, (1,), generator=gen))
+    t[i] = v.to(t.device)
+    placed.append(f"{name}[{i}]={label}")
+
+
+def _finite_match(out, ref, layout=None, which=None):
+    """Compare where ``out`` and the oracle ``ref`` are non-finite. Returns ``missed`` (non-finite in the oracle,
+    finite here: a finite wrong answer, which GradScaler would apply), ``spurious`` (non-finite here, finite in the
+    oracle, in a matrix the oracle keeps entirely finite: a NaN leaking into a healthy layer), ``spurious_within``
+    (the same inside a matrix the oracle already makes non-finite: that matrix's step is non-finite either way;
+    reported, not a failure) and the relative error on the elements finite in both. ``which`` ("m", "e", "p", "q")
+    says how ``out`` is laid out per matrix; without it every spurious element counts."""
+    fo, fr = torch.isfinite(out), torch.isfinite(ref)
+    missed = int((fo & ~fr).sum())
+    spur = ~fo & fr
+    within = 0
+    if which is not None and bool(spur.any()):
+        for sp in layout.matrices:
+            sl = _slices(sp)[which]
+            if not bool(fr[sl].all()):
+                within += int(spur[sl].sum())
+    both = fo & fr
+    err = _rel(out[both], ref[both]) if bool(both.any()) else 0.0
+    return dict(missed=missed, spurious=int(spur.sum()) - within, spurious_within=within, finite_rel_err=err)
+
+
+def check_special(variant, dtype, rank, gen):
+    """One kernel variant on inputs holding inf and NaN payloads; the float64 oracle (the same special values, the
+    same operations in float64 torch) says where the outputs must be non-finite. Returns a result dict."""
+    f32, f64 = torch.float32, torch.float64
+    gcpu = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device=DEVICE)))
+    bucket = _bucket_from_shapes(SPECIAL_SHAPES, dtype, gen)
+    lay = B.bucket_layout(bucket, rank, min_compression_rate=1.0)
+    mats = lay.matrices
+    if len(mats) < 4:
+        raise RuntimeError(f"special layout has {len(mats)} compressed matrices, needs 4")
+    buf = bucket.buffer()
+    q = B.random_buffer(lay.q_numel, f32, DEVICE, gen)
+    p = B.random_buffer(lay.p_numel, f32, DEVICE, gen)
+    err = B.random_buffer(lay.e_numel, f32, DEVICE, gen, scale=0.1)
+    placed = []
+
+    def put(*specs):
+        """Each (region, matrix i, value k[, tensor]): special value k at a random element of matrix i's region
+        of the bucket (M), the error (E) or a factor tensor (P, Q: p, q or a local factor)."""
+        for region, i, k, *t in specs:
+            sp = mats[i]
+            start, count, target = {"M": (sp.offset, sp.numel, buf), "E": (sp.e_offset, sp.numel, err),
+                                    "P": (sp.p_offset, sp.n * sp.rank, t[0] if t else p),
+                                    "Q": (sp.q_offset, sp.m * sp.rank, t[0] if t else q)}[region]
+            _poke(target, start, count, k, gcpu, placed, f"{region}{i}")
+
+    outs = {}  # output name -> (ours, float64 oracle)
+    if variant in ("project", "project+error"):
+        use_err = variant == "project+error"
+        put(("M", 0, 0), ("M", 1, 2), ("Q", 2, 1), ("E", 3, 0) if use_err else ("M", 3, 1))
+        before = buf.clone()
+        p_out = torch.full_like(p, float("nan"))
+        ops.project(buf, lay, q, p_out, err if use_err else None, backend="triton")
+        sync()
+        ref_buf, ref_p = before.clone(), torch.empty(lay.p_numel, dtype=f64, device=DEVICE)
+        reference.project(ref_buf, lay, q.double(), ref_p, err.double() if use_err else None, compute_dtype=f64)
+        outs["P"] = (p_out, ref_p)
+        outs["bucket"] = (buf, ref_buf)
+    elif variant in ("orthogonalize-p", "orthogonalize-q"):
+        which = variant[-1]
+        x = p if which == "p" else q
+        put(*((which.upper(), i, k) for i, k in ((0, 1), (1, 2), (3, 0))))
+        out = torch.full_like(x, float("nan"))
+        ops.orthogonalize(x, lay, which, 0.0, out=out, backend="triton")
+        sync()
+        ref = torch.empty(x.numel(), dtype=f64, device=DEVICE)
+        reference.orthogonalize(x.double(), lay, which, 0.0, out=ref, compute_dtype=f64)
+        outs[which.upper()] = (out, ref)
+    elif variant == "project_t":
+        put(("M", 0, 1), ("M", 1, 3), ("P", 3, 1))
+        q_out = torch.full_like(q, float("nan"))
+        ops.project_t(buf, lay, p, q_out, backend="triton")
+        sync()
+        ref_q = torch.empty(lay.q_numel, dtype=f64, device=DEVICE)
+        reference.project_t(buf.clone(), lay, p.double(), ref_q, compute_dtype=f64)
+        outs["Q"] = (q_out, ref_q)
+    elif variant.startswith("reconstruct"):
+        has_err = variant != "reconstruct"
+        keep = variant != "reconstruct+error,flag=0"
+        local = {"reconstruct+error,local_p": "p", "reconstruct+error,local_q": "q"}.get(variant)
+        put(("P", 0, 1), ("Q", 1, 0), ("M", 3, 1), ("E", 2, 3))
+        lkw, lkw64 = {}, {}
+        if local is not None:
+            loc = B.random_buffer(lay.p_numel if local == "p" else lay.q_numel, f32, DEVICE, gen)
+            put((local.upper(), 2, 0, loc))
+            lkw, lkw64 = {f"local_{local}": loc}, {f"local_{local}": loc.double()}
+        flag = torch.tensor(keep, device=DEVICE)
+        before, e_in = buf.clone(), err.clone()
+        ops.reconstruct(buf, lay, p, q, 0.5, err if has_err else None, flag if has_err else None,
+                        backend="triton", **lkw)
+        sync()
+        ref_buf, ref_e = before.clone(), e_in.double()
+        reference.reconstruct(ref_buf, lay, p.double(), q.double(), 0.5, ref_e if has_err else None,
+                              flag if has_err else None, compute_dtype=f64, **lkw64)
+        outs["bucket"] = (buf, ref_buf)
+        if has_err:
+            outs["E"] = (err, ref_e)
+    elif variant in ("pack", "unpack"):
+        spans = [(o, n) for o, n in lay.uncompressed]
+        if not spans:
+            raise RuntimeError("special layout has no uncompressed gradients")
+        idx = torch.cat([torch.arange(o, o + n, device=DEVICE) for o, n in spans])
+        if variant == "pack":
+            for k, (o, n) in enumerate(spans):
+                _poke(buf, o, n, k, gcpu, placed, "M")
+            dst = torch.full((idx.numel(),), float("nan"), dtype=f32, device=DEVICE)
+            ops.pack_uncompressed(buf, lay, dst, backend="triton")
+            sync()
+            outs["packed"] = (dst, buf[idx].double())
+        else:
+            src = B.random_buffer(idx.numel(), f32, DEVICE, gen)
+            half = idx.numel() // 2  # two different elements
+            _poke(src, 0, half, 0, gcpu, placed, "src")
+            _poke(src, half, idx.numel() - half, 1, gcpu, placed, "src")
+            buf.index_fill_(0, idx, float("nan"))
+            ops.unpack_uncompressed(src, lay, buf, 0.5, backend="triton")
+            sync()
+            outs["unpacked"] = (buf[idx], src.double() * 0.5)
+    else:
+        raise ValueError(variant)
+    res = dict(variant=variant, dtype=str(dtype).replace("torch.", ""), rank=rank, placed=placed, checks={})
+    ok = True
+    kinds = {"P": "p", "Q": "q", "E": "e", "bucket": "m"}
+    for name, (ours, ref) in outs.items():
+        c = _finite_match(ours, ref, lay, kinds.get(name))
+        c["nonfinite_expected"] = int((~torch.isfinite(ref)).sum())
+        res["checks"][name] = c
+        tol = 1e-3 if "ortho" in variant else 1e-4 if dtype == f32 else _tol(dtype)
+        ok &= c["missed"] == 0 and c["spurious"] == 0 and c["finite_rel_err"] <= tol
+    res["ok"] = ok
+    return res
+
+
+def special_plan():
+    """Every correctness variant in every gradient dtype (the factors are float32 in all of them)."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return [(v, dtype, 4) for dtype in dtypes for v in CORR_VARIANTS]
+
+
+def section_nonfinite():
+    rows = []
+    RESULTS["sections"]["nonfinite"] = {"cases": rows, "values": {str(k)[6:]: [x[0] for x in v]
+                                                                  for k, v in SPECIAL_BITS.items()}}
+    cap = time.time() + CAP["nonfinite"]
+    plan = special_plan()
+    gen = generator()
+    for i, (variant, dtype, rank) in enumerate(plan):
+        if time.time() > cap or left() < RESERVE["nonfinite"]:
+            RESULTS["skipped"].append(f"nonfinite: {len(plan) - i} cases (time): "
+                                      + ", ".join(f"{v} {str(d)[6:]}" for v, d, _ in plan[i:]))
+            break
+        key = f"{variant} {str(dtype)[6:]} r{rank}"
+        t0 = time.time()
+        try:
+            r = check_special(variant, dtype, rank, gen)
+        except Exception as exc:
+            item_error("nonfinite", key, exc)
+            rows.append(dict(variant=variant, dtype=str(dtype)[6:], rank=rank, ok=False,
+                             error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+            continue
+        r["seconds"] = round(time.time() - t0, 2)
+        rows.append(r)
+        maybe_save()
+        detail = ", ".join(f"{k}: {c['nonfinite_expected']} expected, missed {c['missed']}, spurious {c['spurious']}"
+                           + (f" (+{c['spurious_within']} in non-finite matrices)" if c["spurious_within"] else "")
+                           for k, c in r["checks"].items())
+        log(f"  {'ok  ' if r['ok'] else 'FAIL'} {key:40s} {detail} ({r['seconds']}s)")
+    n_ok = sum(1 for r in rows if r.get("ok"))
+    RESULTS["sections"]["nonfinite"].update(passed=n_ok, failed=len(rows) - n_ok, planned=len(plan))
+    log(f"  nonfinite: {n_ok}/{len(rows)} passed ({len(plan)} planned)")
+
+
 # =============================================================================================== 4. kernels
 def _distinct_buckets(model, dtype):
     """The model's buckets whose shape lists differ, with how many times each occurs, big first."""
@@ -509,25 +762,35 @@ def _is_25mb(nbytes):
     return 0.6 * BUCKET_MB <= mb <= 1.6 * BUCKET_MB
 
 
-def kernel_rows(model, dtype, rank, with_pytorch, cap):
-    rows = RESULTS["sections"].setdefault("kernels", {}).setdefault("rows", [])
-    gen = generator()
-    cbw = copy_gbs()
+def _kernel_buckets(model, dtype):
+    """The buckets the kernels section measures: DDP's 25 MB buckets (and larger), distinct shape lists only."""
     done = 0
     for d in _distinct_buckets(model, dtype):
         if MAX_KERNEL_BUCKETS is not None and done >= MAX_KERNEL_BUCKETS:
             return
+        if not (_is_25mb(d["nbytes"]) or d["nbytes"] > 2 * BUCKET_MB * 2**20):
+            continue  # DDP's small first and last buckets: launch-bound, not what the bandwidth target is about
+        done += 1
+        yield d
+
+
+def _kernel_bench(d, dtype, rank, gen):
+    bucket = B.FakeGradBucket(B.random_buffer(sum(numel(s) for s in d["shapes"]), dtype, DEVICE, gen),
+                              d["shapes"], index=d["index"], num_buckets=d["index"] + 1)
+    return bucket, B.KernelBench(bucket, rank, generator=gen)
+
+
+def kernel_rows(model, dtype, rank, with_pytorch, cap):
+    rows = RESULTS["sections"].setdefault("kernels", {}).setdefault("rows", [])
+    gen = generator()
+    cbw = copy_gbs()
+    for d in _kernel_buckets(model, dtype):
         if time.time() > cap or left() < RESERVE["kernels"]:
             RESULTS["skipped"].append(f"kernels {model} {dtype} r{rank} bucket {d['index']} and later (time)")
             return
-        if not (_is_25mb(d["nbytes"]) or d["nbytes"] > 2 * BUCKET_MB * 2**20):
-            continue  # DDP's small first and last buckets: launch-bound, not what the bandwidth target is about
-        bucket = B.FakeGradBucket(B.random_buffer(sum(numel(s) for s in d["shapes"]), dtype, DEVICE, gen),
-                                  d["shapes"], index=d["index"], num_buckets=d["index"] + 1)
-        kb = B.KernelBench(bucket, rank, generator=gen)
+        bucket, kb = _kernel_bench(d, dtype, rank, gen)
         if kb.layout.num_matrices == 0:
             continue
-        done += 1
         for kernel in B.KERNELS:
             impls = ("ours", "pytorch") if with_pytorch else ("ours",)
             for impl in impls:
@@ -544,25 +807,36 @@ def kernel_rows(model, dtype, rank, with_pytorch, cap):
                            is_25mb=_is_25mb(d["nbytes"]), dtype=str(dtype)[6:], rank=rank, kernel=kernel,
                            impl=impl, matrices=kb.layout.num_matrices, bytes=nbytes, **t, gb_s=gbs,
                            frac_copy=(gbs / cbw) if cbw else None)
+                if impl == "ours":  # PERFORMANCE MODEL: its prediction beside the measurement (None without it)
+                    row["model_ms"] = perf_prediction("kernel", kernel=kernel, layout=kb.layout, dtype=dtype,
+                                                      rank=rank)
                 rows.append(row)
                 maybe_save()
                 frac = f"{100 * row['frac_copy']:.0f}% of copy" if cbw else ""
-                log(f"  {key:50s} {t['median_ms']:8.3f} ms {gbs:8.1f} GB/s {frac}")
+                pred = f" (model {row['model_ms']:.3f} ms)" if row.get("model_ms") is not None else ""
+                log(f"  {key:50s} {t['median_ms']:8.3f} ms {gbs:8.1f} GB/s {frac}{pred}")
         del kb, bucket
 
 
-def section_kernels():
-    cap = time.time() + (50.0 if not DRY else 30.0)
+def kernel_plan(extra=False):
+    """(model, dtype, rank, with PyTorch's code beside) of the kernels section (``extra``: kernels-extra)."""
     f32, bf16 = torch.float32, torch.bfloat16
-    plan = [("resnet50", f32), ("resnet50", bf16), ("gpt2", f32), ("gpt2", bf16)]
-    for model, dtype in plan[:1] if DRY else plan:
-        kernel_rows(model, dtype, 4, with_pytorch=(dtype == f32), cap=cap)
+    if extra:
+        return [] if QUICK else [("resnet50", f32, r, False) for r in ((1,) if DRY else (1, 16))]
+    plan = [("resnet50", f32, 4, True), ("resnet50", bf16, 4, False), ("gpt2", f32, 4, True), ("gpt2", bf16, 4, False)]
+    return plan[:1] if (DRY or QUICK) else plan
+
+
+def section_kernels():
+    cap = time.time() + CAP["kernels"]
+    for model, dtype, rank, with_pytorch in kernel_plan():
+        kernel_rows(model, dtype, rank, with_pytorch=with_pytorch, cap=cap)
 
 
 def section_kernels_extra():
-    cap = time.time() + (30.0 if not DRY else 15.0)
-    for rank in (1,) if DRY else (1, 16):
-        kernel_rows("resnet50", torch.float32, rank, with_pytorch=False, cap=cap)
+    cap = time.time() + CAP["kernels-extra"]
+    for model, dtype, rank, with_pytorch in kernel_plan(extra=True):
+        kernel_rows(model, dtype, rank, with_pytorch=with_pytorch, cap=cap)
 
 
 # =============================================================================================== 5. hooks
@@ -615,6 +889,16 @@ def _hook_memory(row, step, hook_step):
         row["peak_extra_bytes"] = B.peak_extra_bytes(step, DEVICE)
 
 
+def _hook_buckets(model, dtype, gen):
+    buckets = B.model_buckets(model, dtype, DEVICE, bucket_cap_mb=BUCKET_MB, first_bucket_mb=FIRST_BUCKET_MB,
+                              shrink=SHRINK, generator=gen)
+    if MAX_HOOK_BUCKETS is not None and len(buckets) > MAX_HOOK_BUCKETS:
+        # the last one kept is the step's last (the hooks advance their step count there)
+        buckets = [B.FakeGradBucket(b.buffer(), b.shapes, index=i, num_buckets=MAX_HOOK_BUCKETS)
+                   for i, b in enumerate(buckets[:MAX_HOOK_BUCKETS])]
+    return buckets
+
+
 def hook_case(model, rank, dtype, cap):
     rows = RESULTS["sections"].setdefault("hooks", {}).setdefault("rows", [])
     pg = _pg_backend()
@@ -631,8 +915,7 @@ def hook_case(model, rank, dtype, cap):
             # two copies of the buckets and states, used in turn: inputs rotate, nothing stays in L2
             steps = []
             for _ in range(ROTATE):
-                buckets = B.model_buckets(model, dtype, DEVICE, bucket_cap_mb=BUCKET_MB,
-                                          first_bucket_mb=FIRST_BUCKET_MB, shrink=SHRINK, generator=gen)
+                buckets = _hook_buckets(model, dtype, gen)
                 steps.append(B.HookStep(impl, buckets, rank, backend="triton").warmup(1 if DRY else 2))
             sync()
             turn = [0]
@@ -645,10 +928,13 @@ def hook_case(model, rank, dtype, cap):
             t = timed(step, min_reps=10, max_ms=2000)
             s0 = steps[0]
             row = dict(case, impl=impl, variant=s0.impl, buckets=len(s0.buckets), grad_bytes=s0.nbytes, **t)
+            if impl == "ours":  # PERFORMANCE MODEL: its prediction beside the measurement (None without it)
+                row["model_ms"] = perf_prediction("hook", model=model, rank=rank, dtype=dtype, buckets=s0.buckets)
             rows.append(row)  # the time is kept even if a count below fails
             times[impl] = t["median_ms"]
+            pred = f"; model {row['model_ms']:.3f}" if row.get("model_ms") is not None else ""
             log(f"  {key:36s} [{s0.impl}] {t['median_ms']:9.3f} ms/step (median; p20 {t['p20_ms']:.3f}, "
-                f"p80 {t['p80_ms']:.3f})")
+                f"p80 {t['p80_ms']:.3f}{pred})")
             hs = s0 if isinstance(s0, B.HookStep) else None
             for what, fn in (("counts", lambda: _hook_counts(row, s0, hs)),
                              ("device kernels", lambda: _device_kernels(row, s0)),
@@ -675,25 +961,423 @@ def hook_case(model, rank, dtype, cap):
         log(f"  => {model} r{rank} {str(dtype)[6:]}: PyTorch/ours = {times['pytorch'] / times['ours']:.2f}x")
 
 
+def hook_plan(extra=False):
+    """(model, rank, dtype) of the hooks section (``extra``: hooks-extra)."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    if DRY:
+        return [] if extra else [("resnet50", 4, f32)]  # bf16 goes through the same code
+    if QUICK:
+        return [] if extra else [("resnet50", 4, f32), ("resnet50", 4, bf16)]
+    if extra:
+        return [("gpt2", 4, bf16), ("resnet50", 16, f32)]
+    return [("resnet50", 4, f32), ("resnet50", 4, bf16), ("resnet50", 1, f32), ("gpt2", 4, f32), ("gpt2", 1, f32)]
+
+
 def section_hooks():
-    cap = time.time() + (80.0 if not DRY else 40.0)
-    plan = [("resnet50", 4), ("resnet50", 1), ("gpt2", 4), ("gpt2", 1)]
-    for model, rank in plan[:1] if DRY else plan:
-        hook_case(model, rank, torch.float32, cap)
+    cap = time.time() + CAP["hooks"]
+    for model, rank, dtype in hook_plan():
+        hook_case(model, rank, dtype, cap)
 
 
 def section_hooks_extra():
-    if DRY:
-        return  # same code as section_hooks
-    cap = time.time() + 40.0
-    for model in ("resnet50", "gpt2"):
-        hook_case(model, 4, torch.bfloat16, cap)
-    hook_case("resnet50", 16, torch.float32, cap)
+    cap = time.time() + CAP["hooks-extra"]
+    for model, rank, dtype in hook_plan(extra=True):
+        hook_case(model, rank, dtype, cap)
+
+
+# =============================================================================================== 2b. compile
+def _dn(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _dt(name: str):
+    return getattr(torch, name)
+
+
+def warm_items():
+    """Every item the later sections will run, as JSON lists, in their order: what the compile phase warms."""
+    chosen = ARGS.sections.split(",")
+    items = []
+    if "correctness" in chosen:
+        items += [["correctness", v, kind, _dn(dt), r] for v, kind, dt, r in correctness_plan()]
+    if "nonfinite" in chosen:
+        items += [["nonfinite", v, _dn(dt), r] for v, dt, r in special_plan()]
+    for sec, extra in (("kernels", False), ("kernels-extra", True)):
+        if sec in chosen:
+            items += [["kernels", m, _dn(dt), r] for m, dt, r, _ in kernel_plan(extra)]
+    for sec, extra in (("hooks", False), ("hooks-extra", True)):
+        if sec in chosen:
+            items += [["hooks", m, _dn(dt), r] for m, r, dt in hook_plan(extra)]
+    out = []
+    for it in items:  # the same item twice (e.g. kernels and kernels-extra) is warmed once
+        if it not in out:
+            out.append(it)
+    return out
+
+
+def run_item(item, gen):
+    """Run one item of a later section once, untimed (the compile phase's workers)."""
+    kind = item[0]
+    if kind == "correctness":
+        _, v, lay, dt, r = item
+        return check_kernel(v, lay, _dt(dt), r, gen)
+    if kind == "nonfinite":
+        _, v, dt, r = item
+        return check_special(v, _dt(dt), r, gen)
+    if kind == "kernels":
+        _, model, dt, r = item
+        for d in _kernel_buckets(model, _dt(dt)):
+            _, kb = _kernel_bench(d, _dt(dt), r, gen)
+            for kernel in B.KERNELS:
+                kb.ours(kernel, backend="triton")()
+            sync()
+        return None
+    if kind == "hooks":
+        _, model, dt, r = item
+        _pg_backend()
+        B.HookStep("ours", _hook_buckets(model, _dt(dt), gen), r, backend="triton").warmup(1)
+        sync()
+        return None
+    raise ValueError(item)
+
+
+def _group_key(item):
+    """Items that launch the same binaries go to the same worker (it compiles them once)."""
+    if item[0] in ("correctness", "nonfinite"):
+        v = item[1]
+        dt = None if v.startswith("orthogonalize") else item[-2]  # the factors are float32 whatever the bucket
+        return (v, dt, item[-1])
+    return tuple(item)
+
+
+def _assign(items, n):
+    """Split items into n lists: groups of the same binaries kept together, biggest groups first, least loaded."""
+    groups = {}
+    for it in items:
+        groups.setdefault(_group_key(it), []).append(it)
+    cost = lambda g: len(g) + (g[0][-1] ** 2 / 8.0 if str(g[0][1]).startswith("orthogonalize") else 0)  # noqa
+    loads = [[0.0, []] for _ in range(n)]
+    for g in sorted(groups.values(), key=lambda g: (g[0][0] == "hooks", -cost(g))):
+        slot = min(loads, key=lambda x: x[0])
+        slot[0] += cost(g)
+        slot[1].extend(g)
+    return [x[1] for x in loads]
+
+
+def _jit_binaries():
+    """``{(kernel name, hash): compiled kernel}`` of everything Triton's JIT compiled (or loaded) in this process."""
+    from powersgd_triton.kernels import triton_ops as T
+
+    out = {}
+    for name, fn in T.KERNEL_FUNCTIONS.items():
+        jit = fn if hasattr(fn, "device_caches") else getattr(fn, "fn", None)  # a JITFunction, maybe wrapped
+        for caches in getattr(jit, "device_caches", {}).values():
+            for k in list(caches[0].values()):
+                if hasattr(k, "metadata") and hasattr(k, "asm"):
+                    out[(name, getattr(k, "hash", id(k)))] = k
+    return out
+
+
+def _describe(name, k):
+    """Constexprs, gradient dtype, warps/stages of a JIT-compiled binary (best effort across Triton versions)."""
+    from powersgd_triton.kernels import triton_ops as T
+
+    fn = T.KERNEL_FUNCTIONS[name]
+    names = list(getattr(fn, "arg_names", []))
+
+    def arg(key):
+        if isinstance(key, tuple) and len(key) == 1:
+            key = key[0]
+        return names[key] if isinstance(key, int) and key < len(names) else str(key)
+
+    src = getattr(k, "src", None)
+    consts = getattr(src, "constexprs", None) or getattr(src, "constants", None) or {}
+    sig = getattr(src, "signature", None) or {}
+    first = sig.get(names[0], sig.get(0)) if names else None
+    md = k.metadata
+    return dict(kernel=name, hash=str(getattr(k, "hash", ""))[:16],
+                constexprs={arg(a): v for a, v in consts.items() if isinstance(v, (bool, int, float, str))},
+                dtype=str(first).lstrip("*") if first else None, num_warps=getattr(md, "num_warps", None),
+                num_stages=getattr(md, "num_stages", None))
+
+
+def _usage(name, k):
+    from powersgd_triton.autotune.aot import resource_usage
+
+    row = {}
+    if getattr(k, "function", None) is None:
+        try:
+            k._init_handles()
+        except Exception:  # noqa: BLE001
+            pass
+    row["n_regs"], row["n_spills"] = getattr(k, "n_regs", None), getattr(k, "n_spills", None)
+    try:
+        row["usage"] = resource_usage(k, int(k.metadata.target.arch))
+    except Exception as exc:  # noqa: BLE001
+        row["usage_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return row
+
+
+def warm_worker() -> int:
+    """Compile-phase worker (GPU): run my share of the items once; record every binary compiled on the way."""
+    i, _ = (int(x) for x in ARGS.warm_worker.split("/"))
+    out = Path(ARGS.warm_out)
+    mine = json.loads((out.parent / "items.json").read_text())[i]
+    report = {"worker": i, "items": [], "binaries": []}
+    gen = generator()
+
+    def write():
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, default=str))
+        os.replace(tmp, out)
+
+    known = _jit_binaries()
+    parent = os.getppid()
+    for item in mine:
+        if os.getppid() != parent or (ARGS.warm_deadline and time.time() > ARGS.warm_deadline):
+            break  # the run went on without us (or ended): stop, leave no orphan on the GPU
+        t0 = time.time()
+        err = None
+        try:
+            run_item(item, gen)
+        except Exception as exc:  # noqa: BLE001 - the section itself reports it again
+            err = f"{type(exc).__name__}: {str(exc)[:300]}"
+        dt = time.time() - t0
+        now = _jit_binaries()
+        new = [key for key in now if key not in known]
+        known = now
+        report["items"].append(dict(item=item, seconds=round(dt, 2), compiled=len(new), error=err))
+        for key in new:  # the item's time is its compiles' (a launch on these shapes takes microseconds)
+            row = dict(_describe(key[0], now[key]), compile_s=round(dt / len(new), 2), item=" ".join(map(str, item)))
+            row.update(_usage(key[0], now[key]))
+            report["binaries"].append(row)
+        write()
+    report["done"] = True
+    write()
+    return 0
+
+
+def _aot_cases(items):
+    """The bucket cases (shapes, dtype, rank) of the items, for ``autotune.aot --plan`` (dry run)."""
+    from powersgd_triton.autotune.keys import dtype_name
+
+    cases, seen = [], set()
+
+    def add(label, dt, rank, shapes=None, numel_=None, rate=2.0):
+        key = (dt, rank, json.dumps(shapes), numel_, rate)
+        if key in seen:
+            return
+        seen.add(key)
+        c = dict(label=label, dtype=dtype_name(_dt(dt)), rank=rank, min_compression_rate=rate)
+        c.update(dict(batched=True, numel=numel_) if numel_ else dict(shapes=[list(x) for x in shapes]))
+        cases.append(c)
+
+    gcpu = torch.Generator().manual_seed(0)
+    for it in items:
+        if it[0] == "correctness":
+            _, v, kind, dt, r = it
+            if kind == "batched":
+                add(f"batched {dt} r{r}", dt, r, numel_=20_011 if DRY else 1_000_003)
+            elif kind == "ragged":
+                add(f"ragged {dt} r{r}", dt, r, _ragged_shapes(gcpu), rate=0.5)
+            else:
+                groups = B.model_bucket_shapes(kind, _dt(dt), BUCKET_MB, FIRST_BUCKET_MB,
+                                               SHRINK * (2 if (DRY and kind == "gpt2") else 1))
+                shapes = max(groups, key=len) if kind == "resnet50" else max(
+                    groups, key=lambda g: sum(numel(x) for x in g))
+                add(f"{kind} {dt} r{r}", dt, r, shapes)
+        elif it[0] == "nonfinite":
+            add(f"nonfinite {it[2]} r{it[3]}", it[2], it[3], SPECIAL_SHAPES, rate=1.0)
+        elif it[0] == "kernels":
+            _, model, dt, r = it
+            for d in _kernel_buckets(model, _dt(dt)):
+                add(f"{model} b{d['index']} {dt} r{r}", dt, r, d["shapes"])
+        elif it[0] == "hooks":
+            _, model, dt, r = it
+            groups = B.model_bucket_shapes(model, _dt(dt), BUCKET_MB, FIRST_BUCKET_MB, SHRINK)
+            for bi, shapes in enumerate(groups[:MAX_HOOK_BUCKETS] if MAX_HOOK_BUCKETS else groups):
+                add(f"hook {model} b{bi} {dt} r{r}", dt, r, shapes)
+    return cases
+
+
+def _wait(procs, deadline):
+    """Wait for the processes until ``deadline``; kill (process group) the ones still running. Returns them."""
+    import signal
+
+    while time.time() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    late = [p for p in procs if p.poll() is None]
+    for p in late:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            p.kill()
+        p.wait()
+    return late
+
+
+def _child_env(interpret: bool, aot: bool = False):
+    """The environment of a compile-phase child. Workers keep this process's (Triton's cache key may include
+    environment variables: a difference would make their binaries miss in this process)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    if aot:
+        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, without its warning
+    return env
+
+
+def section_compile():
+    import subprocess
+    import tempfile
+
+    items = warm_items()
+    sec = RESULTS["sections"]["compile"] = {"items": len(items), "budget_s": COMPILE_BUDGET, "binaries": []}
+    budget = max(0.0, min(COMPILE_BUDGET, left() - RESERVE["compile"]))
+    deadline = time.time() + budget
+    tmp = Path(tempfile.mkdtemp(prefix="gpu_check_compile_"))
+    jobs = max(1, ARGS.jobs or min(16, os.cpu_count() or 1))
+    t0 = time.time()
+    mode = ARGS.compile_mode if ARGS.compile_mode != "auto" else ("aot" if DRY else "workers")
+    if mode == "aot":
+        # The interpreter compiles nothing: compile for sm_90 ahead of time what a GPU run would launch.
+        cases = _aot_cases(items)
+        (tmp / "cases.json").write_text(json.dumps(cases))
+        jsonl = tmp / "aot.jsonl"
+        cmd = [sys.executable, "-m", "powersgd_triton.autotune.aot", "--plan", str(tmp / "cases.json"), "--jsonl",
+               str(jsonl), "--archs", "90", "--jobs", str(min(jobs, 2)), "--usage"]
+        sec.update(mode="ahead of time, sm_90 (dry run: the checks run in the interpreter)", cases=len(cases),
+                   processes=min(jobs, 2))
+        log(f"  AOT-compiling what {len(items)} items launch ({len(cases)} bucket cases) for sm_90, "
+            f"{min(jobs, 2)} processes, {budget:.0f}s")
+        with open(tmp / "aot.log", "w") as logf:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(False, aot=True), stdout=logf,
+                                    stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            late = _wait([proc], deadline)
+        done = [json.loads(x) for x in jsonl.read_text().splitlines()] if jsonl.exists() else []
+        planned_file = Path(str(jsonl) + ".planned")
+        planned = json.loads(planned_file.read_text()) if planned_file.exists() else []
+        for r in done:
+            u = r.get("usage") or {}
+            cfg = r.get("config_used", r["config"])
+            sec["binaries"].append(dict(kernel=r["kernel"], constexprs=dict(cfg, R=r["R"], **r["variant"]),
+                                        dtype=r["dtype"], arch=r["arch"], compile_s=r["seconds"], ok=r["ok"],
+                                        error=r.get("error"), item=r.get("case"), usage=u or None,
+                                        usage_error=r.get("usage_error"), num_warps=u.get("num_warps"),
+                                        num_stages=u.get("num_stages")))
+            if not r["ok"]:
+                RESULTS["errors"][f"compile:{r['kernel']} {r['config']} {r['variant']}"] = r.get("error")
+        key = lambda j: (j["kernel"], json.dumps(j["config"], sort_keys=True), j["R"], j["dtype"],  # noqa: E731
+                         json.dumps(j["variant"], sort_keys=True))
+        got = {key(r) for r in done}
+        rest = [j for j in planned if key(j) not in got]
+        if rest or late or not planned:
+            by = {}
+            for j in rest:
+                by[j["kernel"]] = by.get(j["kernel"], 0) + 1
+            why = f"compile budget {budget:.0f}s" if late else "the AOT run ended early (see its log)"
+            RESULTS["skipped"].append(f"compile: {len(rest)} of {len(planned)} planned compilations not done "
+                                      f"({why}): " + ", ".join(f"{k} x{n}" for k, n in by.items()))
+            if not late and not planned:
+                RESULTS["errors"]["compile"] = (tmp / "aot.log").read_text()[-3000:]
+    else:
+        n = min(jobs, len(items)) or 1
+        shares = _assign(items, n)
+        (tmp / "items.json").write_text(json.dumps(shares))
+        sec.update(mode=f"JIT warm-up in {n} worker processes (Triton's on-disk cache)", processes=n)
+        log(f"  warming {len(items)} items in {n} processes, {budget:.0f}s")
+        procs, logs = [], []
+        for i in range(n):
+            logs.append(open(tmp / f"w{i}.log", "w"))
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--warm-worker", f"{i}/{n}", "--warm-out",
+                   str(tmp / f"w{i}.json"), "--sections", ARGS.sections, "--warm-deadline", str(deadline)] + (
+                   ["--quick"] if QUICK else []) + (["--dry-run"] if DRY else [])
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_child_env(DRY), stdout=logs[-1],
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        late = _wait(procs, deadline)
+        for f in logs:
+            f.close()
+        seen, unfinished, item_errors = set(), [], []
+        for i in range(n):
+            path = tmp / f"w{i}.json"
+            rep = json.loads(path.read_text()) if path.exists() else {"items": [], "binaries": []}
+            finished = [x["item"] for x in rep["items"]]
+            unfinished += [it for it in shares[i] if it not in finished]
+            item_errors += [f"{' '.join(map(str, x['item']))}: {x['error']}" for x in rep["items"] if x["error"]]
+            for b in rep["binaries"]:
+                if (b["kernel"], b["hash"]) in seen:
+                    continue  # two workers compiled the same binary
+                seen.add((b["kernel"], b["hash"]))
+                sec["binaries"].append(b)
+            if procs[i].returncode not in (0, None) and procs[i] not in late:
+                tail = (tmp / f"w{i}.log").read_text()[-1500:]
+                RESULTS["errors"][f"compile:worker {i}"] = f"exit {procs[i].returncode}: {tail}"
+        sec["item_errors"] = item_errors
+        sec["items_warmed"] = len(items) - len(unfinished)
+        if unfinished:
+            RESULTS["skipped"].append(f"compile: {len(unfinished)} of {len(items)} items not warmed (compile budget "
+                                      f"{budget:.0f}s; they compile in their own section): "
+                                      + "; ".join(" ".join(map(str, it)) for it in unfinished[:20]))
+    sec["seconds"] = round(time.time() - t0, 1)
+    per = {}
+    for b in sec["binaries"]:
+        d = per.setdefault(b["kernel"], dict(binaries=0, seconds=0.0, max_s=0.0))
+        d["binaries"] += 1
+        d["seconds"] = round(d["seconds"] + (b.get("compile_s") or 0.0), 2)
+        d["max_s"] = max(d["max_s"], b.get("compile_s") or 0.0)
+    sec["per_kernel"] = per
+    for k, d in per.items():
+        log(f"  {k:14s} {d['binaries']:3d} binaries, {d['seconds']:7.1f} s compiling, max {d['max_s']:5.1f} s")
+    for b in sec["binaries"]:
+        u = b.get("usage") or {}
+        log(f"    {b['kernel']:14s} {_fmt_consts(b.get('constexprs'))[:60]:60s} {b.get('dtype') or '':8s} "
+            f"regs {_fmt(u.get('registers'), 'd')} spill {_fmt(u.get('spill_bytes'), 'd')} "
+            f"smem {_fmt(u.get('shared_bytes'), 'd')} blocks/SM {_fmt(u.get('blocks_per_sm'), 'd')}"
+            + (f" n_regs {b.get('n_regs')} n_spills {b.get('n_spills')}" if b.get("n_regs") is not None else ""))
+    log(f"  compile phase: {len(sec['binaries'])} binaries in {sec['seconds']} s")
+
+
+def _fmt_consts(c) -> str:
+    if not c:
+        return "-"
+    short = {"BLOCK_N": "N", "BLOCK_M": "M", "BLOCK_K": "K", "BLOCK": "B", "USE_DOT": "dot", "num_warps": "w",
+             "num_stages": "s", "HAS_ERROR": "err", "HAS_FLAG": "flag", "LOCAL_ERR": "local", "SPLIT_ROWS": "split"}
+    return " ".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else v}" for k, v in c.items())
+
+
+# ----------------------------------------------------------------------------------------------- performance model
+def perf_prediction(what: str, **kw):
+    """PERFORMANCE MODEL: its predicted ms for a measured item, printed beside the measurement; None without it.
+
+    ``powersgd_triton/perfmodel.py`` (being written) is optional here: when it is importable and has
+    ``predict(what, **kw)`` (``what``: "kernel" with kernel, layout, dtype, rank; "hook" with model, rank, dtype,
+    buckets; ``device`` always), its float is shown as "model ms"; any failure shows "-" and never stops the run.
+    """
+    try:
+        import importlib
+
+        pm = importlib.import_module("powersgd_triton.perfmodel")
+        fn = getattr(pm, "predict", None)
+        if fn is None:
+            return None
+        value = fn(what, device=DEVICE, **kw)
+        return float(value) if value is not None else None
+    except Exception:  # noqa: BLE001 - the model is an extra; the measurement stands alone
+        return None
 
 
 # =============================================================================================== summary
 def _fmt(v, spec=".3g"):
     return "-" if v is None else format(v, spec)
+
+
+def _sum_or_none(values, weights):
+    if not values or any(v is None for v in values):
+        return None
+    return sum(v * w for v, w in zip(values, weights))
 
 
 def summary() -> str:
@@ -711,6 +1395,36 @@ def summary() -> str:
     if c:
         lines.append(f"- copy bandwidth (copy_ of {c['bytes'] / 2e9:.2f} GB, read + written): "
                      f"**{c['gb_s']:.0f} GB/s** (median {c['median_ms']:.3f} ms)")
+    comp = S.get("compile")
+    if comp:
+        lines += ["", f"## Compile phase: {len(comp.get('binaries', []))} binaries, {comp.get('seconds', '-')} s "
+                      f"(budget {comp.get('budget_s', 0):.0f} s; {comp.get('mode', '')})", "",
+                  "| kernel | binaries | compile s (total) | max s |", "| --- | --- | --- | --- |"]
+        for k, d in comp.get("per_kernel", {}).items():
+            lines.append(f"| {k} | {d['binaries']} | {d['seconds']:.1f} | {d['max_s']:.1f} |")
+        rows = comp.get("binaries", [])
+        if rows:
+            gpu = any(b.get("n_regs") is not None for b in rows)
+            lines += ["", "### Registers, spills, shared memory, occupancy per compiled binary"
+                      + (" (ptxas -v; n_regs / n_spills: the loaded kernel, n_spills in 4-byte words)" if gpu
+                         else " (ptxas -v on the sm_90 compile)"), "",
+                      "| kernel | constexprs / config | dtype | warps | stages | registers | spill bytes | shared B | "
+                      "blocks/SM (limit) |" + (" n_regs | n_spills |" if gpu else "") + " compile s |",
+                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if gpu else "")
+                      + " --- |"]
+            for b in rows:
+                u = b.get("usage") or {}
+                lim = ""
+                if u:
+                    limits = {k[3:]: u[k] for k in ("by_registers", "by_shared", "by_warps", "by_blocks")}
+                    lim = f" ({min(limits, key=limits.get)})"
+                lines.append(f"| {b['kernel']} | {_fmt_consts(b.get('constexprs'))} | {b.get('dtype') or '-'} | "
+                             f"{_fmt(b.get('num_warps'), 'd')} | {_fmt(b.get('num_stages'), 'd')} | "
+                             f"{_fmt(u.get('registers'), 'd')} | {_fmt(u.get('spill_bytes'), 'd')} | "
+                             f"{_fmt(u.get('shared_bytes'), 'd')} | {_fmt(u.get('blocks_per_sm'), 'd')}{lim} |"
+                             + (f" {_fmt(b.get('n_regs'), 'd')} | {_fmt(b.get('n_spills'), 'd')} |" if gpu else "")
+                             + f" {_fmt(b.get('compile_s'), '.1f')} |"
+                             + (f" {b['usage_error'][:80]}" if b.get("usage_error") else ""))
     corr = S.get("correctness")
     if corr:
         lines += ["", f"## Correctness vs float64: {corr.get('passed', 0)} passed, {corr.get('failed', 0)} failed "
@@ -723,12 +1437,31 @@ def summary() -> str:
                 detail = r.get("error") or ", ".join(f"{k}={v:.2e}" for k, v in r.get("checks", {}).items())
                 detail += f", nonfinite={r.get('nonfinite')}" if "nonfinite" in r else ""
                 lines.append(f"| {r['variant']} | {r['layout']} | {r['dtype']} | {r['rank']} | {detail} |")
+    nf = S.get("nonfinite")
+    if nf:
+        lines += ["", f"## Non-finite inputs (inf, NaN payloads): {nf.get('passed', 0)} passed, {nf.get('failed', 0)} "
+                      f"failed of {len(nf.get('cases', []))} run ({nf.get('planned', '?')} planned)", "",
+                  "Values put in: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in nf.get("values", {}).items()),
+                  "Per output: elements non-finite in the float64 oracle / finite here where the oracle is not (missed: "
+                  "a finite wrong answer) / non-finite here in a matrix the oracle keeps finite (spurious); (+n): "
+                  "extra non-finite elements inside a matrix the oracle already makes non-finite (not a failure).",
+                  "", "| variant | dtype | r | ok | output: non-finite expected / missed / spurious | inputs |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for r in nf.get("cases", []):
+            if "error" in r:
+                lines.append(f"| {r['variant']} | {r['dtype']} | {r['rank']} | ERROR | {r['error'][:120]} | |")
+                continue
+            detail = "; ".join(f"{k} {c['nonfinite_expected']}/{c['missed']}/{c['spurious']}"
+                               + (f" (+{c['spurious_within']})" if c.get("spurious_within") else "")
+                               for k, c in r["checks"].items())
+            lines.append(f"| {r['variant']} | {r['dtype']} | {r['rank']} | {'ok' if r['ok'] else 'FAIL'} | {detail} | "
+                         f"{', '.join(r.get('placed', []))[:160]} |")
     k = S.get("kernels", {}).get("rows")
     if k:
         lines += ["", "## Kernel bandwidth (byte model: bytes read + written once), 25 MB buckets", "",
                   "| model | dtype | r | kernel | ours GB/s | % of copy (all 25 MB buckets) | min % | PyTorch GB/s | "
-                  "PyTorch/ours time |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "PyTorch/ours time | ours ms | model ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         keys = []
         for r in k:
             kk = (r["model"], r["dtype"], r["rank"], r["kernel"])
@@ -753,7 +1486,8 @@ def summary() -> str:
             lines.append(f"| {kk[0]} | {kk[1]} | {kk[2]} | {kk[3]} | {_fmt(og, '.0f')} | "
                          f"{_fmt(100 * og / cb if (og and cb) else None, '.0f')} | "
                          f"{_fmt(100 * min(fr) if fr else None, '.0f')} | {_fmt(pg, '.0f')} | "
-                         f"{_fmt(pt_t / ot if (pt_t and ot) else None, '.2f')} |")
+                         f"{_fmt(pt_t / ot if (pt_t and ot) else None, '.2f')} | {_fmt(ot, '.3f')} | "
+                         f"{_fmt(_sum_or_none([r.get('model_ms') for r in ours], [r['occurs'] for r in ours]), '.3f')} |")
         big = [r for r in k if not r["is_25mb"] and r["impl"] == "ours" and r["bucket_bytes"] > 2 * BUCKET_MB * 2**20]
         if big:
             lines += ["", "Buckets larger than 25 MB (e.g. GPT-2's embedding bucket):", "",
@@ -765,15 +1499,15 @@ def summary() -> str:
     h = S.get("hooks", {}).get("rows")
     if h:
         lines += ["", "## Whole hook step (all buckets of the model), world size 1", "",
-                  "| model | r | dtype | impl | ms/step (median) | PyTorch/ours | device kernels/step | Triton launches | "
-                  "ATen compute ops | all-reduces (bytes) | held | peak extra |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| model | r | dtype | impl | ms/step (median) | model ms | PyTorch/ours | device kernels/step | "
+                  "Triton launches | ATen compute ops | all-reduces (bytes) | held | peak extra |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in h:
             other = [x for x in h if (x["model"], x["rank"], x["dtype"]) == (r["model"], r["rank"], r["dtype"])
                      and x["impl"] == "pytorch"]
             ratio = other[0]["median_ms"] / r["median_ms"] if (other and r["impl"] == "ours") else None
             lines.append(f"| {r['model']} | {r['rank']} | {r['dtype']} | {r['variant']} | {r['median_ms']:.3f} | "
-                         f"{_fmt(ratio, '.2f')} | {_fmt(r.get('kernels_per_step'), 'd')} | "
+                         f"{_fmt(r.get('model_ms'), '.3f')} | {_fmt(ratio, '.2f')} | {_fmt(r.get('kernels_per_step'), 'd')} | "
                          f"{_fmt(r.get('triton_launches'), 'd')} | {_fmt(r.get('aten_compute'), 'd')} | "
                          f"{_fmt(r.get('allreduce_calls'), 'd')} ({B.fmt_bytes(r.get('allreduce_bytes'))}) | "
                          f"{B.fmt_bytes(r.get('held_bytes'))} | {B.fmt_bytes(r.get('peak_extra_bytes'))} |")
@@ -782,29 +1516,44 @@ def summary() -> str:
         for key, msg in RESULTS["errors"].items():
             lines.append(f"- `{key}`: {msg.splitlines()[0][:300]}")
     if RESULTS["skipped"]:
-        lines += ["", "## Skipped (time budget)", ""] + [f"- {s}" for s in RESULTS["skipped"]]
+        lines += ["", "## Skipped (what, and why)", ""] + [f"- {s}" for s in RESULTS["skipped"]]
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
-    log(f"gpu_check: device {DEVICE}, budget {BUDGET:.0f}s, out {ARGS.out or '(none)'}")
+    if WORKER:
+        return warm_worker()
+    log(f"gpu_check: device {DEVICE}, {'quick, ' if QUICK else ''}budget {BUDGET:.0f}s (compile "
+        f"{COMPILE_BUDGET:.0f}s), out {ARGS.out or '(none)'}")
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --dry-run on a machine without GPU", flush=True)
         RESULTS["errors"]["setup"] = "no CUDA device"
         save()
         return 2
+    chosen = ARGS.sections.split(",")
+    unknown = [x for x in chosen if x not in SECTIONS]
+    if unknown:
+        print(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}", flush=True)
+        return 2
+    RESULTS["skipped"] += [f"section {x}: not asked for (--sections)" for x in SECTIONS if x not in chosen]
+    if QUICK:
+        RESULTS["skipped"] += ["quick run: GPT-2 buckets, ranks 1 and 16 of the kernels and hooks sections, the "
+                               "extra sections and most ragged/batched/fp16 correctness cases are the full run's"]
     run_section("env", section_env, 0)
+    run_section("compile", section_compile, 10)
     run_section("copy", section_copy, 5)
-    run_section("correctness", section_correctness, 20)
-    run_section("kernels", section_kernels, 20)
-    run_section("hooks", section_hooks, 25)
+    run_section("correctness", section_correctness, 10)
+    run_section("nonfinite", section_nonfinite, 5)
+    run_section("kernels", section_kernels, 10)
+    run_section("hooks", section_hooks, 15)
     run_section("kernels-extra", section_kernels_extra, 15)
     run_section("hooks-extra", section_hooks_extra, 15)
     save()
     text = summary()
     print("\n" + text, flush=True)
     corr = RESULTS["sections"].get("correctness", {})
-    return 1 if (corr.get("failed") or RESULTS["errors"]) else 0
+    nonfinite = RESULTS["sections"].get("nonfinite", {})
+    return 1 if (corr.get("failed") or nonfinite.get("failed") or RESULTS["errors"]) else 0
 
 
 if __name__ == "__main__":

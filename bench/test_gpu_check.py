@@ -1,7 +1,8 @@
 """bench/gpu_check.py runs end to end before it meets a GPU: its dry run (CPU, Triton interpreter, tiny shapes).
 
 The GPU run has one try in a short device lease; this catches typos, API slips and broken sections here. Not a
-benchmark (skipped under ``--benchmark-only``); part of the ``--quick`` CI smoke set.
+benchmark (skipped under ``--benchmark-only``); part of the ``--quick`` CI smoke set. The second test runs the GPU
+run's compile-phase workers (in the interpreter, where they compile nothing) to check their plumbing.
 """
 
 import json
@@ -13,20 +14,39 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_check_dry_run(tmp_path):
+def _run(tmp_path, *args, timeout=240):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OUT=str(tmp_path), PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)  # the script sets it itself for --dry-run
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--budget", "150"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     data = json.loads((tmp_path / "gpu_check.json").read_text())
+    return proc, data, (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_check_dry_run(tmp_path):
+    proc, data, md = _run(tmp_path, "--budget", "150")
+    out = proc.stdout + proc.stderr
+    bad = [f"{c['variant']} {c['dtype']}: {c.get('checks') or c.get('error')}"
+           for c in data["sections"].get("nonfinite", {}).get("cases", []) if not c.get("ok")]
+    assert not bad, "outputs finite where the float64 oracle's are not (or an error):\n" + "\n".join(bad)
+    assert proc.returncode == 0, out[-4000:] + json.dumps(data["errors"])[:2000]
     assert data["dry_run"] is True
     assert data["errors"] == {}, data["errors"]
     sections = data["sections"]
-    assert {"env", "copy", "correctness", "kernels", "hooks"} <= set(sections)
+    assert {"env", "compile", "copy", "correctness", "nonfinite", "kernels", "hooks"} <= set(sections)
+    # compile phase: sm_90 binaries with their registers, spills, shared memory and occupancy
+    comp = sections["compile"]
+    assert comp["binaries"] and all(b["ok"] for b in comp["binaries"])
+    usage = [b["usage"] for b in comp["binaries"] if b.get("usage")]
+    assert usage and all(0 < u["registers"] <= 255 and u["blocks_per_sm"] >= 1 for u in usage)
+    assert set(comp["per_kernel"]) == {b["kernel"] for b in comp["binaries"]}
     corr = sections["correctness"]
     assert corr["failed"] == 0 and corr["passed"] == corr["planned"] > 0
+    # non-finite inputs: every case run checks where its outputs must be non-finite, and each one passed
+    nf = sections["nonfinite"]
+    assert nf["failed"] == 0 and nf["passed"] == nf["planned"] > 0, [c for c in nf["cases"] if not c.get("ok")][:3]
+    assert all(c["checks"] and sum(x["nonfinite_expected"] for x in c["checks"].values()) > 0 for c in nf["cases"])
+    assert {"float32", "bfloat16", "float16"} <= {c["dtype"] for c in nf["cases"]}
     kernels = {(r["kernel"], r["impl"]) for r in sections["kernels"]["rows"]}
     assert kernels >= {(k, i) for k in ("project", "orthogonalize", "project_t", "reconstruct")
                        for i in ("ours", "pytorch")}
@@ -34,6 +54,21 @@ def test_gpu_check_dry_run(tmp_path):
     assert set(hooks) == {"pytorch", "ours"}
     assert hooks["pytorch"]["allreduce_calls"] == 3 * hooks["pytorch"]["buckets"]
     assert hooks["ours"]["triton_launches"] > 0 and all(r["finite"] for r in hooks.values())
-    md = (tmp_path / "gpu_check.md").read_text()
-    assert "Correctness vs float64" in md and "Whole hook step" in md
+    for title in ("Compile phase", "Registers, spills, shared memory", "Correctness vs float64",
+                  "Non-finite inputs", "nan 0xFFFFFFFF", "Whole hook step"):
+        assert title in md, title
     assert "Whole hook step" in proc.stdout  # the summary is printed too
+    # whatever did not fit the budgets is named, with the reason
+    assert all("(" in s and ")" in s for s in data["skipped"])
+
+
+def test_gpu_check_compile_workers_plumbing(tmp_path):
+    """The GPU run's compile phase: worker processes run the later sections' items once (here one kernels item)."""
+    proc, data, md = _run(tmp_path, "--sections", "env,compile,kernels", "--compile-mode", "workers", "--jobs", "2",
+                          "--compile-budget", "90", timeout=200)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    comp = data["sections"]["compile"]
+    assert comp["mode"].startswith("JIT warm-up") and comp["items"] == comp["items_warmed"] == 1
+    assert comp["item_errors"] == [] and data["errors"] == {}
+    assert data["sections"]["kernels"]["rows"]
+    assert any("section hooks: not asked for" in s for s in data["skipped"])

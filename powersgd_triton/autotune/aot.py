@@ -3,6 +3,10 @@
 ``python -m powersgd_triton.autotune.aot [--ranks 4 16] [--ranks-for orthogonalize=4] [--archs 80 90]
 [--dtypes bf16] [--jobs 2] [--all-variants] [--json PATH]``
 
+``python -m powersgd_triton.autotune.aot --plan CASES.json --jsonl OUT.jsonl [--archs 90] [--jobs 2] [--usage]``
+compiles what a list of bucket cases launches instead (:func:`plan_jobs`; used by ``bench/gpu_check.py``), one JSON
+line per compilation as it finishes, with :func:`resource_usage` when ``--usage``.
+
 Runs :func:`~powersgd_triton.kernels.triton_ops.compile_aot` for each kernel, each config of
 :func:`~powersgd_triton.kernels.triton_ops.config_space` at each rank (rank 4 covers the broadcast-multiply path,
 rank 16 the ``tl.dot`` path; together they cover every config the space offers at any rank) plus the heuristic
@@ -195,16 +199,102 @@ class _FakeLayout:
         self.max_rank = max_rank
 
 
-def compile_one(job: dict) -> dict:
-    """Compile one job; returns it with ``ok``, ``error``, ``shared`` (bytes) and ``seconds``."""
+def _case_layout(case: dict):
+    """The CPU :class:`~powersgd_triton.layout.BucketLayout` of a plan case (see :func:`plan_jobs`)."""
+    import torch
+
+    from ..layout import BucketLayout
+    from .keys import parse_dtype
+
+    dtype = parse_dtype(case["dtype"])
+    if case.get("batched"):
+        return BucketLayout.batched(int(case["numel"]), int(case["rank"]), torch.device("cpu"), dtype)
+    shapes = [tuple(int(d) for d in s) for s in case["shapes"]]
+    sizes = [int(torch.Size(s).numel()) for s in shapes]
+    buf = torch.empty(sum(sizes), dtype=dtype)
+    grads = [g.view(s) for g, s in zip(buf.split(sizes), shapes)]
+    return BucketLayout.from_gradients(buf, grads, int(case["rank"]), float(case.get("min_compression_rate", 2.0)))
+
+
+def plan_jobs(cases: Sequence[dict], archs: Sequence[int] = (90,)) -> List[dict]:
+    """The distinct compilations that launching every kernel on every case needs, most important first.
+
+    A case is ``{"label", "dtype" (e.g. "bf16"), "rank", "shapes": [[...], ...], "min_compression_rate"}`` or
+    ``{"label", "dtype", "rank", "batched": true, "numel"}``. Per case and kernel of ``triton_ops.KERNEL_FUNCTIONS``:
+    the config the launcher uses by default (``heuristic_config`` on the case's real layout) and the one the tuner
+    would pick (shipped files / heuristic; no user cache), every feature variant of ``triton_ops.variants``. Helper
+    kernels outside the tuner's list get ``{}``, or, if they need block sizes, those of the first tuned kernel whose
+    config compiles them (``reduce_splits`` takes ``project_t``'s). Order: every kernel's first variant on the first
+    case, then the other variants, then the other cases; duplicates (same kernel, config, padded rank, dtype, variant,
+    arch) once. Must run with ``TRITON_INTERPRET`` unset (else the interpreter's configs are returned).
+    """
+    from ..kernels import triton_ops as ops
+    from .keys import parse_dtype
+    from .tuner import KERNELS as TUNED, Tuner
+
+    tuner = Tuner(cache=False)
+    out, seen = [], set()
+    for ci, case in enumerate(cases):
+        layout = _case_layout(case)
+        dtype = parse_dtype(case["dtype"])
+        configs: Dict[str, List[dict]] = {}
+        for kernel in ops.KERNEL_FUNCTIONS:
+            if kernel in TUNED:
+                cands = [dict(ops.heuristic_config(kernel, layout, dtype))]
+                try:
+                    chosen = dict(tuner.choose(kernel, layout, dtype).config)
+                except Exception:  # noqa: BLE001 - no tuner view of this layout: the heuristic alone
+                    chosen = cands[0]
+                if chosen not in cands:
+                    cands.append(chosen)
+                configs[kernel] = cands
+        for kernel in ops.KERNEL_FUNCTIONS:
+            if kernel in TUNED:
+                cfgs = configs[kernel]
+            else:  # a helper: no block sizes, or those of a tuned kernel (tried in order when compiling)
+                cfgs = [{}]
+            for vi, variant in enumerate(ops.variants(kernel)):
+                for cfg in cfgs:
+                    try:
+                        R = ops.padded_rank(layout.max_rank, bool(cfg.get("USE_DOT", False)))
+                    except Exception:  # noqa: BLE001
+                        R = layout.max_rank
+                    for arch in archs:
+                        key = (kernel, json.dumps(cfg, sort_keys=True), R, case["dtype"], json.dumps(variant,
+                               sort_keys=True), arch)
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        out.append(dict(kernel=kernel, config=cfg, rank=layout.max_rank, R=R, dtype=case["dtype"],
+                                        variant=variant, arch=arch, case=case.get("label", str(ci)),
+                                        fallback_configs=[] if kernel in TUNED else
+                                        [c for k in TUNED for c in configs.get(k, [])],
+                                        order=(0 if ci == 0 else 2, 0 if vi == 0 else 1, ci, len(out))))
+    out.sort(key=lambda j: j.pop("order"))
+    return out
+
+
+def compile_one(job: dict, usage: bool = False) -> dict:
+    """Compile one job; returns it with ``ok``, ``error``, ``shared`` (bytes), ``seconds`` and, with ``usage``,
+    ``usage`` (:func:`resource_usage`, or ``usage_error``). A job with ``fallback_configs`` (a helper kernel) is
+    retried with each of them when its own config lacks a block size the kernel needs (``KeyError``)."""
     from ..kernels import triton_ops as ops
     from .keys import parse_dtype
 
     res = dict(job)
+    res.pop("fallback_configs", None)
     t0 = time.perf_counter()
     try:
-        k = ops.compile_aot(job["kernel"], job["config"], parse_dtype(job["dtype"]), job["rank"], job["arch"],
-                            job["variant"])
+        configs = [job["config"]] + list(job.get("fallback_configs", []))
+        for i, cfg in enumerate(configs):
+            try:
+                k = ops.compile_aot(job["kernel"], cfg, parse_dtype(job["dtype"]), job["rank"], job["arch"],
+                                    job["variant"])
+                res["config_used"] = cfg  # a helper kernel: the block sizes it was compiled with
+                break
+            except KeyError:
+                if i == len(configs) - 1:
+                    raise
         shared = int(getattr(k.metadata, "shared", 0) or 0)
         res["shared"] = shared
         limit = SMEM_LIMIT.get(job["arch"])
@@ -212,10 +302,40 @@ def compile_one(job: dict) -> dict:
             res.update(ok=False, error=f"shared memory {shared} B > {limit} B allowed on sm_{job['arch']}")
         else:
             res.update(ok=True, error=None)
+        res["seconds"] = round(time.perf_counter() - t0, 3)  # the compile alone, without ptxas -v below
+        if usage:
+            try:
+                res["usage"] = resource_usage(k, job["arch"])
+            except Exception as exc:  # noqa: BLE001
+                res["usage_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
     except Exception as exc:  # noqa: BLE001 - reported per job
         res.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:2000]}")
-    res["seconds"] = round(time.perf_counter() - t0, 3)
+        res["seconds"] = round(time.perf_counter() - t0, 3)
     return res
+
+
+def _compile_with_usage(job: dict) -> dict:
+    return compile_one(job, usage=True)
+
+
+def compile_stream(job_list: Sequence[dict], processes: int, out_path: str, usage: bool = False) -> int:
+    """Compile ``job_list`` in a pool of ``processes``, appending one JSON line per finished job to ``out_path``
+    (flushed at once: a run killed midway keeps what finished). Returns the number of failed jobs."""
+    from concurrent.futures import as_completed
+
+    fn = _compile_with_usage if usage else compile_one
+    failed = 0
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with open(out_path, "a") as f, ProcessPoolExecutor(
+        max_workers=max(1, processes), mp_context=multiprocessing.get_context(method)
+    ) as pool:
+        futures = [pool.submit(fn, j) for j in job_list]
+        for fut in as_completed(futures):
+            r = fut.result()
+            failed += not r["ok"]
+            f.write(json.dumps(r) + "\n")
+            f.flush()
+    return failed
 
 
 def compile_all(job_list: Iterable[dict], processes: int = 2) -> List[dict]:
@@ -242,10 +362,22 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="ranks for one kernel instead of --ranks, e.g. orthogonalize=4")
     p.add_argument("--all-variants", action="store_true")
     p.add_argument("--json", metavar="PATH", help="write every result here")
+    p.add_argument("--plan", metavar="CASES.json", help="compile what these bucket cases launch (plan_jobs)")
+    p.add_argument("--jsonl", metavar="PATH", help="with --plan: append one JSON line per finished compilation")
+    p.add_argument("--usage", action="store_true", help="with --plan: add resource_usage to each result")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: ahead-of-time compilation needs the real @triton.jit kernels", file=sys.stderr)
         return 2
+    if args.plan:
+        if not args.jsonl:
+            p.error("--plan needs --jsonl")
+        with open(args.plan) as f:
+            cases = json.load(f)
+        todo = plan_jobs(cases, args.archs)
+        with open(args.jsonl + ".planned", "w") as f:  # what will be compiled, in order (for skip reports)
+            json.dump(todo, f)
+        return 1 if compile_stream(todo, args.jobs, args.jsonl, args.usage) else 0
     ranks_for = {}
     for item in args.ranks_for:
         kname, _, values = item.partition("=")

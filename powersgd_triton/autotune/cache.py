@@ -1,19 +1,22 @@
 """The autotuner's persistent JSON cache, and the shipped per-GPU default files.
 
 User cache: one file, ``autotune-cache.json``, in ``$POWERSGD_TRITON_CACHE_DIR`` or the user cache directory
-(``platformdirs.user_cache_dir("powersgd_triton")``, e.g. ``~/.cache/powersgd_triton``)::
+(``platformdirs.user_cache_dir("powersgd_triton")``, e.g. ``~/.cache/powersgd_triton``; without platformdirs
+``$XDG_CACHE_HOME/powersgd_triton`` or ``~/.cache/powersgd_triton``)::
 
     {"format": 1,
      "devices": {"<device key>": {"device": {"gpu": ..., "capability": ..., "triton": ..., "library": ...},
                                   "entries": {"<shape class key>": {"config": {...}, "time_ms": ...,
                                                                     "heuristic_ms": ..., ...}}}}}
 
-Every write takes a file lock (``autotune-cache.json.lock``, :mod:`filelock`), re-reads the file, merges its entries
+Every write takes a file lock (``autotune-cache.json.lock``, :mod:`filelock`; without it ``fcntl.flock`` on POSIX,
+else no lock: see :func:`powersgd_triton._env.file_lock`), re-reads the file, merges its entries
 and replaces the file atomically (temporary file in the same folder, ``fsync``, ``os.replace``): eight ranks of a
 node writing at once never lose an entry or leave half a file. A file that cannot be parsed or has the wrong
 structure gives a :class:`CacheWarning`, is renamed aside (``*.corrupt-<time>-<pid>``) and the cache starts empty;
-a folder that cannot be written gives a warning and the cache lives in memory only. Nothing here raises on bad
-files or folders.
+a folder that cannot be written gives a warning and the cache lives in memory only. Each entry is checked on read
+(:func:`entry_problem`: config values, times, counts); a file with invalid entries is set aside the same way, with a
+warning naming them, and its valid entries are written back. Nothing here raises on bad files or folders.
 
 Shipped defaults: ``powersgd_triton/autotune/configs/<gpu>.json`` (and ``$POWERSGD_TRITON_CONFIG_DIR`` first), one
 file per normalized GPU model, holding one device section (``{"format": 1, "device": {...}, "entries": {...}}``),
@@ -28,6 +31,7 @@ import time
 import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from .. import _env
 from .keys import DeviceKey, name_matches
 
 FORMAT = 1
@@ -40,13 +44,12 @@ class CacheWarning(UserWarning):
 
 
 def default_cache_dir() -> str:
-    """``$POWERSGD_TRITON_CACHE_DIR``, else the platform's user cache dir for ``powersgd_triton``."""
+    """``$POWERSGD_TRITON_CACHE_DIR``, else the user cache dir for ``powersgd_triton`` (platformdirs' when installed,
+    else ``$XDG_CACHE_HOME/powersgd_triton`` or ``~/.cache/powersgd_triton``)."""
     env = os.environ.get("POWERSGD_TRITON_CACHE_DIR")
     if env:
         return os.path.expanduser(env)
-    import platformdirs
-
-    return platformdirs.user_cache_dir("powersgd_triton", appauthor=False)
+    return _env.user_cache_dir("powersgd_triton")
 
 
 def default_config_dirs() -> List[str]:
@@ -59,16 +62,49 @@ def default_config_dirs() -> List[str]:
     return dirs
 
 
-def _valid_entries(entries) -> bool:
-    return isinstance(entries, dict) and all(
-        isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("config"), dict) for k, v in entries.items()
-    )
+_CONFIG_VALUE = (bool, int, str)
+_OPTIONAL_STR = ("tuned_at", "torch")
+
+
+def _is_time(v) -> bool:
+    """A stored time in ms: None, or a number >= 0 (``inf``: the candidate failed), never a bool or NaN."""
+    if v is None:
+        return True
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0  # NaN >= 0 is False
+
+
+def entry_problem(entry) -> Optional[str]:
+    """Why ``entry`` is not a valid cache / shipped entry, or None when it is.
+
+    Valid: a dict whose ``config`` is a non-empty dict of str -> bool/int/str, whose ``time_ms`` and ``heuristic_ms``
+    (if present) are None or numbers >= 0, ``candidates`` (if present) an int >= 0, ``tuned_at`` and ``torch``
+    (if present) strings. Other fields are kept and not read.
+    """
+    if not isinstance(entry, dict):
+        return f"not an object ({type(entry).__name__})"
+    cfg = entry.get("config")
+    if not isinstance(cfg, dict) or not cfg:
+        return "config is not a non-empty object"
+    for k, v in cfg.items():
+        if not isinstance(k, str) or not isinstance(v, _CONFIG_VALUE):
+            return f"config value {k!r}: {v!r} is not a bool, int or string"
+    for k in ("time_ms", "heuristic_ms"):
+        if k in entry and not _is_time(entry[k]):
+            return f"{k} is {entry[k]!r}, not a number of milliseconds"
+    c = entry.get("candidates", 0)
+    if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+        return f"candidates is {c!r}, not a count"
+    for k in _OPTIONAL_STR:
+        if k in entry and not isinstance(entry[k], str):
+            return f"{k} is {entry[k]!r}, not a string"
+    return None
 
 
 def _valid_cache(data) -> bool:
+    """The file's structure (entries are checked one by one: :func:`_split_bad_entries`)."""
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("devices"), dict):
         return False
-    return all(isinstance(d, dict) and _valid_entries(d.get("entries")) for d in data["devices"].values())
+    return all(isinstance(d, dict) and isinstance(d.get("entries"), dict) for d in data["devices"].values())
 
 
 def _valid_device_file(data) -> bool:
@@ -76,8 +112,29 @@ def _valid_device_file(data) -> bool:
         isinstance(data, dict)
         and data.get("format") == FORMAT
         and isinstance(data.get("device"), dict)
-        and _valid_entries(data.get("entries"))
+        and isinstance(data.get("entries"), dict)
     )
+
+
+def _split_bad_entries(entries: dict) -> Tuple[dict, List[str]]:
+    """``(valid entries, ["<key>: <problem>", ...])``."""
+    good, bad = {}, []
+    for k, e in entries.items():
+        why = entry_problem(e)
+        if why is None:
+            good[k] = e
+        else:
+            bad.append(f"{k}: {why}")
+    return good, bad
+
+
+def _drop_bad_entries(data: dict) -> List[str]:
+    """Remove invalid entries from a structurally valid cache, in place; returns what was removed and why."""
+    bad = []
+    for dkey, dev in data["devices"].items():
+        dev["entries"], b = _split_bad_entries(dev["entries"])
+        bad += [f"{dkey} / {x}" for x in b]
+    return bad
 
 
 def atomic_write_json(path: str, data, sort_keys: bool = True) -> None:
@@ -101,7 +158,7 @@ def atomic_write_json(path: str, data, sort_keys: bool = True) -> None:
         raise
 
 
-def _set_aside(path: str, reason: str) -> None:
+def _set_aside(path: str, reason: str, what: str = "is unreadable", then: str = "tuning starts again") -> None:
     aside = f"{path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     try:
         os.replace(path, aside)
@@ -109,7 +166,7 @@ def _set_aside(path: str, reason: str) -> None:
     except OSError as exc:
         where = f"could not be moved aside ({exc})"
     warnings.warn(
-        f"powersgd_triton autotune cache {path} is unreadable ({reason}); it was {where} and tuning starts again",
+        f"powersgd_triton autotune cache {path} {what} ({reason}); it was {where} and {then}",
         CacheWarning,
         stacklevel=3,
     )
@@ -127,10 +184,8 @@ class ConfigCache:
 
     # ------------------------------------------------------------------ file access
     def _lock(self):
-        import filelock
-
         os.makedirs(self.directory, exist_ok=True)
-        return filelock.FileLock(self.path + ".lock", timeout=self.lock_timeout)
+        return _env.file_lock(self.path + ".lock", self.lock_timeout)
 
     def _read_locked(self) -> dict:
         """Read the file (caller holds the lock); a corrupt file is set aside and an empty cache returned."""
@@ -151,6 +206,15 @@ class ConfigCache:
         if not _valid_cache(data):
             _set_aside(self.path, f"not a format-{FORMAT} autotune cache")
             return empty
+        bad = _drop_bad_entries(data)
+        if bad:  # the file moves aside as it was; its valid entries are written back
+            shown = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
+            _set_aside(self.path, f"{len(bad)} invalid entries: {shown}", what="has unreadable entries",
+                       then="its valid entries were written back")
+            try:
+                atomic_write_json(self.path, data)
+            except OSError:
+                pass  # kept in memory; the next write tries again
         return data
 
     def load(self, refresh: bool = False) -> dict:
@@ -166,6 +230,10 @@ class ConfigCache:
                 with open(self.path) as f:
                     data = json.load(f)
                 self._data = data if _valid_cache(data) else {"format": FORMAT, "devices": {}}
+                bad = _drop_bad_entries(self._data)
+                if bad:
+                    warnings.warn(f"powersgd_triton autotune cache {self.path}: {len(bad)} invalid entries ignored "
+                                  f"({'; '.join(bad[:3])})", CacheWarning, stacklevel=2)
             except Exception:
                 self._data = {"format": FORMAT, "devices": {}}
         return self._data
@@ -264,7 +332,11 @@ def load_device_file(path: str) -> Dict[str, dict]:
     if not _valid_device_file(data):
         warnings.warn(f"shipped autotune configs {path} have the wrong structure; ignored", CacheWarning, stacklevel=2)
         return {}
-    return data["entries"]
+    good, bad = _split_bad_entries(data["entries"])
+    if bad:
+        warnings.warn(f"shipped autotune configs {path}: {len(bad)} invalid entries ignored ({'; '.join(bad[:3])})",
+                      CacheWarning, stacklevel=2)
+    return good
 
 
 def export_device_file(path: str, device: DeviceKey, entries: Dict[str, dict], extra: Optional[dict] = None) -> str:
@@ -281,7 +353,7 @@ def export_device_file(path: str, device: DeviceKey, entries: Dict[str, dict], e
             with open(path) as f:
                 old = json.load(f)
             if _valid_device_file(old) and old["device"].get("gpu") == device.gpu:
-                merged.update(old["entries"])
+                merged.update(_split_bad_entries(old["entries"])[0])
         except Exception:
             pass
     merged.update(entries)

@@ -135,7 +135,7 @@ def _show(out) -> int:
             except ValueError:
                 cells = [key] + [""] * (len(CLASS_HEADERS) - 1)
             h, t = e.get("heuristic_ms"), e.get("time_ms")
-            speed = f"{h / t:.2f}x" if h and t else "-"
+            speed = f"{h / t:.2f}x" if h and t and math.isfinite(h) and math.isfinite(t) else "-"
             rows.append(cells + [format_config(e["config"]), _ms(t), _ms(h), speed, str(e.get("tuned_at", ""))])
         print(text_table(CLASS_HEADERS + ["config", "ms", "heuristic ms", "speed-up", "tuned at"], rows), file=out)
     return 0
@@ -154,7 +154,7 @@ def run(args, out=None) -> int:
             return 0
         print("powersgd-triton autotune: --model is required (or --show / --clear)", file=sys.stderr)
         return 2
-    from tqdm import tqdm
+    tqdm = _env.progress_bar()
 
     tuner = make_tuner(args)
     cuda = torch.cuda.is_available() and not _env.interpreter_enabled()

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import _env
 from . import data as data_mod
 from .models import build_model
 
@@ -525,11 +526,10 @@ class _Log:
 
     def __init__(self, enabled: bool, progress: bool):
         self.enabled = enabled
-        self.progress = enabled and progress
+        self.progress = enabled and progress and _env.has_progress_bar()  # without tqdm: plain lines
 
     def bar(self, total: int, desc: str):
-        from tqdm.auto import tqdm
-
+        tqdm = _env.progress_bar(auto=True)
         return tqdm(total=total, desc=desc, leave=False, disable=not self.progress, file=sys.stderr,
                     dynamic_ncols=True, mininterval=0.5)
 
@@ -537,9 +537,7 @@ class _Log:
         if not self.enabled:
             return
         if self.progress:
-            from tqdm.auto import tqdm
-
-            tqdm.write(text, file=sys.stdout)
+            _env.progress_bar(auto=True).write(text, file=sys.stdout)
         else:
             print(text, flush=True)
 
