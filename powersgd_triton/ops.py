@@ -28,6 +28,7 @@ Raises ``ValueError`` when a buffer's size, device or layout does not match, and
 backend is asked for where it cannot run. Nothing is written before the checks pass.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -121,8 +122,8 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float = 0.0, out
     """
     if which not in ("p", "q"):
         raise ValueError(f"which must be 'p' or 'q', got {which!r}")
-    if epsilon < 0:
-        raise ValueError(f"orthogonalization epsilon must be >= 0, got {epsilon}")
+    if not (epsilon >= 0 and math.isfinite(epsilon)):  # inf would turn every column into zero
+        raise ValueError(f"orthogonalization epsilon must be finite and >= 0, got {epsilon}")
     numel = layout.p_numel if which == "p" else layout.q_numel
     _check(which, x, numel, layout.device if x is None else x.device)
     _check("out", out, numel, x.device)

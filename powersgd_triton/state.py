@@ -224,9 +224,10 @@ def _bucket_params(bucket) -> Optional[Tuple[torch.Tensor, ...]]:
     return params
 
 
-def _registered_module(state) -> Optional[torch.nn.Module]:
-    """The module of the one DistributedDataParallel that ``state`` is registered on as a comm hook state (DDP keeps
-    the ``(hook, state)`` pairs of ``register_comm_hook`` in ``_comm_hooks``); None when there is not exactly one."""
+def _registered_module(state, params) -> Optional[torch.nn.Module]:
+    """The module of the DistributedDataParallel that ``state`` is registered on as a comm hook state (DDP keeps the
+    ``(hook, state)`` pairs of ``register_comm_hook`` in ``_comm_hooks``) and that holds ``params``; None when there
+    is not exactly one (a state registered on an old DDP and on a fresh one is resolved by the parameters)."""
     import gc
 
     try:
@@ -244,8 +245,10 @@ def _registered_module(state) -> Optional[torch.nn.Module]:
         if type(obj) in classes:
             hooks = obj.__dict__.get("_comm_hooks") or ()
             if any(isinstance(h, tuple) and len(h) == 2 and h[1] is state for h in hooks):
-                found.append(obj)
-    return found[0].module if len(found) == 1 else None
+                found.append(obj.module)
+    wanted = {id(p) for p in params}
+    found = [m for m in found if wanted <= {id(p) for p in m.parameters()}]
+    return found[0] if len(found) == 1 else None
 
 
 def _segments(buffer: torch.Tensor, params, gradients) -> Optional[Dict[int, Tuple[int, int]]]:
@@ -650,7 +653,7 @@ class PowerSGDState:
         unnamed = [p for p in params if self._param_name(p) is None]
         if not unnamed or all(self._unnameable.get(id(p), lambda: None)() is p for p in unnamed):
             return
-        module = _registered_module(self)
+        module = _registered_module(self, params)
         if module is not None:
             self._bind_model(module)
         for p in params:

@@ -344,3 +344,33 @@ def test_triton_kernels_decline_float64(world1, rng, backend):
         ops.project(buf, layout, torch.randn(layout.q_numel, dtype=torch.float64), p, backend="triton")
     ops.project(buf, layout, torch.randn(layout.q_numel, dtype=torch.float64), p, backend="auto")
     assert triton_backend_skip_reason() is None
+
+
+# ------------------------------------------------------------------------------------------------ item 8 (unit)
+def test_state_finds_the_ddp_it_is_registered_on(world1):
+    """What lets PyTorch's recipe keep the memory without a call of ours: the state names the bucket's parameters
+    through the DDP it is registered on; registered on two, the one holding the parameters; none: None."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from powersgd_triton.state import _registered_module
+
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    state = _state()
+    ddp_a, ddp_b = DDP(a), DDP(b)
+    assert _registered_module(state, list(a.parameters())) is None
+    ddp_a.register_comm_hook(state, powerSGD_hook)
+    ddp_b.register_comm_hook(state, powerSGD_hook)
+    assert _registered_module(state, list(a.parameters())) is a
+    assert _registered_module(state, list(b.parameters())) is b
+    assert _registered_module(_state(), list(a.parameters())) is None
+    state._name_params(tuple(b.parameters()))
+    assert [state._param_name(p) for p in b.parameters()] == ["weight", "bias"]
+
+
+def test_ops_orthogonalize_refuses_infinite_epsilon():
+    buf = torch.randn(24 * 20)
+    layout = BucketLayout.from_gradients(buf, [buf.view(24, 20)], 2, 2)
+    q = torch.randn(layout.q_numel)
+    for eps in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="finite and >= 0"):
+            ops.orthogonalize(q.clone(), layout, "q", eps, backend="torch")

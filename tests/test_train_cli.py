@@ -131,6 +131,8 @@ def test_failing_rank_fails_the_run_promptly():
         (["--steps", "0"], "--steps must be at least 1"),
         (["--rank", "0"], "--rank (PowerSGD matrix approximation rank) must be at least 1"),
         (["--lr", "-1"], "must be positive"),
+        (["--lr", "inf"], "must be a finite number"),
+        (["--timeout", "nan"], "must be positive"),
         (["--hook", "nope"], "invalid choice: 'nope'"),
         (["--compare", "powersgd,foo"], "expected a comma-separated list"),
         (["--workload", "cifar"], "invalid choice: 'cifar'"),
