@@ -23,13 +23,14 @@ in the same all-reduce as the factor: one float32 buffer per bucket, ``comm = [f
 is written straight into ``comm[:F]`` by the projection kernel, the uncompressed gradients into ``comm[F:]`` by one
 gather launch (:func:`powersgd_triton.ops.pack_uncompressed`), ``comm[:F + U]`` is all-reduced, then one launch
 (:func:`powersgd_triton.ops.average`) divides it by the world size and writes the averaged uncompressed gradients
-back. The uncompressed part therefore travels in float32 whatever the
-bucket dtype (PyTorch's hook all-reduces it in the bucket dtype): twice its bytes for float16/bfloat16 buckets, in
-one collective instead of two; float64 uncompressed gradients are rounded to float32.
+back. The uncompressed part therefore travels in float32 for float32, float16 and bfloat16 buckets (PyTorch's hook
+all-reduces it in the bucket dtype): twice its bytes for float16/bfloat16 buckets, in one collective instead of two.
+A float64 bucket is computed in float64 (``comm``, the kept factors and the error memory in float64, on the torch
+backend), so nothing is rounded.
 
 Order of the numeric work (the cheapest correct one found). The local factor is needed after the all-reduce for
-the local residual, so the launch that computes it writes it twice, into ``comm`` and into ``local`` (``F`` floats); then ONE pass
-over the bucket (:func:`powersgd_triton.ops.reconstruct` with ``local_p`` / ``local_q``) writes the output
+the local residual, so the launch that computes it writes it twice, into ``comm`` and into ``local`` (``F``
+floats); then ONE pass over the bucket (:func:`powersgd_triton.ops.reconstruct` with ``local_p`` / ``local_q``) writes the output
 ``P_avg·Q'ᵀ`` (``P'·Q_avgᵀ``) and the error ``(M + E) - P_local·Q'ᵀ`` (``(M + E) - P'·Q_localᵀ``). Computing the
 error before the all-reduce instead would need a second pass over the bucket. Bucket passes per step: a P step
 reads ``M, E`` and writes ``M + E`` while projecting (``ops.project`` with the error), then reconstructs (read
@@ -200,6 +201,11 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
         ValueError: ``state.warm_start`` is False (on the first call, before anything is changed).
         TypeError: complex or integer gradients, or ``state`` is not a :class:`~powersgd_triton.PowerSGDState`
             (before anything is changed).
+        RuntimeError: ``state.backend == "triton"`` and the Triton kernels cannot run on the bucket's device (first
+            call, step 0, before anything is changed).
+
+    A sparse gradient's bucket is averaged with a plain all-reduce (as DDP does without a hook); a float64 bucket is
+    computed in float64.
 
     Example::
 

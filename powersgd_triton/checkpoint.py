@@ -28,6 +28,7 @@ Files hold only tensors and plain Python types: ``torch.load(..., weights_only=T
 """
 
 import os
+import pickle
 import tempfile
 import warnings
 from typing import Any, Dict, Optional, Tuple
@@ -135,6 +136,31 @@ def _differences(saved: Dict[str, list], current: Dict[str, list], limit: int = 
     return out
 
 
+def _read(file: str, map_location) -> Any:
+    """``torch.load(file, weights_only=True)``; a file that is not a readable checkpoint raises ``ValueError``
+    naming it and what is wrong (empty, truncated or not a torch.save archive, objects other than tensors and plain
+    Python types), instead of torch's own errors (which advise the unsafe ``weights_only=False``)."""
+    size = os.path.getsize(file)
+    if size == 0:
+        raise ValueError(f"{file} is empty (0 bytes): not a PowerSGD hook state; was its save interrupted?")
+    try:
+        return torch.load(file, map_location=map_location, weights_only=True)
+    except (PermissionError, IsADirectoryError):
+        raise
+    except pickle.UnpicklingError as exc:
+        what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"{file} ({size} bytes) holds something other than tensors and plain Python types, or is not a "
+            f"torch.save file ({what[:200]}); PowerSGD hook states never do: not loading it"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError, OSError, EOFError, ... for damaged files
+        what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"{file} ({size} bytes) is not a readable PowerSGD hook state: truncated, damaged or not a torch.save "
+            f"file ({type(exc).__name__}: {what[:200]})"
+        ) from None
+
+
 def load_hook_state(state: PowerSGDState, model, path, *, rank: Optional[int] = None,
                     world_size: Optional[int] = None, map_location="cpu") -> Dict[str, Any]:
     """Load this rank's file written by :func:`save_hook_state` into ``state``; returns the file's metadata.
@@ -145,9 +171,11 @@ def load_hook_state(state: PowerSGDState, model, path, *, rank: Optional[int] = 
 
     Raises:
         FileNotFoundError: no file for this rank (the message lists the ranks that have one).
-        ValueError: the file is another rank's, or from another world size; the model's parameters differ from the
-            saved ones; the compression settings (rank, ``min_compression_rate``, error feedback, warm start) differ.
-            Later, from the hook: a bucket whose compressed parameters have no saved memory.
+        ValueError: the file is empty, truncated, damaged or not a hook state file (a damaged hook state inside:
+            a tensor of the wrong size or dtype, NaN or inf in the memory); the file is another rank's, or from
+            another world size; the model's parameters differ from the saved ones; the compression settings (rank,
+            ``min_compression_rate``, error feedback, warm start) differ. Each message names the file; ``state`` is
+            left as it was. Later, from the hook: a bucket whose compressed parameters have no saved memory.
     """
     if not isinstance(state, PowerSGDState):
         raise TypeError(f"state must be a powersgd_triton.PowerSGDState, got {type(state).__name__}")
@@ -159,11 +187,22 @@ def load_hook_state(state: PowerSGDState, model, path, *, rank: Optional[int] = 
             others = sorted(n for n in os.listdir(os.fspath(path)) if n.startswith("hook_state.rank"))
         hint = f" (found: {', '.join(others)})" if others else ""
         raise FileNotFoundError(f"no PowerSGD hook state for rank {rank}: {file} does not exist{hint}")
-    payload = torch.load(file, map_location=map_location, weights_only=True)
+    payload = _read(file, map_location)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{file} is not a PowerSGD hook state written by powersgd_triton.checkpoint.save_hook_state")
     if payload.get("version") != _VERSION:
         raise ValueError(f"{file}: unsupported hook state version {payload.get('version')!r}")
+    missing = [k for k in ("rank", "world_size", "parameters", "hook_state") if k not in payload]
+    if missing:
+        raise ValueError(f"{file} is damaged: it lacks {missing}")
+    parameters = payload["parameters"]
+    if not isinstance(parameters, dict) or not isinstance(payload["hook_state"], dict) or not all(
+        isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(d, int) for d in v)
+        for k, v in parameters.items()
+    ):
+        raise ValueError(f"{file} is damaged: its parameter table or hook state is malformed")
+    if not all(isinstance(payload[k], int) and not isinstance(payload[k], bool) for k in ("rank", "world_size")):
+        raise ValueError(f"{file} is damaged: rank and world_size must be integers")
     if payload["world_size"] != world_size:
         raise ValueError(
             f"{file} was saved by rank {payload['rank']} of a world of {payload['world_size']} ranks; this job has "
@@ -184,7 +223,10 @@ def load_hook_state(state: PowerSGDState, model, path, *, rank: Optional[int] = 
     ]
     if differing:
         raise ValueError(f"{file} was saved with other compression settings: " + "; ".join(differing))
-    state.load_state_dict(hook_state)  # warns when other hyper-parameters differ (this state's values are kept)
+    try:
+        state.load_state_dict(hook_state)  # warns when other hyper-parameters differ (this state's values are kept)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{file} holds a damaged hook state: {exc}") from None
     for mem in state.buckets.values():
         mem.strict = True
     state._bind_model(model)

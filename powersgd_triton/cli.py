@@ -6,6 +6,7 @@ sets ``func`` on the parsed namespace); this module only wires them together wit
 
 import argparse
 import importlib
+import math
 import sys
 from typing import List, Optional
 
@@ -18,7 +19,8 @@ SUBCOMMANDS = {
 
 
 def positive(kind=float):
-    """An argparse ``type`` that parses ``kind`` (int or float) and refuses values <= 0 with argparse's message."""
+    """An argparse ``type`` that parses ``kind`` (int or float) and refuses values <= 0, NaN and infinity with
+    argparse's message."""
 
     def parse(text: str):
         try:
@@ -27,6 +29,8 @@ def positive(kind=float):
             raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages

@@ -194,11 +194,15 @@ def _checked_buffer(bucket) -> torch.Tensor:
     """The bucket's flat buffer, after the checks every hook makes before it changes anything.
 
     Raises the caller-mode error of ``_check_bucket`` (compiled DDP's python reducer, FSDP), ``TypeError`` for
-    complex or integer gradients and ``ValueError`` for a buffer that is not 1-D.
+    complex or integer gradients and ``ValueError`` for a dense buffer that is not 1-D. A sparse buffer (DDP gives
+    a sparse gradient, ``nn.Embedding(..., sparse=True)``, a bucket of its own, whose buffer is that gradient) is
+    returned as it is: :func:`_warm_up` averages it with a plain all-reduce.
     """
     _check_bucket(bucket)
     buffer = bucket.buffer()
     check_gradient_dtype(buffer.dtype)
+    if buffer.is_sparse:
+        return buffer
     if buffer.dim() != 1:
         raise ValueError(f"bucket buffer must be 1-D, got shape {tuple(buffer.shape)}")
     return buffer
@@ -206,11 +210,19 @@ def _checked_buffer(bucket) -> torch.Tensor:
 
 def _warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor):
     """``(group, world_size, future)``: ``future`` is the plain averaged all-reduce while
-    ``iter < start_powerSGD_iter`` (PyTorch's warm-up), else None and the hook compresses."""
+    ``iter < start_powerSGD_iter`` (PyTorch's warm-up) and, at every step, for a sparse bucket (as DDP's default
+    hook averages it: PowerSGD compresses dense matrices); else None and the hook compresses.
+
+    Raises ``RuntimeError`` (before anything is changed, from step 0) when ``backend="triton"`` cannot run on the
+    bucket's device."""
+    state._check_backend_runs(buffer)
     group = state._group()
     world_size = dist.get_world_size(group)
     if state.iter < state.start_powerSGD_iter:
         state.maybe_increase_iter(bucket)
+        return group, world_size, _allreduce_average(group, world_size, buffer)
+    if buffer.is_sparse:
+        state._skip_bucket(bucket)
         return group, world_size, _allreduce_average(group, world_size, buffer)
     return group, world_size, None
 
@@ -228,7 +240,22 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
     state.total_numel_after_compression += layout.numel_after_compression
     state._report_compression_stats(bucket)
 
-    step = _Step(state, mem, buffer, group, world_size)
+    # The batched memory's gradient order differs from the bucket's for one step after a resume (see
+    # PowerSGDState._follow_batched): compute on a copy in the memory's order, then write each gradient back.
+    order = mem.order
+    work = buffer if order is None else torch.cat([buffer[o : o + n] for o, n in order])
+    step = _Step(state, mem, work, group, world_size)
+
+    def finish() -> torch.Tensor:
+        out = step.finish()
+        if order is None:
+            return out
+        pos = 0
+        for o, n in order:
+            buffer[o : o + n].copy_(work[pos : pos + n])
+            pos += n
+        return buffer
+
     compressed = layout.num_matrices > 0
     step.start_uncompressed()
     step.compute_p()
@@ -237,8 +264,8 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
 
     if not compressed:
         if _use_callback_chain(group, buffer) and step.unc_work is not None:
-            return step.unc_work.get_future().then(lambda fut: step.finish())
-        return _completed(step.finish())
+            return step.unc_work.get_future().then(lambda fut: finish())
+        return _completed(finish())
 
     if _use_callback_chain(group, buffer):
 
@@ -247,12 +274,12 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
             return dist.all_reduce(mem.q_work, group=group, async_op=True).get_future().wait()[0]
 
         p_fut = dist.all_reduce(mem.p, group=group, async_op=True).get_future()
-        return p_fut.then(after_p).then(lambda fut: step.finish())
+        return p_fut.then(after_p).then(lambda fut: finish())
 
     dist.all_reduce(mem.p, group=group, async_op=True).wait()
     step.compute_q()
     dist.all_reduce(mem.q_work, group=group, async_op=True).wait()
-    return _completed(step.finish())
+    return _completed(finish())
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -261,7 +288,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     Each gradient of the bucket is viewed as a matrix ``(shape[0], -1)`` and compressed to rank
     ``min(n, m, state.matrix_approximation_rank)`` when that saves ``state.min_compression_rate``; the other
     gradients (biases, small tensors) are all-reduced as they are. Plain averaging all-reduce for the first
-    ``state.start_powerSGD_iter`` iterations.
+    ``state.start_powerSGD_iter`` iterations, and always for a sparse gradient's bucket (as DDP averages it without a
+    hook). A float64 bucket is computed in float64 (torch backend).
 
     Args:
         state: a :class:`~powersgd_triton.PowerSGDState`.
@@ -273,6 +301,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     Raises:
         TypeError: complex or integer gradients, or ``state`` is not a :class:`~powersgd_triton.PowerSGDState`
             (PyTorch's state: convert it with ``PowerSGDState.from_torch``); before anything is changed.
+        RuntimeError: ``state.backend == "triton"`` and the Triton kernels cannot run on the bucket's device: on the
+            first call (step 0, in the warm-up too), before anything is changed.
 
     Example::
 

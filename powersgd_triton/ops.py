@@ -15,16 +15,20 @@ Shapes and dtypes (all flat, contiguous, on the bucket's device):
 * ``buffer``: ``(N,)`` float32, float16 or bfloat16 — the bucket buffer, updated in place by project (with error)
   and reconstruct.
 * ``p``: ``(layout.p_numel,)``, ``q``: ``(layout.q_numel,)``; float32 (any float dtype is accepted; arithmetic is
-  always float32).
+  float32, except for float64 buckets/factors on the torch backend: float64, with float64 P, Q and error).
 * ``error``: ``(layout.e_numel,)`` float32 error-feedback memory of the compressed matrices only.
 
 Backends: ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), ``"torch"``
 (:mod:`powersgd_triton.kernels.reference`), ``"auto"`` (Triton where it can run, else torch).
 
+The Triton kernels compute in float32: ``"auto"`` runs float64 tensors on the torch backend, and ``"triton"`` refuses
+them (``ValueError``).
+
 Raises ``ValueError`` when a buffer's size, device or layout does not match, and ``RuntimeError`` when the Triton
 backend is asked for where it cannot run. Nothing is written before the checks pass.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -47,6 +51,10 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
         return backend
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if tensor.dtype == torch.float64:  # the Triton kernels compute in float32; torch computes float64 in float64
+        if backend == "triton":
+            raise ValueError("backend='triton' computes in float32; float64 tensors need backend='torch' or 'auto'")
+        return "torch"
     can = _env.triton_can_run(tensor.device)
     if backend == "auto":
         return "triton" if can else "torch"
@@ -56,6 +64,12 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
             + _env.triton_unavailable_reason(tensor.device)
         )
     return backend
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """Arithmetic dtype of the torch backend: float64 for float64 tensors (a float64 model keeps float64
+    precision, as PyTorch's hook does), float32 for everything else."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _check(name: str, t: Optional[torch.Tensor], numel: int, device: torch.device) -> None:
@@ -98,7 +112,7 @@ def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, backend:
     if resolve_backend(backend, buffer) == "triton":
         _kernels().project(buffer, layout, q, p, error, p2=p2, config=config)
     else:
-        reference.project(buffer, layout, q, p, error)
+        reference.project(buffer, layout, q, p, error, compute_dtype=_compute_dtype(buffer))
         if p2 is not None:
             p2.copy_(p)
 
@@ -112,8 +126,8 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float = 0.0, out
     """
     if which not in ("p", "q"):
         raise ValueError(f"which must be 'p' or 'q', got {which!r}")
-    if epsilon < 0:
-        raise ValueError(f"orthogonalization epsilon must be >= 0, got {epsilon}")
+    if not (epsilon >= 0 and math.isfinite(epsilon)):  # inf would turn every column into zero
+        raise ValueError(f"orthogonalization epsilon must be finite and >= 0, got {epsilon}")
     numel = layout.p_numel if which == "p" else layout.q_numel
     _check(which, x, numel, layout.device if x is None else x.device)
     _check("out", out, numel, x.device)
@@ -124,7 +138,7 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float = 0.0, out
     if resolve_backend(backend, x) == "triton":
         _kernels().orthogonalize(x, layout, which, float(epsilon), out, config=config)
     else:
-        reference.orthogonalize(x, layout, which, float(epsilon), out)
+        reference.orthogonalize(x, layout, which, float(epsilon), out, compute_dtype=_compute_dtype(x))
     return out
 
 
@@ -145,7 +159,7 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, backen
     if resolve_backend(backend, buffer) == "triton":
         _kernels().project_t(buffer, layout, p, q, error=error, q2=q2, config=config)
     else:
-        reference.project_t(buffer, layout, p, q, error=error)
+        reference.project_t(buffer, layout, p, q, error=error, compute_dtype=_compute_dtype(buffer))
         if q2 is not None:
             q2.copy_(q)
 
@@ -212,7 +226,8 @@ def reconstruct(
     else:
         ok = flags.ok if isinstance(flags, StepFlags) else flags
         reference.reconstruct(
-            buffer, layout, p, q, float(scale), error, ok, local_p=local_p, local_q=local_q
+            buffer, layout, p, q, float(scale), error, ok, local_p=local_p, local_q=local_q,
+            compute_dtype=_compute_dtype(buffer),
         )
         if commit is not None:
             which, kept = commit

@@ -14,7 +14,8 @@ Per bucket index the state keeps a :class:`BucketMemory`:
   a new layout, and its memory follows its parameters matrix by matrix (exact: a fresh DDP after a resume orders
   its first buckets differently, then rebuilds them); what cannot follow is reset with a warning;
 * ``error``: float32 error-feedback memory of the *compressed* gradients only (``layout.e_numel``); the error of an
-  uncompressed gradient cancels in the average, PyTorch stores it anyway (a full copy of the bucket);
+  uncompressed gradient cancels in the average, PyTorch stores it anyway (a full copy of the bucket); float64 for a
+  float64 bucket, like ``p`` and ``q`` (such a bucket is computed in float64, on the torch backend);
 * ``p``: float32 ``P`` (``layout.p_numel``), ``q``: float32 warm-start ``Q`` (``layout.q_numel``), stored as
   ``Q / world_size`` like PyTorch's ``q_memory_dict``; ``q_work``: the Q of the step in flight, committed to ``q``
   only when the step's all-reduced values are finite (no host sync);
@@ -27,20 +28,30 @@ weights_only=True)`` reads it); pickling goes through it too. The process group 
 unpickled state uses ``process_group=None``, resolved to the default (WORLD) group when a hook runs, so a state can
 be created and unpickled before ``init_process_group`` (Lightning's spawn strategy pickles it then). Once the state
 knows the model's parameter names (:func:`powersgd_triton.integrations.register`, the framework integrations, or
-:mod:`powersgd_triton.checkpoint`), the state dict records which parameter each saved matrix belongs to, and loaded
-memory follows its parameters into the buckets of a fresh DDP. The error memory is per rank: save one file per rank
+:mod:`powersgd_triton.checkpoint`; or, when none of these named them, the module of the DistributedDataParallel
+the state is registered on, found when names are needed: see :meth:`PowerSGDState._name_params`), the state dict
+records which parameter each saved matrix belongs to, and loaded memory follows its parameters into the buckets of a
+fresh DDP, whose first buckets hold them in registration order, not in the gradient-ready order of the trained DDP's
+rebuilt buckets. So PyTorch's own recipe (``state_dict()`` or pickling; a fresh DDP;
+``register_comm_hook(loaded_state, hook)``) resumes exactly. The batched hook's memory follows a whole bucket whose
+parameters are the same in another order (``order_params`` / ``order``). Memory without names is adopted only by a
+bucket with the layout it was saved for (gradient offsets, shapes, dtype), else reset with a warning.
+:meth:`PowerSGDState.load_state_dict` checks every tensor against the layout it describes (shape, dtype, finite
+values) before it changes anything. The error memory is per rank: save one file per rank
 (:func:`powersgd_triton.checkpoint.save_hook_state`); a state saved with another world size is reset with a warning
 (refused by ``load_hook_state``).
 """
 
 import logging
+import math
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from . import _env
+from . import _env, _state_dict
 from .layout import BucketLayout
 
 logger = logging.getLogger(__name__)
@@ -68,7 +79,7 @@ class BucketMemory:
     __slots__ = (
         "layout", "signature", "backend", "configs", "error", "p", "q", "q_work", "q_initialized",
         "phase", "comm", "local", "p_work",
-        "params", "param_names", "matrices", "strict", "verified",
+        "params", "param_names", "matrices", "strict", "verified", "order", "order_params", "shapes",
     )
 
     def __init__(self):
@@ -89,6 +100,13 @@ class BucketMemory:
         self.param_names: Optional[Tuple[Optional[str], ...]] = None
         self.matrices: Optional[List[Tuple[int, ...]]] = None
         self.strict: bool = False  # loaded with strict checks (powersgd_triton.checkpoint.load_hook_state)
+        # Batched hook only: the bucket's parameters in the order its memory was built for (the flat s x s matrix is
+        # their gradients back to back), None when unknown; `order`: (offset, numel) of each of their gradients in
+        # the live bucket buffer, in that order, when the live bucket holds them in another order (a fresh DDP's
+        # first buckets), else None; `shapes`: loaded, not yet adopted memory only, their gradient shapes.
+        self.order_params: Optional[Tuple[torch.Tensor, ...]] = None
+        self.order: Optional[List[Tuple[int, int]]] = None
+        self.shapes: Optional[Tuple[Tuple[int, ...], ...]] = None
         self.backend: str = "torch"  # resolved backend for this bucket's device
         self.configs: Dict[str, Optional[dict]] = {}
         self.error: Optional[torch.Tensor] = None
@@ -116,10 +134,14 @@ class BucketMemory:
 
 
 def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
+    """``ValueError`` unless ``value`` is an integer (``integer``) or a finite real number: NaN and +-inf are refused
+    (an infinite ``orthogonalization_epsilon`` would make every compressed gradient zero)."""
     kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
     if isinstance(value, bool) or not isinstance(value, kinds):
         kind = "an integer" if integer else "a number"
         raise ValueError(f"`{name}` must be {kind}, got {value!r}")
+    if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+        raise ValueError(f"`{name}` must be a finite number, got {value!r}")
 
 
 def _check_flag(name: str, value: Any) -> None:
@@ -160,12 +182,35 @@ def _resolve_backend(backend: str, buffer: torch.Tensor) -> str:
         return "triton" if (can_run and have_kernels) else "torch"
     # backend == "triton"
     if not can_run:
-        from .ops import resolve_backend
-
-        resolve_backend("triton", buffer)  # raises the explanatory RuntimeError
+        raise RuntimeError(
+            f"backend='triton' cannot run on {buffer.device} tensors here: "
+            + _env.triton_unavailable_reason(buffer.device)
+        )
     if not have_kernels:
         raise RuntimeError("backend='triton': powersgd_triton.kernels.triton_ops cannot be imported")
     return "triton"
+
+
+def _triton_unusable_reason() -> Optional[str]:
+    """Why ``backend="triton"`` cannot run on tensors of any device in this process, when that is known without a
+    tensor; None when it may run on some device (then the first hook call checks the bucket's device).
+
+    Known up front: Triton or our kernels cannot be imported; or Triton's interpreter is off (CPU tensors need it)
+    and this torch build has no CUDA (no GPU tensors). Does not initialize CUDA (``torch.cuda.is_available()``
+    would, which breaks a later ``fork``).
+    """
+    if not _env.triton_available():
+        return "triton is not installed"
+    try:
+        from .kernels import triton_ops  # noqa: F401
+    except ImportError as exc:
+        return f"powersgd_triton.kernels.triton_ops cannot be imported ({exc})"
+    if _env.interpreter_enabled() or torch.backends.cuda.is_built():
+        return None
+    return (
+        "this torch build has no CUDA, and CPU tensors need TRITON_INTERPRET=1 set before triton is imported "
+        "(Triton's interpreter, slow)"
+    )
 
 
 def _bucket_params(bucket) -> Optional[Tuple[torch.Tensor, ...]]:
@@ -177,6 +222,53 @@ def _bucket_params(bucket) -> Optional[Tuple[torch.Tensor, ...]]:
     if not params or not all(isinstance(p, torch.nn.Parameter) for p in params):
         return None
     return params
+
+
+def _registered_module(state, params) -> Optional[torch.nn.Module]:
+    """The module of the DistributedDataParallel that ``state`` is registered on as a comm hook state (DDP keeps the
+    ``(hook, state)`` pairs of ``register_comm_hook`` in ``_comm_hooks``) and that holds ``params``; None when there
+    is not exactly one (a state registered on an old DDP and on a fresh one is resolved by the parameters)."""
+    import gc
+
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    classes, todo = set(), [DistributedDataParallel]
+    while todo:  # DDP and its subclasses: a set lookup per object is several times cheaper than issubclass
+        cls = todo.pop()
+        if cls not in classes:
+            classes.add(cls)
+            todo.extend(cls.__subclasses__())
+    found = []
+    for obj in gc.get_objects():
+        if type(obj) in classes:
+            hooks = obj.__dict__.get("_comm_hooks") or ()
+            if any(isinstance(h, tuple) and len(h) == 2 and h[1] is state for h in hooks):
+                found.append(obj.module)
+    wanted = {id(p) for p in params}
+    found = [m for m in found if wanted <= {id(p) for p in m.parameters()}]
+    return found[0] if len(found) == 1 else None
+
+
+def _segments(buffer: torch.Tensor, params, gradients) -> Optional[Dict[int, Tuple[int, int]]]:
+    """``id(param) -> (offset, numel)`` of each gradient in the bucket buffer when the gradients lie back to back
+    and fill it (as DDP's bucket views do); else None."""
+    if params is None or gradients is None or len(params) != len(gradients):
+        return None
+    from .layout import _matrix_segment
+
+    out: Dict[int, Tuple[int, int]] = {}
+    pos = 0
+    for p, g in zip(params, gradients):
+        numel = g.numel()
+        if numel:
+            off = _matrix_segment(g, buffer)
+            if off != pos:
+                return None
+        out[id(p)] = (pos, numel)
+        pos += numel
+    return out if pos == buffer.numel() and len(out) == len(params) else None
 
 
 def _same_params(a, b) -> bool:
@@ -203,15 +295,19 @@ class PowerSGDState:
         ValueError: ``start_powerSGD_iter <= 1`` with error feedback or warm start (DDP rebuilds its buckets after
             the first iteration), ``matrix_approximation_rank < 1``, ``min_compression_rate <= 0``, negative
             ``orthogonalization_epsilon``, an unknown ``backend``; and a value of the wrong type: a number that is
-            not one (``"4"``, ``True``, NaN), an integer argument given a float, a flag (``use_error_feedback``,
+            not one (``"4"``, ``True``) or not finite (NaN, +-inf), an integer argument given a float, a flag (``use_error_feedback``,
             ``warm_start``, ``batch_tensors_with_same_shape``, ``autotune``) that is not a bool (or 0/1).
         TypeError: ``process_group`` is neither None nor a ``torch.distributed.ProcessGroup``.
+        RuntimeError: ``backend="triton"`` where the Triton kernels cannot run on any device (Triton or the kernels
+            not importable; no CUDA in this torch build and ``TRITON_INTERPRET`` unset). Where it depends on the
+            bucket's device, the first hook call raises it (step 0, before anything is changed, also in warm-up).
 
     ``batch_tensors_with_same_shape`` only changes how the initial random Q is drawn (one ``randn`` per shape group,
     as PyTorch draws it): our kernels always process a whole bucket per launch.
 
     Differences from PyTorch's state (all deliberate): error memory only for compressed gradients, in float32;
-    P and Q in float32; a non-finite step leaves the memory as it was; ``error_dict`` / ``p_memory_dict`` /
+    P and Q in float32 (float64 buckets: all three in float64, as PyTorch keeps them); a non-finite step leaves the
+    memory as it was; ``error_dict`` / ``p_memory_dict`` /
     ``q_memory_dict`` are read-only views of the flat per-bucket buffers.
     """
 
@@ -250,6 +346,10 @@ class PowerSGDState:
         _check_number("compression_stats_logging_frequency", compression_stats_logging_frequency, integer=True)
         if backend not in BACKENDS:
             raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}")
+        if backend == "triton":
+            reason = _triton_unusable_reason()
+            if reason is not None:
+                raise RuntimeError(f"backend='triton' cannot run in this process: {reason}; use backend='auto'")
         for name, flag in (("use_error_feedback", use_error_feedback), ("warm_start", warm_start),
                            ("batch_tensors_with_same_shape", batch_tensors_with_same_shape), ("autotune", autotune)):
             _check_flag(name, flag)
@@ -300,6 +400,8 @@ class PowerSGDState:
         self._rank: Optional[int] = None
         self._loaded_world_size: Optional[int] = None
         self._loaded_rank: Optional[int] = None
+        self._backend_devices: set = set()  # devices where backend="triton" was found to run (checked once each)
+        self._unnameable: Dict[int, "weakref.ref"] = {}  # parameters _name_params could not name (not retried)
 
     # ------------------------------------------------------------------ PyTorch-compatible API
     def maybe_increase_iter(self, bucket) -> None:
@@ -388,6 +490,15 @@ class PowerSGDState:
         return new
 
     # ------------------------------------------------------------------ internal, used by the hooks
+    def _check_backend_runs(self, buffer: torch.Tensor) -> None:
+        """``RuntimeError`` when ``backend="triton"`` cannot run on ``buffer``'s device; checked on every hook call
+        from step 0 (warm-up included), so the error comes before training, not at ``start_powerSGD_iter``. Free
+        after the first call per device."""
+        if self.backend != "triton" or buffer.device in self._backend_devices:
+            return
+        _resolve_backend("triton", buffer)
+        self._backend_devices.add(buffer.device)
+
     def _group(self):
         """The process group the hooks use: ``process_group``, or WORLD when it is None (resolved at call time)."""
         if self.process_group is not None:
@@ -401,6 +512,13 @@ class PowerSGDState:
                 "call torch.distributed.init_process_group() before training"
             )
         return group
+
+    def _skip_bucket(self, bucket) -> None:
+        """A bucket the hook all-reduces as it is after the warm-up (a sparse gradient's): count the iteration and,
+        for the last bucket, end it as :meth:`_prepare_bucket` does."""
+        self.maybe_increase_iter(bucket)
+        if bucket.is_last():
+            self._end_of_iteration()
 
     def _prepare_bucket(self, bucket, buffer: torch.Tensor, batched: bool, group) -> BucketMemory:
         """Memory of this bucket with a layout that matches ``buffer``; (re)built when it does not.
@@ -438,30 +556,39 @@ class PowerSGDState:
                     if bucket.is_last():
                         self._end_of_iteration()
                     return mem
+        if gradients is None:
+            gradients = bucket.gradients()
         if batched:
             layout = BucketLayout.batched(buffer.numel(), rank, buffer.device, buffer.dtype)
         else:
-            if gradients is None:
-                gradients = bucket.gradients()
             layout = BucketLayout.from_gradients(buffer, gradients, rank, self.min_compression_rate)
         signature = repr(layout.signature)
+        if any(m.layout is None and m.param_names is not None for m in self.buckets.values()):
+            self._name_params(params)  # loaded memory that may have to follow its parameters by name
+        segments = _segments(buffer, params, gradients) if batched else None
         if (
             mem is not None
             and mem.layout is None
             and mem.signature == signature
             and self._loaded_names_match(mem, params)
+            and (mem.shapes is None or params is None or mem.shapes == tuple(tuple(p.shape) for p in params))
         ):
             self._adopt_loaded(mem, layout, buffer)  # first step after load_state_dict / unpickling
+            mem.order_params = params if segments is not None else None
+            mem.order = None
         else:
-            new = self._migrate(index, layout, params, buffer)
+            if batched:
+                new = self._follow_batched(layout, params, segments, buffer)
+            else:
+                new = self._migrate(index, layout, params, buffer)
             if new is None:
                 if mem is not None and batched:
                     warnings.warn(
-                        f"PowerSGD: bucket {index} of the batched hook no longer holds the parameters its memory was "
-                        "built for, in the same order (DDP rebuilt its buckets: a fresh DDP model after a resume "
-                        "does on its first iteration; or another model); the batched hook's memory spans the whole "
-                        "bucket and cannot follow its parameters: resetting its error-feedback and warm-start "
-                        "memory (use powerSGD_hook for exact resumes)",
+                        f"PowerSGD: bucket {index} of the batched hook holds other parameters than its memory was "
+                        "built for (DDP partitioned its buckets differently: a fresh DDP's first buckets after a "
+                        "resume with several buckets, or another model); the batched hook's memory spans a whole "
+                        "bucket and cannot be split between buckets: resetting its error-feedback and warm-start "
+                        "memory (use powerSGD_hook for exact resumes with several buckets)",
                         RuntimeWarning,
                         stacklevel=3,
                     )
@@ -475,6 +602,7 @@ class PowerSGDState:
                     )
                 new = BucketMemory()
                 self._allocate(new, layout, buffer)
+                new.order_params = params if segments is not None else None
             if mem is not None:
                 self._retired.append(mem)  # other buckets of this iteration may migrate from it
             self.buckets[index] = new
@@ -485,8 +613,20 @@ class PowerSGDState:
         mem.params = params
         mem.param_names = None
         mem.matrices = None
+        mem.shapes = None
         mem.strict = False
         mem.backend = _resolve_backend(self.backend, buffer)
+        if mem.backend == "triton" and buffer.dtype == torch.float64:
+            # The Triton kernels compute in float32: a float64 bucket runs on the torch backend, in float64.
+            message = (
+                f"PowerSGD: bucket {index} holds float64 gradients; the Triton kernels compute in float32, so this "
+                "bucket runs on the torch backend, in float64 (error memory, P and Q in float64)"
+            )
+            if self.backend == "triton":
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+            else:
+                logger.info(message)
+            mem.backend = "torch"
         if mem.backend == "triton":
             from .autotune import configs_for_layout
 
@@ -498,6 +638,74 @@ class PowerSGDState:
         return mem
 
     # ------------------------------------------------------------------ per-parameter memory migration
+    def _name_params(self, params) -> None:
+        """Make sure the bound model names ``params`` (a bucket's parameters): when one is unnamed, find the
+        DistributedDataParallel this state is registered on and bind its module (:func:`_registered_module`).
+
+        This is what lets PyTorch's own resume recipe (``state_dict()`` or pickling, a fresh DDP,
+        ``register_comm_hook(loaded_state, hook)``) keep the memory: the saved state records which parameter each
+        matrix belongs to, and the loaded memory follows its parameters into the fresh DDP's buckets, whose order
+        differs from the trained DDP's. One scan of the garbage collector's objects, only when names are needed
+        and missing, and not again for parameters it could not name.
+        """
+        if params is None:
+            return
+        unnamed = [p for p in params if self._param_name(p) is None]
+        if not unnamed or all(self._unnameable.get(id(p), lambda: None)() is p for p in unnamed):
+            return
+        module = _registered_module(self, params)
+        if module is not None:
+            self._bind_model(module)
+        for p in params:
+            if self._param_name(p) is None:
+                self._unnameable[id(p)] = weakref.ref(p)
+
+    def _follow_batched(self, layout: BucketLayout, params, segments, buffer: torch.Tensor) -> Optional[BucketMemory]:
+        """The batched hook's memory for a bucket holding exactly the parameters a memory was built for, in any
+        order; None when there is none (the caller resets the bucket, with a warning if it had memory).
+
+        The batched hook compresses the bucket's gradients back to back as one matrix, so its memory belongs to the
+        parameters in one order (``order_params``). A fresh DDP holds them in registration order on its first
+        iteration and in the saved (gradient-ready) order after it rebuilds its buckets: the memory is kept, with
+        ``order`` telling the hook where each gradient lies in the live bucket (it computes on a copy in the
+        memory's order, then writes the result back), exact as an uninterrupted run. A bucket that holds other
+        parameters than any memory (DDP partitioned several buckets differently) cannot be followed.
+        """
+        if params is None or segments is None:
+            return None
+        ids = set(segments)
+        signature = repr(layout.signature)
+        found = None
+        for old in list(self.buckets.values()) + list(self._retired):
+            if old.p is None or old.signature != signature:
+                continue
+            if old.layout is not None:
+                order = old.order_params if old.layout.batched else None
+            elif old.matrices is None and old.param_names is not None:
+                order = tuple(self._params_by_name.get(n) if n is not None else None for n in old.param_names)
+                if any(p is None or self._param_name(p) is None for p in order):
+                    order = None
+                elif old.shapes is not None and old.shapes != tuple(tuple(p.shape) for p in order):
+                    order = None
+            else:
+                order = None
+            if order is not None and len(order) == len(ids) and {id(p) for p in order} == ids:
+                found = (old, order)
+                break
+        if found is None:
+            return None
+        old, order = found
+        new = BucketMemory()
+        new.error, new.p, new.q = old.error, old.p, old.q
+        new.q_initialized, new.phase = old.q_initialized, old.phase
+        self._adopt_loaded(new, layout, buffer)  # on the bucket's device and dtype; a fresh q_work
+        new.order_params = tuple(order)
+        runs = [segments[id(p)] for p in order]
+        new.order = None if runs == sorted(runs) else runs
+        logger.info("PowerSGD: the batched memory of %s parameters followed them into a bucket in %s order",
+                    len(order), "the same" if new.order is None else "another")
+        return new
+
     def _bind_model(self, model) -> None:
         """Remember the names of ``model``'s parameters (a DDP module is unwrapped).
 
@@ -689,7 +897,7 @@ class PowerSGDState:
         return [self._param_name(params[s.grad_index]) or f"gradient {s.grad_index}" for s in layout.matrices]
 
     def _allocate(self, mem: BucketMemory, layout: BucketLayout, buffer: torch.Tensor) -> None:
-        f32 = dict(device=buffer.device, dtype=torch.float32)
+        f32 = dict(device=buffer.device, dtype=_state_dict.memory_dtype(buffer.dtype))
         mem.error = torch.zeros(layout.e_numel, **f32) if self.use_error_feedback else None
         mem.p = torch.zeros(layout.p_numel, **f32)
         mem.q = torch.zeros(layout.q_numel, **f32)
@@ -698,7 +906,7 @@ class PowerSGDState:
 
     def _adopt_loaded(self, mem: BucketMemory, layout: BucketLayout, buffer: torch.Tensor) -> None:
         """Move loaded memory onto the bucket's device; allocate whatever the load did not provide."""
-        f32 = dict(device=buffer.device, dtype=torch.float32)
+        f32 = dict(device=buffer.device, dtype=_state_dict.memory_dtype(buffer.dtype))
 
         def fit(t: Optional[torch.Tensor], numel: int, zero: bool) -> torch.Tensor:
             if t is not None and t.numel() == numel:
@@ -719,9 +927,10 @@ class PowerSGDState:
         """The alternating hook's transient buffers for ``mem`` (once per layout; after a load, on first use)."""
         layout = mem.layout
         factor = max(layout.p_numel, layout.q_numel)
-        f32 = dict(device=buffer.device, dtype=torch.float32)
+        f32 = dict(device=buffer.device, dtype=_state_dict.memory_dtype(buffer.dtype))
         numel = factor + layout.uncompressed_numel
-        if mem.comm is None or mem.comm.numel() != numel or mem.comm.device != buffer.device:
+        if mem.comm is None or mem.comm.numel() != numel or mem.comm.device != buffer.device or \
+                mem.comm.dtype != f32["dtype"]:
             mem.comm = torch.empty(numel, **f32)
             mem.local = torch.empty(factor, **f32) if mem.error is not None else None
             mem.p_work = torch.empty(layout.p_numel, **f32)
@@ -753,7 +962,7 @@ class PowerSGDState:
             else:
                 for s in layout.matrices:
                     chunks.append(torch.randn(1, s.m, s.rank, device="cpu", dtype=dtype))
-        host = torch.cat([c.reshape(-1) for c in chunks]).to(torch.float32)
+        host = torch.cat([c.reshape(-1) for c in chunks]).to(mem.q.dtype)
         mem.q.copy_(host)
 
     # ------------------------------------------------------------------ persistence
@@ -770,18 +979,25 @@ class PowerSGDState:
         name, keys, pos, has_gauss, cached = self.rng.get_state()
         buckets = {}
         for index, mem in self.buckets.items():
+            shapes = None
             if mem.layout is not None:
+                # the parameters the memory belongs to, in its order (the batched hook's may differ from the bucket's)
+                params = mem.order_params if mem.layout.batched else mem.params
+                self._name_params(params)
                 names = None
-                if mem.params is not None and self._params_by_name:
-                    names = [self._param_name(p) for p in mem.params]
+                if params is not None and self._params_by_name:
+                    names = [self._param_name(p) for p in params]
                 matrices = None
                 if not mem.layout.batched:
                     matrices = [
                         [s.grad_index, s.n, s.m, s.rank, s.p_offset, s.q_offset, s.e_offset] for s in mem.layout.matrices
                     ]
+                elif params is not None:
+                    shapes = [list(p.shape) for p in params]
             else:  # loaded, not adopted yet: pass through what was loaded
                 names = None if mem.param_names is None else list(mem.param_names)
                 matrices = None if mem.matrices is None else [list(r) for r in mem.matrices]
+                shapes = None if mem.shapes is None else [list(x) for x in mem.shapes]
             buckets[int(index)] = {
                 "signature": mem.signature,
                 "error": None if mem.error is None else mem.error.detach(),
@@ -793,6 +1009,9 @@ class PowerSGDState:
                 # where each compressed matrix's memory lies: lets the memory follow its parameters on resume
                 "param_names": names,
                 "matrices": matrices,
+                # batched hook: the gradient shapes its memory was built for, in order (a memory without names is
+                # adopted only by a bucket with these shapes in this order)
+                "shapes": shapes,
             }
         return {
             "version": _STATE_DICT_VERSION,
@@ -817,21 +1036,21 @@ class PowerSGDState:
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (the hyper-parameters stay the constructor's).
 
+        Every entry is checked first (:func:`powersgd_triton._state_dict.check_state_dict`): each bucket's error,
+        P and Q against the layout its signature describes (shape, dtype, every value finite), its packing table,
+        parameter names, phase; the RNG state and the counters. Nothing is changed unless all of it is valid.
+
         The loaded memory is adopted on each bucket's next compressed step if the bucket still has the layout it
-        was saved with (else it is reset, with a warning); tensors are copied, and moved to the bucket's device then.
+        was saved with, or follows its parameters into the buckets of a fresh DDP (when the saved state knows their
+        names); else it is reset, with a warning. Tensors are copied, and moved to the bucket's device then.
 
         Raises:
             TypeError: ``state_dict`` is not a dict.
-            ValueError: a state dict of another format version, or a malformed bucket entry.
+            ValueError: a state dict of another format version; a missing or malformed field; a bucket tensor of
+                the wrong shape or dtype, or holding NaN/inf (named: bucket index and key).
         """
-        if not isinstance(state_dict, dict):
-            raise TypeError(
-                f"load_state_dict needs the dict that state_dict() returned, got {type(state_dict).__name__}"
-            )
-        version = state_dict.get("version")
-        if version != _STATE_DICT_VERSION:
-            raise ValueError(f"unsupported PowerSGDState state_dict version {version!r}")
-        saved = state_dict.get("config", {})
+        checked = _state_dict.check_state_dict(state_dict, _STATE_DICT_VERSION)
+        saved = checked["config"]
         differing = sorted(
             k for k, v in saved.items()
             if k in _HYPERPARAMETERS and getattr(self, k) != v
@@ -844,42 +1063,27 @@ class PowerSGDState:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        rng = state_dict["rng"]
-        self.rng.set_state(
-            (
-                rng["name"],
-                np.asarray(rng["keys"], dtype=np.uint32),
-                int(rng["pos"]),
-                int(rng["has_gauss"]),
-                float(rng["cached_gaussian"]),
-            )
-        )
-        self.iter = int(state_dict["iter"])
-        self.total_numel_before_compression = int(state_dict["total_numel_before_compression"])
-        self.total_numel_after_compression = int(state_dict["total_numel_after_compression"])
-        self.next_stats_report = int(state_dict["next_stats_report"])
+        self.rng.set_state(checked["rng"])
+        self.iter = checked["iter"]
+        self.total_numel_before_compression = checked["total_numel_before_compression"]
+        self.total_numel_after_compression = checked["total_numel_after_compression"]
+        self.next_stats_report = checked["next_stats_report"]
         self.buckets = {}
         self._retired = []
         self._seen = set()
         self._layout_changed = False
-        self._loaded_world_size = state_dict.get("world_size")
-        self._loaded_rank = state_dict.get("rank")
-        for index, saved_mem in state_dict["buckets"].items():
+        self._loaded_world_size = checked["world_size"]
+        self._loaded_rank = checked["rank"]
+        for index, entry in checked["buckets"].items():
             mem = BucketMemory()
-            mem.signature = saved_mem["signature"]
-            names = saved_mem.get("param_names")
-            mem.param_names = None if names is None else tuple(names)
-            matrices = saved_mem.get("matrices")
-            mem.matrices = None if matrices is None else [tuple(int(v) for v in row) for row in matrices]
-            for name in ("error", "p", "q"):
-                t = saved_mem.get(name)
-                setattr(mem, name, None if t is None else t.detach().clone())
-            mem.q_initialized = bool(saved_mem["q_initialized"]) and mem.q is not None
-            phase = saved_mem.get("phase", "p")  # absent in state dicts saved before the alternating hook
-            if phase not in ("p", "q"):
-                raise ValueError(f"bucket {index}: phase must be 'p' or 'q', got {phase!r}")
-            mem.phase = phase
-            self.buckets[int(index)] = mem
+            mem.signature = entry["signature"]
+            mem.param_names = entry["param_names"]
+            mem.matrices = entry["matrices"]
+            mem.shapes = entry["shapes"]
+            mem.error, mem.p, mem.q = entry["error"], entry["p"], entry["q"]
+            mem.q_initialized = entry["q_initialized"]
+            mem.phase = entry["phase"]
+            self.buckets[index] = mem
 
     def __getstate__(self) -> Dict[str, Any]:
         """Pickle everything but the process group (see :meth:`state_dict`)."""

@@ -131,6 +131,8 @@ def test_failing_rank_fails_the_run_promptly():
         (["--steps", "0"], "--steps must be at least 1"),
         (["--rank", "0"], "--rank (PowerSGD matrix approximation rank) must be at least 1"),
         (["--lr", "-1"], "must be positive"),
+        (["--lr", "inf"], "must be a finite number"),
+        (["--timeout", "nan"], "must be positive"),
         (["--hook", "nope"], "invalid choice: 'nope'"),
         (["--compare", "powersgd,foo"], "expected a comma-separated list"),
         (["--workload", "cifar"], "invalid choice: 'cifar'"),
@@ -207,3 +209,34 @@ def test_triton_kernels_without_interpreter_on_cpu_is_a_clear_error(monkeypatch,
     monkeypatch.setattr(_env, "interpreter_enabled", lambda: False)
     assert cli.main(["train", "--kernels", "triton", "--steps", "3"]) == 2
     assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["m" * 250 + ".json", "m" * 260 + ".json"], ids=["writer_temp_too_long", "too_long"])
+def test_out_that_cannot_be_created_is_refused_before_training(tmp_path, monkeypatch, capsys, name):
+    """The directory exists and is writable, but the file system refuses the name: the writer's temporary file
+    (``<name>.<random>.tmp``) or the file itself. Main passed the up-front check, trained, then lost the run to a
+    traceback from the atomic writer; now the probe (create, then remove) refuses it before training."""
+    from powersgd_triton.cli import main
+    from powersgd_triton.train import loop
+
+    def trained(cfg):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(loop, "run_training", trained)
+    code = main(["train", "--hook", "allreduce", "--world-size", "1", *SHORT, "--out", str(tmp_path / name)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "powersgd-triton train: error: --out" in err and "cannot create" in err, err
+    assert os.listdir(tmp_path) == []  # the probe left nothing behind
+
+
+def test_out_probe_keeps_an_existing_file_and_leaves_nothing(tmp_path, monkeypatch):
+    from powersgd_triton.cli import main
+    from powersgd_triton.train import loop
+
+    monkeypatch.setattr(loop, "run_training", lambda cfg: None)  # no metrics come back: nothing is written
+    existing = tmp_path / "old.json"
+    existing.write_text('{"kept": true}\n')
+    assert main(["train", "--hook", "allreduce", "--world-size", "1", *SHORT, "--out", str(existing)]) == 0
+    assert main(["train", "--hook", "allreduce", "--world-size", "1", *SHORT, "--out", str(tmp_path / "new.json")]) == 0
+    assert existing.read_text() == '{"kept": true}\n' and os.listdir(tmp_path) == ["old.json"]

@@ -7,6 +7,7 @@ Without torchrun the command starts ``--world-size`` ranks itself on 127.0.0.1 (
 import argparse
 import os
 import sys
+import tempfile
 from typing import Any, Dict, List
 
 from ..cli import positive, text_table
@@ -48,7 +49,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _check_out_path(path: str) -> None:
-    """``ValueError`` before training when ``--out`` could not be written afterwards."""
+    """``ValueError`` before training when ``--out`` could not be written afterwards.
+
+    Besides the directory checks, it does now what the atomic writer will do after training: create a temporary
+    file named after ``path`` in its directory, and (when ``path`` does not exist yet) rename it onto ``path``; both
+    are removed again. A name the file system refuses (too long), a read-only or full file system, a directory
+    that ``os.access`` calls writable but is not (root, network file systems) fail here, not after the run. An
+    existing file at ``path`` is left as it is until the metrics replace it.
+    """
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"--out {path} is a directory; give a file name such as {os.path.join(path, 'metrics.json')}")
@@ -57,6 +65,22 @@ def _check_out_path(path: str) -> None:
         raise ValueError(f"--out {path}: its directory {parent} {what}")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"--out {path}: its directory {parent} is not writable")
+    try:  # the temporary file of autotune.cache.atomic_write_json
+        fd, probe = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=parent)
+    except OSError as exc:
+        raise ValueError(f"--out {path}: cannot create a file in {parent} ({exc.strerror or exc})") from None
+    os.close(fd)
+    try:
+        if not os.path.lexists(path):
+            os.replace(probe, path)  # the writer's final rename, tried now
+            probe = path
+    except OSError as exc:
+        raise ValueError(f"--out {path}: cannot create the file ({exc.strerror or exc})") from None
+    finally:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
