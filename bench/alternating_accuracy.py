@@ -25,18 +25,20 @@ import statistics
 import sys
 from typing import Dict, List, Tuple
 
+from powersgd_triton.cli import add_rank_option
 from powersgd_triton.train.loop import TrainConfig, run_training
 
-# (hook, rank as a multiple of --rank): the acceptance pair first, then the equal-bytes pairs.
+# (hook, matrix approximation rank as a multiple of --matrix-approximation-rank): the acceptance pair first, then
+# the equal-bytes pairs.
 VARIANTS: Tuple[Tuple[str, float], ...] = (("powersgd", 1), ("alternating", 1), ("alternating", 2), ("powersgd", 0.5))
 
 
 def measure(workload: str, seed: int, hook: str, rank: int, steps, world_size: int) -> Dict:
-    cfg = TrainConfig(workload=workload, hooks=(hook,), rank=rank, seed=seed, steps=steps, world_size=world_size,
-                      progress=False)
+    cfg = TrainConfig(workload=workload, hooks=(hook,), matrix_approximation_rank=rank, seed=seed, steps=steps,
+                      world_size=world_size, progress=False)
     run = run_training(cfg)["runs"][hook]
     return {
-        "workload": workload, "seed": seed, "hook": hook, "rank": rank, "steps": run["steps"],
+        "workload": workload, "seed": seed, "hook": hook, "matrix_approximation_rank": rank, "steps": run["steps"],
         "accuracy": run["final_test_accuracy"], "loss": run["final_test_loss"],
         "bits_per_char": run.get("final_test_bits_per_char"),
         "bytes_per_step": run["allreduce_bytes_per_step"], "calls_per_step": run["allreduce_calls_per_step"],
@@ -45,13 +47,14 @@ def measure(workload: str, seed: int, hook: str, rank: int, steps, world_size: i
 
 def table(rows: List[Dict], base_rank: int) -> str:
     charlm = rows[0]["workload"] == "charlm"
-    head = "| hook | rank | accuracy per seed | mean | " + ("bits/char mean" if charlm else "loss mean") + \
+    head = "| hook | approx. rank | accuracy per seed | mean | " + ("bits/char mean" if charlm else "loss mean") + \
         " | all-reduced/step | calls/step | mean diff vs powerSGD_hook rank %d |" % base_rank
     lines = [head, "|" + "---|" * 8]
-    base = {r["seed"]: r["accuracy"] for r in rows if r["hook"] == "powersgd" and r["rank"] == base_rank}
+    base = {r["seed"]: r["accuracy"] for r in rows
+            if r["hook"] == "powersgd" and r["matrix_approximation_rank"] == base_rank}
     for hook, mult in VARIANTS:
         rank = max(1, int(base_rank * mult))
-        sel = [r for r in rows if r["hook"] == hook and r["rank"] == rank]
+        sel = [r for r in rows if r["hook"] == hook and r["matrix_approximation_rank"] == rank]
         if not sel:
             continue
         accs = [r["accuracy"] for r in sel]
@@ -91,7 +94,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", nargs="+", default=["digits", "charlm"], choices=["digits", "mnist5k", "charlm"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--rank", type=int, default=4, help="the acceptance rank r")
+    add_rank_option(p, type=int, default=4, metavar="R", help="the acceptance rank r (PowerSGD's matrix approximation "
+                    "rank, not a process rank)")
     p.add_argument("--steps", type=int, default=None, help="total steps (default: the workload's)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--json", default=None, help="also write every run's numbers here")
@@ -100,22 +104,25 @@ def main(argv=None) -> int:
     p.add_argument("--approximation-steps", type=int, default=60)
     args = p.parse_args(argv)
     if args.approximation:
+        r = args.matrix_approximation_rank
         for workload in args.workloads:
-            print(f"{workload}, rank {args.rank}, {args.approximation_steps} steps (first 10 not averaged):")
-            print(approximation_table(workload, args.rank, args.approximation_steps, args.world_size))
+            print(f"{workload}, matrix approximation rank {r}, {args.approximation_steps} steps "
+                  "(first 10 not averaged):")
+            print(approximation_table(workload, r, args.approximation_steps, args.world_size))
         return 0
-    if args.rank < 2:
-        p.error("--rank must be at least 2 (the equal-bytes pair runs the standard hook at rank r/2)")
+    if args.matrix_approximation_rank < 2:
+        p.error("--matrix-approximation-rank must be at least 2 (the equal-bytes pair runs the standard hook at "
+                "rank r/2)")
     rows = []
     for workload in args.workloads:
         for seed in args.seeds:
             for hook, mult in VARIANTS:
-                rank = max(1, int(args.rank * mult))
+                rank = max(1, int(args.matrix_approximation_rank * mult))
                 row = measure(workload, seed, hook, rank, args.steps, args.world_size)
                 print(f"{workload} seed {seed} {hook} rank {rank}: accuracy {row['accuracy']:.4f}", flush=True)
                 rows.append(row)
         print()
-        print(table([r for r in rows if r["workload"] == workload], args.rank))
+        print(table([r for r in rows if r["workload"] == workload], args.matrix_approximation_rank))
         print()
     if args.json:
         with open(args.json, "w") as f:

@@ -8,7 +8,7 @@ Smoke set for CI (tiny shapes, every benchmark body runs once, no timing)::
 
     PYTHONPATH=. python -m pytest bench/ --quick --benchmark-disable
 
-Options: ``--bench-models resnet50,gpt2`` ``--bench-ranks 1,4,16`` ``--bench-dtypes fp32,bf16``
+Options: ``--bench-models resnet50,gpt2`` ``--bench-matrix-approximation-ranks 1,4,16`` ``--bench-dtypes fp32,bf16``
 ``--bench-kernels project,reconstruct`` ``--bench-rounds 3`` ``--bench-report FILE.md`` (writes the ratio tables) and
 ``--bench-skip-kernels`` / ``--bench-skip-hooks``. ``POWERSGD_BENCH_THREADS=N`` sets torch's CPU threads.
 
@@ -43,7 +43,8 @@ def pytest_addoption(parser):
     g.addoption("--quick", action="store_true", default=False,
                 help="smoke set: ResNet-50 shapes shrunk 8x, rank 4, fp32 and bf16 (no timing claims)")
     g.addoption("--bench-models", default=None, help="comma list of models (resnet50,bert-base,gpt2,vit-b16)")
-    g.addoption("--bench-ranks", default=None, help="comma list of ranks (default 1,4,16)")
+    g.addoption("--bench-matrix-approximation-ranks", "--bench-ranks", dest="bench_ranks", default=None,
+                help="comma list of PowerSGD matrix approximation ranks r (default 1,4,16; --bench-ranks: old name)")
     g.addoption("--bench-dtypes", default=None, help="comma list of fp32,bf16,fp16 (default fp32,bf16)")
     g.addoption("--bench-kernels", default=None, help="comma list of bucket kernels")
     g.addoption("--bench-rounds", type=int, default=3, help="timed rounds per benchmark (default 3)")
@@ -63,7 +64,7 @@ class BenchConfig:
             return tuple(conv(x) for x in raw.split(",") if x) if raw else default
 
         self.models = pick("--bench-models", base["models"])
-        self.ranks = pick("--bench-ranks", base["ranks"], int)
+        self.ranks = pick("bench_ranks", base["ranks"], int)
         self.dtypes = pick("--bench-dtypes", base["dtypes"])
         self.kernels = pick("--bench-kernels", B.KERNELS)
         self.rounds = 1 if self.quick else max(1, opt("--bench-rounds"))

@@ -51,6 +51,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RANK = "matrix_approximation_rank"  # the key of PowerSGD's r in every row (not a process rank)
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -355,7 +356,7 @@ def check_kernel(variant, kind, dtype, rank, gen):
     err = B.random_buffer(lay.e_numel, f32, DEVICE, gen, scale=0.1)
     outside = _outside_mask(lay)
     before = buf.clone()
-    res = dict(variant=variant, layout=kind, dtype=str(dtype).replace("torch.", ""), rank=rank,
+    res = dict(variant=variant, layout=kind, dtype=str(dtype).replace("torch.", ""), **{RANK: rank},
                matrices=lay.num_matrices, numel=lay.numel)
     checks = {}  # name -> (rel err, tolerance)
     nonfinite = 0
@@ -519,7 +520,7 @@ def section_correctness():
             r = check_kernel(variant, kind, dtype, rank, gen)
         except Exception as exc:
             item_error("correctness", key, exc)
-            rows.append(dict(variant=variant, layout=kind, dtype=str(dtype)[6:], rank=rank, ok=False,
+            rows.append(dict(variant=variant, layout=kind, dtype=str(dtype)[6:], **{RANK: rank}, ok=False,
                              error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             continue
         r["seconds"] = round(time.time() - t0, 2)
@@ -687,7 +688,7 @@ def check_special(variant, dtype, rank, gen):
             outs["unpacked"] = (buf[idx], src.double() * 0.5)
     else:
         raise ValueError(variant)
-    res = dict(variant=variant, dtype=str(dtype).replace("torch.", ""), rank=rank, placed=placed, checks={})
+    res = dict(variant=variant, dtype=str(dtype).replace("torch.", ""), **{RANK: rank}, placed=placed, checks={})
     ok = True
     kinds = {"P": "p", "Q": "q", "E": "e", "bucket": "m"}
     for name, (ours, ref) in outs.items():
@@ -724,7 +725,7 @@ def section_nonfinite():
             r = check_special(variant, dtype, rank, gen)
         except Exception as exc:
             item_error("nonfinite", key, exc)
-            rows.append(dict(variant=variant, dtype=str(dtype)[6:], rank=rank, ok=False,
+            rows.append(dict(variant=variant, dtype=str(dtype)[6:], **{RANK: rank}, ok=False,
                              error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             continue
         r["seconds"] = round(time.time() - t0, 2)
@@ -804,7 +805,7 @@ def kernel_rows(model, dtype, rank, with_pytorch, cap):
                 nbytes = kb.bytes(kernel)
                 gbs = nbytes / t["median_ms"] / 1e6
                 row = dict(model=model, bucket=d["index"], occurs=d["count"], bucket_bytes=d["nbytes"],
-                           is_25mb=_is_25mb(d["nbytes"]), dtype=str(dtype)[6:], rank=rank, kernel=kernel,
+                           is_25mb=_is_25mb(d["nbytes"]), dtype=str(dtype)[6:], **{RANK: rank}, kernel=kernel,
                            impl=impl, matrices=kb.layout.num_matrices, bytes=nbytes, **t, gb_s=gbs,
                            frac_copy=(gbs / cbw) if cbw else None)
                 if impl == "ours":  # PERFORMANCE MODEL: its prediction beside the measurement (None without it)
@@ -903,7 +904,7 @@ def hook_case(model, rank, dtype, cap):
     rows = RESULTS["sections"].setdefault("hooks", {}).setdefault("rows", [])
     pg = _pg_backend()
     gen = generator()
-    case = dict(model=model, rank=rank, dtype=str(dtype)[6:], process_group=pg)
+    case = dict(model=model, **{RANK: rank}, dtype=str(dtype)[6:], process_group=pg)
     times = {}
     for impl in ("pytorch", "ours"):
         if time.time() > cap or left() < RESERVE["hooks"]:
@@ -1436,7 +1437,7 @@ def summary() -> str:
             for r in bad[:40]:
                 detail = r.get("error") or ", ".join(f"{k}={v:.2e}" for k, v in r.get("checks", {}).items())
                 detail += f", nonfinite={r.get('nonfinite')}" if "nonfinite" in r else ""
-                lines.append(f"| {r['variant']} | {r['layout']} | {r['dtype']} | {r['rank']} | {detail} |")
+                lines.append(f"| {r['variant']} | {r['layout']} | {r['dtype']} | {r[RANK]} | {detail} |")
     nf = S.get("nonfinite")
     if nf:
         lines += ["", f"## Non-finite inputs (inf, NaN payloads): {nf.get('passed', 0)} passed, {nf.get('failed', 0)} "
@@ -1449,12 +1450,12 @@ def summary() -> str:
                   "| --- | --- | --- | --- | --- | --- |"]
         for r in nf.get("cases", []):
             if "error" in r:
-                lines.append(f"| {r['variant']} | {r['dtype']} | {r['rank']} | ERROR | {r['error'][:120]} | |")
+                lines.append(f"| {r['variant']} | {r['dtype']} | {r[RANK]} | ERROR | {r['error'][:120]} | |")
                 continue
             detail = "; ".join(f"{k} {c['nonfinite_expected']}/{c['missed']}/{c['spurious']}"
                                + (f" (+{c['spurious_within']})" if c.get("spurious_within") else "")
                                for k, c in r["checks"].items())
-            lines.append(f"| {r['variant']} | {r['dtype']} | {r['rank']} | {'ok' if r['ok'] else 'FAIL'} | {detail} | "
+            lines.append(f"| {r['variant']} | {r['dtype']} | {r[RANK]} | {'ok' if r['ok'] else 'FAIL'} | {detail} | "
                          f"{', '.join(r.get('placed', []))[:160]} |")
     k = S.get("kernels", {}).get("rows")
     if k:
@@ -1464,11 +1465,11 @@ def summary() -> str:
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         keys = []
         for r in k:
-            kk = (r["model"], r["dtype"], r["rank"], r["kernel"])
+            kk = (r["model"], r["dtype"], r[RANK], r["kernel"])
             if kk not in keys:
                 keys.append(kk)
         for kk in keys:
-            sel = [r for r in k if (r["model"], r["dtype"], r["rank"], r["kernel"]) == kk and r["is_25mb"]]
+            sel = [r for r in k if (r["model"], r["dtype"], r[RANK], r["kernel"]) == kk and r["is_25mb"]]
             ours = [r for r in sel if r["impl"] == "ours"]
             pt = [r for r in sel if r["impl"] == "pytorch"]
             if not ours:
@@ -1494,7 +1495,7 @@ def summary() -> str:
                       "| model | bucket | MB | dtype | r | kernel | GB/s | % of copy |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
             for r in big:
                 lines.append(f"| {r['model']} | {r['bucket']} | {r['bucket_bytes'] / 2**20:.0f} | {r['dtype']} | "
-                             f"{r['rank']} | {r['kernel']} | {r['gb_s']:.0f} | "
+                             f"{r[RANK]} | {r['kernel']} | {r['gb_s']:.0f} | "
                              f"{_fmt(100 * r['frac_copy'] if r.get('frac_copy') else None, '.0f')} |")
     h = S.get("hooks", {}).get("rows")
     if h:
@@ -1503,10 +1504,10 @@ def summary() -> str:
                   "Triton launches | ATen compute ops | all-reduces (bytes) | held | peak extra |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in h:
-            other = [x for x in h if (x["model"], x["rank"], x["dtype"]) == (r["model"], r["rank"], r["dtype"])
+            other = [x for x in h if (x["model"], x[RANK], x["dtype"]) == (r["model"], r[RANK], r["dtype"])
                      and x["impl"] == "pytorch"]
             ratio = other[0]["median_ms"] / r["median_ms"] if (other and r["impl"] == "ours") else None
-            lines.append(f"| {r['model']} | {r['rank']} | {r['dtype']} | {r['variant']} | {r['median_ms']:.3f} | "
+            lines.append(f"| {r['model']} | {r[RANK]} | {r['dtype']} | {r['variant']} | {r['median_ms']:.3f} | "
                          f"{_fmt(r.get('model_ms'), '.3f')} | {_fmt(ratio, '.2f')} | {_fmt(r.get('kernels_per_step'), 'd')} | "
                          f"{_fmt(r.get('triton_launches'), 'd')} | {_fmt(r.get('aten_compute'), 'd')} | "
                          f"{_fmt(r.get('allreduce_calls'), 'd')} ({B.fmt_bytes(r.get('allreduce_bytes'))}) | "

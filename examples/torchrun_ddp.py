@@ -14,7 +14,8 @@ resumes from ``DIR/latest`` and ends with the same parameters as an uninterrupte
         --checkpoint-dir ckpt2 --fail-at-step 25   # rank 1 dies once at step 25; torchrun restarts, it resumes
 
 Options: ``--hook powersgd|alternating|batched|allreduce`` (resumes are exact for the first two; the batched hook
-restarts its memory with a warning), ``--rank`` (PowerSGD matrix approximation rank), ``--start-iter``,
+restarts its memory with a warning), ``--matrix-approximation-rank`` (PowerSGD's r, not a process rank; ``--rank``
+still works and warns), ``--start-iter``,
 ``--checkpoint-every``, ``--bucket-cap-mb``, ``--device cpu|cuda``, ``--out final.pt`` (rank 0 saves the final
 parameters and a summary). Only ``powersgd_triton`` and ``torch`` are needed.
 """
@@ -31,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
 from powersgd_triton.checkpoint import load_hook_state, save_hook_state
+from powersgd_triton.cli import DeprecatedAlias
 from powersgd_triton.integrations import register
 
 IN, HIDDEN, OUT = 64, 128, 16
@@ -40,7 +42,10 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40, help="total optimizer steps")
     ap.add_argument("--hook", choices=("powersgd", "alternating", "batched", "allreduce"), default="powersgd")
-    ap.add_argument("--rank", type=int, default=2, help="PowerSGD matrix approximation rank")
+    ap.add_argument("--matrix-approximation-rank", "--approx-rank", dest="matrix_approximation_rank", type=int,
+                    default=2, help="PowerSGD's matrix approximation rank r (not the process rank)")
+    ap.add_argument("--rank", dest="matrix_approximation_rank", type=int, action=DeprecatedAlias,
+                    replacement="--matrix-approximation-rank", help=argparse.SUPPRESS)
     ap.add_argument("--start-iter", type=int, default=5, help="start_powerSGD_iter")
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
     ap.add_argument("--lr", type=float, default=0.05)
@@ -124,7 +129,7 @@ def main(argv=None):
     ddp = DDP(model, **kwargs)
     state = None
     if args.hook != "allreduce":
-        state = PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
+        state = PowerSGDState(process_group=None, matrix_approximation_rank=args.matrix_approximation_rank,
                               start_powerSGD_iter=args.start_iter, random_seed=args.seed)
         hooks = {"powersgd": powerSGD_hook, "alternating": alternating_powerSGD_hook, "batched": batched_powerSGD_hook}
         register(ddp, state, hooks[args.hook])

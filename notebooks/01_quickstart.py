@@ -217,7 +217,8 @@ from powersgd_triton.train.cli import format_table  # noqa: E402
 
 cuda_ranks = DEVICE.type == "cuda" and torch.cuda.device_count() >= 2
 result = run_training(TrainConfig(workload="digits", hooks=("powersgd", "reference", "allreduce"), world_size=2,
-                                  rank=2, steps=STEPS * 2, device="cuda" if cuda_ranks else "cpu", progress=False))
+                                  matrix_approximation_rank=2, steps=STEPS * 2, device="cuda" if cuda_ranks else "cpu",
+                                  progress=False))
 print(format_table(result))
 
 # %% [markdown]

@@ -112,7 +112,7 @@ for model in MODELS:
                                 bucket_cap_mb=25.0 / s**2, first_bucket_mb=B.DDP_FIRST_BUCKET_MB / s**2,
                                 impls=IMPLS[1:])
 
-by = {(r["model"], r["rank"], r["impl"]): r for r in rows}
+by = {(r["model"], r["matrix_approximation_rank"], r["impl"]): r for r in rows}
 print(f"{'model':10s} {'r':>2s} {'buckets':>7s} {'hook':30s} {'ms (p20-p80)':>21s} {'PyTorch/this':>12s} "
       f"{'all-reduces':>11s} {'bytes':>9s}")
 for model in MODELS:

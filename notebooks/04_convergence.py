@@ -35,7 +35,7 @@
 # The same runs from a shell:
 #
 # ```
-# powersgd-triton train --workload digits --world-size 2 --rank 2 --compare powersgd,alternating,reference,allreduce
+# powersgd-triton train --workload digits --world-size 2 --matrix-approximation-rank 2 --compare powersgd,alternating,reference,allreduce
 # ```
 #
 # With `POWERSGD_NB_FULL=1` the notebook also runs the character-level LSTM (`--workload charlm`), the proxy of the
@@ -87,8 +87,8 @@ runs = {}  # (workload, label) -> metrics
 for workload, length in WORKLOADS.items():
     for r in RANKS:
         hooks = ("powersgd", "alternating", "reference") + (("allreduce",) if r == RANKS[0] else ())
-        cfg = TrainConfig(workload=workload, hooks=hooks, world_size=WORLD, rank=r, device=DEVICE, progress=False,
-                          **length)
+        cfg = TrainConfig(workload=workload, hooks=hooks, world_size=WORLD, matrix_approximation_rank=r, device=DEVICE,
+                          progress=False, **length)
         result = run_training(cfg)
         for hook, metrics in result["runs"].items():
             name = {"powersgd": "ours", "alternating": "alternating", "reference": "PyTorch"}.get(hook)

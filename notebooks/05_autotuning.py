@@ -186,7 +186,7 @@ if timed:
 else:
     print("No timings: this machine has no GPU and no shipped file holds measured configs. The speed-up of tuned "
           "over heuristic configs is measured on a GPU:\n"
-          "  powersgd-triton autotune --model resnet50 --rank 4 --dtype bf16\n"
+          "  powersgd-triton autotune --model resnet50 --matrix-approximation-rank 4 --dtype bf16\n"
           "prints it per shape class and per step; PowerSGDState(..., autotune=True) tunes during training instead.")
 
 # %% [markdown]

@@ -66,8 +66,8 @@ warnings.filterwarnings("ignore", message="IProgress not found")
 plt.rcParams.update({"figure.dpi": 80, "font.size": 8})
 
 DEVICE = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 4 else "cpu"
-cfg = TrainConfig(workload="charlm", fsdp=(2, 2), hooks=("powersgd", "alternating", "allreduce"), rank=4,
-                  start_iter=10, steps=None if FULL else 20, device=DEVICE, progress=False)
+cfg = TrainConfig(workload="charlm", fsdp=(2, 2), hooks=("powersgd", "alternating", "allreduce"),
+                  matrix_approximation_rank=4, start_iter=10, steps=None if FULL else 20, device=DEVICE, progress=False)
 result = run_training(cfg)
 runs = result["runs"]
 print(format_table(result))

@@ -5,22 +5,23 @@ World size 1 (an in-process gloo group; nccl on a GPU), DDP-like 25 MB buckets, 
 memory held and peak). Prints a markdown table; ``--json``/``--markdown`` also write it. For the pytest-benchmark
 tables see ``bench/``; for a full GPU check ``bench/gpu_check.py``.
 
-    powersgd-triton bench --models resnet50 --ranks 4 --dtypes fp32 --rounds 7
+    powersgd-triton bench --models resnet50 --matrix-approximation-ranks 4 --dtypes fp32 --rounds 7
 """
 
 import json
 
-from .cli import positive
+from .cli import RANK_HELP, add_rank_option, positive
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers):
     p = subparsers.add_parser("bench", help="time PyTorch's powerSGD_hook against ours (world size 1)",
                               description="Time PyTorch's powerSGD_hook against powersgd_triton's on real models' "
                               "buckets, side by side (world size 1, DDP-like 25 MB buckets, the two hooks in turn), "
                               "with ATen ops, all-reduce calls and bytes, and memory; prints a markdown table.")
     p.add_argument("--models", default="resnet50",
                    help="comma list of resnet50,bert-base,gpt2,vit-b16 (default resnet50)")
-    p.add_argument("--ranks", default="4", help="comma list of ranks (default 4)")
+    add_rank_option(p, plural=True, deprecated="--ranks", default="4", metavar="R,...",
+                    help=RANK_HELP + "; a comma list (default 4)")
     p.add_argument("--dtypes", default="fp32", help="comma list of fp32,bf16,fp16 (default fp32)")
     p.add_argument("--rounds", type=positive(int), default=5, help="timed rounds per hook (default 5)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
@@ -35,6 +36,7 @@ def add_parser(subparsers) -> None:
                         "--models/--ranks/--dtypes on --gpu, from the kernels compiled for it (no GPU needed)")
     p.add_argument("--gpu", default="h200", help="GPU spec of --model-only: h100 or h200 (default h200)")
     p.set_defaults(func=run)
+    return p
 
 
 def argparse_namespace(**kwargs):
@@ -60,14 +62,15 @@ def run(args) -> int:
     models = [m for m in args.models.split(",") if m]
     dtypes = [d for d in args.dtypes.split(",") if d]
     try:
-        ranks = [int(r) for r in args.ranks.split(",") if r]
+        ranks = [int(r) for r in args.matrix_approximation_ranks.split(",") if r]
     except ValueError:
-        return _usage(f"--ranks must be a comma list of integers, got {args.ranks!r}")
+        return _usage("--matrix-approximation-ranks must be a comma list of integers, got "
+                      f"{args.matrix_approximation_ranks!r}")
     bad = [m for m in models if m not in MODELS] + [d for d in dtypes if d not in B.DTYPES]
     if bad or not models or not dtypes or not ranks:
         return _usage(f"unknown or empty --models/--dtypes {bad}; models: {sorted(MODELS)}, dtypes: {sorted(B.DTYPES)}")
     if min(ranks) < 1:
-        return _usage("--ranks must be >= 1")
+        return _usage("--matrix-approximation-ranks must be >= 1")
     if getattr(args, "model_only", False):
         from . import perfmodel
 
@@ -103,16 +106,31 @@ def run(args) -> int:
                 r[k + "_h"] = B.fmt_bytes(r[k])
         if "speedup" in r:
             r["speedup_h"] = f"{r['speedup']:.2f}x"
-    cols = [("model", "model"), ("rank", "r"), ("dtype", "dtype"), ("variant", "hook"), ("buckets", "buckets"),
-            ("median_ms", "median ms"), ("p20_ms", "p20"), ("p80_ms", "p80"), ("speedup_h", "PyTorch/ours"),
-            ("aten_compute", "ATen compute ops"), ("allreduce_calls", "all-reduces"),
-            ("allreduce_bytes_h", "all-reduce bytes"), ("held_bytes_h", "held"), ("peak_extra_bytes_h", "peak extra")]
+        if "ops_backend" in r:
+            r["ops_backend_h"] = {"pytorch": "PyTorch's hook (ATen ops)", "torch": "our torch backend",
+                                  "triton": "our Triton kernels"}[r["ops_backend"]]
+    cols = [("model", "model"), ("matrix_approximation_rank", "approx. rank r"), ("dtype", "dtype"),
+            ("variant", "hook"), ("buckets", "buckets"), ("median_ms", "median ms"), ("p20_ms", "p20 ms"),
+            ("p80_ms", "p80 ms"), ("speedup_h", "PyTorch/ours")]
+    if not args.no_counts:
+        cols += [("ops_backend_h", "ran as"), ("aten_compute", "ATen compute ops/step"),
+                 ("triton_launches", "Triton launches/step"), ("allreduce_calls", "all-reduce calls/step"),
+                 ("allreduce_bytes_h", "all-reduced bytes/step"), ("held_bytes_h", "state held"),
+                 ("peak_extra_bytes_h", "peak extra memory")]
     head = (f"{env['date']}; {env['cpu']} ({env['cpus_usable']} CPUs usable, torch threads {env['torch_threads']}, "
             f"load {tuple(round(x, 1) for x in env.get('load_avg', ()))}); python {env['python']}, torch "
             f"{env['torch']}, triton {env.get('triton')}; device {device}"
             + (f" ({env.get('gpu')})" if device.type == "cuda" else "") + f"; process group {pg}; our backend "
             f"{backend}; {args.rounds} rounds in turn")
     table = B.markdown_table(rows, cols)
+    if not args.no_counts:
+        table += ("\n\nCounts are of one compressed step, measured. ATen compute ops: data-touching ATen ops "
+                  "dispatched (views and allocations not counted) by what the \"ran as\" column names"
+                  + ("; here ours ran its torch backend (the kernels' torch reference, what runs on CPU), so its "
+                     "count is that backend's; on a GPU ours runs its Triton kernels, counted as Triton launches "
+                     "(plus a few small torch ops)" if any(r.get("ops_backend") == "torch" for r in rows) else "")
+                  + ". Memory: state held after the step, and the peak allocated during it above what was allocated "
+                  "before.")
     print(head + "\n\n" + table)
     if args.markdown:
         with open(args.markdown, "w") as f:

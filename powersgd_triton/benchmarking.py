@@ -26,6 +26,9 @@ import datetime
 import math
 import os
 import platform
+import re
+import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -486,6 +489,61 @@ def count_step(step: Callable[[], None], *, hook_step: Optional[HookStep] = None
     )
 
 
+# What torch.profiler itself prints on every use, which a table must not be buried under: kineto's
+# ``USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start`` / ``profiler_stop`` (logged at kineto's highest
+# level, so KINETO_LOG_LEVEL=5 still shows it) and, with ``profile_memory=True``, c10's ``[W... CPUAllocator.cpp:245]
+# Memory block of unknown size was allocated before the profiling started`` (a LOG(WARNING) when the step frees a
+# tensor allocated before the profiler started -- a hook step always does; its level is fixed at import by
+# TORCH_CPP_LOG_LEVEL).
+_PROFILER_NOISE = re.compile(r"SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)"
+                             r"|CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the profiling")
+
+
+@contextlib.contextmanager
+def quiet_profiler():
+    """Run ``torch.profiler`` without its own chatter on stderr (see ``_PROFILER_NOISE``); everything else written
+    to stderr meanwhile is passed on afterwards, in order.
+
+    Kineto reads ``KINETO_LOG_LEVEL`` once, when the process first profiles: unless the user set it, it is set to 6
+    (above kineto's levels; kineto's own errors are hidden too, the measurement then reports nothing) for that
+    first start and removed again. The c10 warning cannot be turned off once torch is imported: file descriptor 2 is
+    sent to a temporary file for the duration and the known lines are dropped from it.
+    """
+    set_level = "KINETO_LOG_LEVEL" not in os.environ
+    if set_level:
+        os.environ["KINETO_LOG_LEVEL"] = "6"
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # pragma: no cover - a closed or odd stream
+            pass
+    try:
+        saved = os.dup(2)
+    except OSError:  # pragma: no cover - no file descriptor 2
+        saved = None
+    with tempfile.TemporaryFile() as tmp:
+        if saved is not None:
+            os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            except Exception:  # pragma: no cover
+                pass
+            if saved is not None:
+                os.dup2(saved, 2)
+                os.close(saved)
+            if set_level:
+                os.environ.pop("KINETO_LOG_LEVEL", None)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().decode(errors="replace").splitlines(True)
+                    if not _PROFILER_NOISE.search(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def count_cuda_kernels(step: Callable[[], None]) -> dict:
     """Device-side activity of one ``step()`` from ``torch.profiler`` (CUDA): kernels, memcpys, memsets.
 
@@ -496,7 +554,7 @@ def count_cuda_kernels(step: Callable[[], None]) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     kernels, memcpy, memset, launches_api = 0, 0, 0, 0
@@ -591,7 +649,7 @@ def peak_extra_bytes(step: Callable[[], None], device) -> Optional[int]:
         from torch._C._profiler import _EventType
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             step()
         events = []
 
@@ -793,9 +851,11 @@ def compare_hooks(model: str, rank: int, dtype="fp32", device="cpu", *, backend:
 
     Each hook gets its own copy of the buckets (same random numbers). On CPU the timing includes no device work;
     on CUDA each call is followed by a synchronisation (wall clock; ``bench/gpu_check.py`` uses ``do_bench``).
-    Returns one row per implementation of ``impls`` (``impl``, ``variant``, times, counts, memory; "pytorch" first),
-    ``speedup`` on every other row: PyTorch's median over that row's. Needs a process group
-    (:func:`ensure_process_group`).
+    Returns one row per implementation of ``impls`` (``impl``, ``variant``, ``matrix_approximation_rank``, times,
+    counts, memory; "pytorch" first), ``speedup`` on every other row: PyTorch's median over that row's. With
+    ``counts``: ``aten_compute`` (data-touching ATen ops of one step: PyTorch's hook, or our torch backend's where
+    ours runs it), ``triton_launches`` and ``ops_backend`` ("torch" or "triton": which of our backends ran, told
+    by the launches counted; "pytorch" for PyTorch's hook). Needs a process group (:func:`ensure_process_group`).
     """
     impls = ["pytorch"] + [i for i in impls if i != "pytorch"]
     device = torch.device(device)
@@ -809,14 +869,16 @@ def compare_hooks(model: str, rank: int, dtype="fp32", device="cpu", *, backend:
     stats = time_interleaved(steps, rounds=rounds, sync=sync)
     rows = []
     for impl, st in steps.items():
-        row = dict(model=model, rank=rank, dtype=str(_dtype(dtype)).replace("torch.", ""), impl=impl,
+        row = dict(model=model, matrix_approximation_rank=rank, dtype=str(_dtype(dtype)).replace("torch.", ""), impl=impl,
                    variant=st.impl, buckets=len(st.buckets), grad_bytes=st.nbytes, **stats[impl])
         if counts:
             c = count_step(st, hook_step=st if isinstance(st, HookStep) else None)
             held = st.memory()
             with synchronous_collectives(st if isinstance(st, HookStep) else None):
                 peak = peak_extra_bytes(st, device)
-            row.update(aten_compute=c.aten_compute, allreduce_calls=c.allreduce_calls,
+            row.update(aten_compute=c.aten_compute, triton_launches=c.triton_launches or 0,
+                       ops_backend="pytorch" if impl == "pytorch" else ("triton" if c.triton_launches else "torch"),
+                       allreduce_calls=c.allreduce_calls,
                        allreduce_bytes=c.allreduce_bytes, held_bytes=sum(held.values()), peak_extra_bytes=peak)
         rows.append(row)
     for row in rows[1:]:
@@ -914,7 +976,7 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[Tuple[str, str]]) -> 
 
 __all__ = [
     "CollectiveRecord", "DTYPES", "FakeGradBucket", "HookStep", "IMPLS", "KERNELS", "KernelBench",
-    "OpCounter", "StepCounts", "bucket_layout", "count_cuda_kernels", "count_step", "count_triton_launches",
+    "OpCounter", "StepCounts", "bucket_layout", "quiet_profiler", "count_cuda_kernels", "count_step", "count_triton_launches",
     "compare_hooks", "ensure_process_group", "environment", "time_interleaved", "fmt_bytes", "held_bytes", "kernel_bytes", "make_hook", "markdown_table",
     "model_bucket_shapes", "model_buckets", "peak_extra_bytes", "random_buffer", "shrink_shapes",
     "synchronous_collectives", "time_cpu",

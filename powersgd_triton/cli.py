@@ -5,10 +5,11 @@ sets ``func`` on the parsed namespace); this module only wires them together wit
 """
 
 import argparse
+import difflib
 import importlib
 import math
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 # sub-command name -> module providing add_parser(subparsers)
 SUBCOMMANDS = {
@@ -37,6 +38,45 @@ def positive(kind=float):
     return parse
 
 
+RANK_HELP = ("PowerSGD's matrix approximation rank r (PyTorch's matrix_approximation_rank): the columns of the "
+             "factors P and Q; not the process rank")
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old option name that still works and says, on stderr, which name replaces it.
+
+    ``p.add_argument("--rank", action=DeprecatedAlias, replacement="--matrix-approximation-rank",
+    dest="matrix_approximation_rank", type=int, help=argparse.SUPPRESS)``: parses like the new option (same
+    ``dest``, ``type``, ``nargs``) and prints ``<prog>: warning: --rank is deprecated ...`` once per use.
+    """
+
+    def __init__(self, option_strings, dest, replacement: str, reason: str = "", **kwargs):
+        self.replacement = replacement
+        self.reason = reason
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        why = f" ({self.reason})" if self.reason else ""
+        print(f"{parser.prog}: warning: {option_string} is deprecated{why}; use {self.replacement}",
+              file=sys.stderr, flush=True)
+        setattr(namespace, self.dest, values)
+
+
+def add_rank_option(parser: argparse.ArgumentParser, *, plural: bool = False, deprecated: str = "--rank",
+                    dest: Optional[str] = None, **kwargs) -> None:
+    """``--matrix-approximation-rank`` (alias ``--approx-rank``; ``...-ranks`` with ``plural``) on ``parser``, with
+    ``deprecated`` kept as a warning alias. ``kwargs`` (type, nargs, default, help, ...) go to both; the value lands
+    in ``dest`` (default ``matrix_approximation_rank(s)``)."""
+    suffix = "s" if plural else ""
+    dest = dest or "matrix_approximation_rank" + suffix
+    kwargs.setdefault("help", RANK_HELP)
+    parser.add_argument(f"--matrix-approximation-rank{suffix}", f"--approx-rank{suffix}", dest=dest, **kwargs)
+    old = {k: v for k, v in kwargs.items() if k not in ("help", "default", "metavar")}
+    parser.add_argument(deprecated, dest=dest, action=DeprecatedAlias, help=argparse.SUPPRESS,
+                        replacement=f"--matrix-approximation-rank{suffix}",
+                        reason="under torchrun a rank is a process; this is the matrix approximation rank", **old)
+
+
 def text_table(headers: List[str], rows: List[List[str]]) -> str:
     """A markdown table with padded columns (what the sub-commands print)."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
@@ -49,12 +89,14 @@ def text_table(headers: List[str], rows: List[List[str]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser; ``parser.subcommand_parsers`` maps each sub-command name to its own parser."""
     parser = argparse.ArgumentParser(
         prog="powersgd-triton",
         description="PowerSGD gradient compression for PyTorch DDP with grouped Triton kernels.",
     )
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     sub.required = True
+    parser.subcommand_parsers = {}  # type: Dict[str, argparse.ArgumentParser]
     for name, module in SUBCOMMANDS.items():
         try:
             mod = importlib.import_module(module)
@@ -62,13 +104,34 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name is not None and module.startswith(exc.name):
                 continue  # sub-command not shipped in this build
             raise
-        mod.add_parser(sub)
+        parser.subcommand_parsers[name] = mod.add_parser(sub)
     return parser
+
+
+def _unknown_options(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser, extra: List[str]) -> None:
+    """argparse's error for ``extra`` from the sub-command's parser (its usage, not the top-level one), with the
+    closest option names (``--workoad``: did you mean ``--workload``?). Exits with status 2."""
+    known = [o for a in sub._actions for o in a.option_strings if a.help is not argparse.SUPPRESS]
+    hints = []
+    for word in extra:
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1)
+            if close:
+                hints.append(f"{word}: did you mean {close[0]}?")
+    sub.error("unrecognized arguments: " + " ".join(extra) + ("" if not hints else " (" + "; ".join(hints) + ")"))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = parser.subcommand_parsers.get(getattr(args, "command", None))
+        # words given after the sub-command's name are its options: its parser reports them with its usage
+        if sub is not None and args.command in argv and all(
+                argv.index(args.command) < i for i, w in enumerate(argv) if w in extra):
+            _unknown_options(parser, sub, extra)
+        parser.error("unrecognized arguments: " + " ".join(extra))
     result = args.func(args)
     return int(result or 0)
 

@@ -1,6 +1,6 @@
 """A performance model of one compressed step of the Triton kernels, computed without a GPU.
 
-``python -m powersgd_triton.perfmodel --models resnet50 gpt2 bert-base --ranks 1 4 16 --dtypes fp32 bf16 --gpu h200``
+``python -m powersgd_triton.perfmodel --models resnet50 gpt2 bert-base --matrix-approximation-ranks 1 4 16 --dtypes fp32 bf16 --gpu h200``
 (also ``powersgd-triton bench --model-only ...``) prints, for every bucket of a model (DDP's 25 MB buckets of
 :mod:`powersgd_triton.shapes`), rank, gradient dtype and GPU, each launch of the standard hook's step: programs,
 waves, blocks per SM, registers, spills, bytes moved, the predicted time and the fraction of copy bandwidth it
@@ -273,7 +273,10 @@ def format_table(rows: Sequence[dict]) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", nargs="+", default=["resnet50", "gpt2", "bert-base"])
-    p.add_argument("--ranks", nargs="+", type=int, default=[1, 4, 16])
+    from .cli import RANK_HELP, add_rank_option
+
+    add_rank_option(p, plural=True, deprecated="--ranks", dest="ranks", nargs="+", type=int, default=[1, 4, 16],
+                    metavar="R", help=RANK_HELP + " (default 1 4 16)")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
     p.add_argument("--gpu", default="h200", choices=sorted(GPUS))
 

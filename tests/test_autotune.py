@@ -527,8 +527,8 @@ def test_cli_tunes_exports_shows_clears(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(at_cli, "make_tuner", lambda args: Tuner(timer=FakeTimer(prefer_64_w8), device=h200))
     export = tmp_path / "configs"
     export.mkdir()
-    assert cli.main(["autotune", "--model", "resnet50", "--rank", "4", "--dtype", "bf16", "--hook", "both",
-                     "--export", str(export)]) == 0
+    assert cli.main(["autotune", "--model", "resnet50", "--matrix-approximation-rank", "4", "--dtype", "bf16",
+                     "--hook", "both", "--export", str(export)]) == 0
     out = capsys.readouterr().out
     assert "| tuned" in out and "speed-up" in out and "per step" in out
     assert "no timing" not in out
@@ -556,12 +556,14 @@ def test_cli_without_cuda_says_no_timing(monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     target = tmp_path / "x.json"
-    assert cli.main(["autotune", "--model", "gpt2", "--rank", "4", "--dtype", "fp32", "--export", str(target)]) == 1
+    assert cli.main(["autotune", "--model", "gpt2", "--approx-rank", "4", "--dtype", "fp32",
+                     "--export", str(target)]) == 1
     out = capsys.readouterr().out
     assert "no timing" in out and ("| heuristic" in out or "| interpreter" in out) and "not exporting" in out
     assert not target.exists()
     assert cli.main(["autotune"]) == 2
-    for bad in (["--rank", "0"], ["--rank", "x"], ["--bucket-cap-mb", "-1"], ["--rep-ms", "0"]):
+    for bad in (["--matrix-approximation-rank", "0"], ["--matrix-approximation-rank", "x"], ["--bucket-cap-mb", "-1"],
+                ["--rep-ms", "0"]):
         with pytest.raises(SystemExit) as exc:
             cli.main(["autotune", "--model", "gpt2", *bad])
         assert exc.value.code == 2

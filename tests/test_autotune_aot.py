@@ -44,7 +44,7 @@ def test_every_candidate_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ops._env, "interpreter_enabled", lambda: False)  # the GPU heuristic, not the interpreter's
 
-    proc, results = _run_aot(tmp_path, "--ranks", "4", "8", "16", "--ranks-for", "orthogonalize=4")
+    proc, results = _run_aot(tmp_path, "--matrix-approximation-ranks", "4", "8", "16", "--ranks-for", "orthogonalize=4")
     failed = [r for r in results if not r["ok"]]
     assert proc.returncode == 0 and not failed, proc.stdout[-4000:] + proc.stderr[-4000:]
     compiled = {(r["kernel"], _config_key(r["config"]), r["arch"]) for r in results}
@@ -71,6 +71,6 @@ def test_every_candidate_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
 @pytest.mark.skipif(os.environ.get("POWERSGD_TRITON_SLOW_TESTS") != "1", reason="set POWERSGD_TRITON_SLOW_TESTS=1")
 def test_orthogonalize_candidates_compile_at_rank16(tmp_path):
     """Orthogonalize unrolls R columns: at R=16 its 5 candidates take ~2-3 minutes of CPU per target."""
-    proc, results = _run_aot(tmp_path, "--kernels", "orthogonalize", "--ranks", "16")
+    proc, results = _run_aot(tmp_path, "--kernels", "orthogonalize", "--matrix-approximation-ranks", "16")
     assert proc.returncode == 0 and all(r["ok"] for r in results), proc.stdout[-4000:]
     assert len(results) == 10

@@ -1,5 +1,7 @@
 """The benchmark infrastructure (powersgd_triton.benchmarking): fake buckets, counters, byte model. Fast, CPU only."""
 
+import os
+
 import pytest
 import torch
 
@@ -126,21 +128,43 @@ def test_markdown_table_and_environment():
     assert env["torch"] == torch.__version__ and env["cpu_count"] >= 1
 
 
-def test_bench_cli_prints_the_side_by_side_table(world1, tmp_path, capsys):
+def test_bench_cli_prints_the_side_by_side_table(world1, tmp_path, capfd):
+    """The table, labelled, and nothing else: torch.profiler's USDT profiler_start/stop lines and c10's
+    CPUAllocator warning (the CPU peak-memory measurement profiles the step) stay out of stdout and stderr."""
     from powersgd_triton import cli
 
     md, js = tmp_path / "t.md", tmp_path / "t.json"
-    code = cli.main(["bench", "--models", "resnet50", "--ranks", "2", "--shrink", "16", "--rounds", "1",
-                     "--markdown", str(md), "--json", str(js)])
+    code = cli.main(["bench", "--models", "resnet50", "--matrix-approximation-ranks", "2", "--shrink", "16",
+                     "--rounds", "1", "--markdown", str(md), "--json", str(js)])
     assert code == 0
-    out = capsys.readouterr().out
+    out, err = capfd.readouterr()
     assert "PyTorch/ours" in out and "| resnet50 | 2 | float32 | pytorch |" in out
+    assert "| approx. rank r |" in out and "| ran as | ATen compute ops/step | Triton launches/step |" in out
+    assert "PyTorch's hook (ATen ops)" in out and "our torch backend" in out  # which backend the ops are of
+    for noise in ("USDT", "profiler_start", "profiler_stop", "CPUAllocator", "Memory block of unknown size"):
+        assert noise not in out + err, (noise, err[-2000:])
     import json
 
     rows = json.loads(js.read_text())["rows"]
     assert [r["impl"] for r in rows] == ["pytorch", "ours"] and rows[1]["speedup"] > 0
+    assert [r["matrix_approximation_rank"] for r in rows] == [2, 2] and "rank" not in rows[0]
+    assert [r["ops_backend"] for r in rows] == ["pytorch", "torch"] and rows[1]["triton_launches"] == 0
     assert rows[0]["allreduce_calls"] == 3 * rows[0]["buckets"]
+    assert rows[1]["peak_extra_bytes"] > 0  # the profiler still measured, quietly
     assert md.read_text().count("| resnet50 |") == 2
+
+
+def test_quiet_profiler_passes_other_stderr_through(capfd):
+    import sys
+
+    with B.quiet_profiler():
+        sys.stderr.write("a line of the step\n")
+        os.write(2, b"[W1130 CPUAllocator.cpp:245] Memory block of unknown size was allocated before the profiling "
+                    b"started, profiler results will not include the deallocation event\n")
+        os.write(2, b"USDT:2026-11-30 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"another line\n")
+    err = capfd.readouterr().err
+    assert err == "a line of the step\nanother line\n"
 
 
 def test_time_interleaved_alternates():
@@ -150,7 +174,8 @@ def test_time_interleaved_alternates():
 
 
 @pytest.mark.parametrize(
-    "bad", [["--models", "nope"], ["--rounds", "0"], ["--ranks", "0"], ["--ranks", "x"], ["--dtypes", "fp8"]]
+    "bad", [["--models", "nope"], ["--rounds", "0"], ["--matrix-approximation-ranks", "0"], ["--approx-ranks", "x"],
+            ["--dtypes", "fp8"], ["--rnds", "2"]]
 )
 def test_bench_cli_rejects_bad_options_cleanly(bad, capsys):
     from powersgd_triton import cli

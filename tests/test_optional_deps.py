@@ -131,7 +131,8 @@ SCRIPT = textwrap.dedent(
 
     # the CLI's progress bars without tqdm
     report["cli_show"] = cli.main(["autotune", "--show"])
-    report["cli_model"] = cli.main(["autotune", "--model", "resnet50", "--rank", "4", "--dtype", "fp32"])
+    report["cli_model"] = cli.main(["autotune", "--model", "resnet50", "--matrix-approximation-rank", "4",
+                                   "--dtype", "fp32"])
     from powersgd_triton.train import loop
 
     log = loop._Log(True, True)

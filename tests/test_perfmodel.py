@@ -80,5 +80,5 @@ def test_model_table_and_cli(monkeypatch, capsys):
     assert "whole step" in text and "| resnet50 | bf16 | 4 | project |" in text
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(M, "compiled_usage", usage)
-    assert M.main(["--models", "resnet50", "--ranks", "1", "--dtypes", "fp32"]) == 0
+    assert M.main(["--models", "resnet50", "--matrix-approximation-ranks", "1", "--dtypes", "fp32"]) == 0
     assert "H200" in capsys.readouterr().out

@@ -32,7 +32,9 @@ def check_schema(payload, hooks, steps):
     assert set(payload) == {"runs", "config"}
     assert list(payload["runs"]) == list(hooks)
     cfg = payload["config"]
-    for key in ("workload", "world_size", "rank", "start_iter", "seed", "lr", "batch_size", "backend", "hooks"):
+    assert "rank" not in cfg  # PowerSGD's r is matrix_approximation_rank: under torchrun "rank" is the process
+    for key in ("workload", "world_size", "matrix_approximation_rank", "start_iter", "seed", "lr", "batch_size",
+                "backend", "hooks"):
         assert key in cfg, key
     for name, run in payload["runs"].items():
         assert isinstance(run["final_test_accuracy"], float) and 0.0 <= run["final_test_accuracy"] <= 1.0
@@ -129,7 +131,8 @@ def test_failing_rank_fails_the_run_promptly():
         (["--world-size", "0"], "--world-size must be at least 1, got 0"),
         (["--start-iter", "1"], "--start-iter must be at least 2"),
         (["--steps", "0"], "--steps must be at least 1"),
-        (["--rank", "0"], "--rank (PowerSGD matrix approximation rank) must be at least 1"),
+        (["--matrix-approximation-rank", "0"], "--matrix-approximation-rank must be at least 1"),
+        (["--approx-rank", "0"], "--matrix-approximation-rank must be at least 1"),
         (["--lr", "-1"], "must be positive"),
         (["--lr", "inf"], "must be a finite number"),
         (["--timeout", "nan"], "must be positive"),
@@ -153,6 +156,46 @@ def test_bad_options_give_a_clear_message(args, message, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "powersgd-triton train: error: " in err and message in err, err
+
+
+def test_misspelt_option_prints_the_train_usage(capsys):
+    """``train --workoad digits``: train's usage and error (with the closest option), not the top-level usage."""
+    from powersgd_triton.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--workoad", "digits"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: powersgd-triton train [-h]"), err
+    assert "powersgd-triton train: error: unrecognized arguments: --workoad digits" in err
+    assert "did you mean --workload?" in err
+    with pytest.raises(SystemExit):  # the same for the other sub-commands
+        main(["autotune", "--modle", "resnet50"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: powersgd-triton autotune") and "did you mean --model?" in err
+    with pytest.raises(SystemExit):  # an unknown word before the sub-command stays the top-level parser's
+        main(["--verbose", "train"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: powersgd-triton [-h]") and "unrecognized arguments: --verbose" in err
+
+
+def test_rank_is_a_deprecated_alias_of_matrix_approximation_rank(capsys):
+    """``--rank`` still sets PowerSGD's r, and says on stderr that it is deprecated and what replaces it."""
+    from powersgd_triton.cli import build_parser
+    from powersgd_triton.train.cli import config_from_args
+
+    parser = build_parser()
+    for argv, expected, warned in ((["train"], 4, False), (["train", "--matrix-approximation-rank", "3"], 3, False),
+                                   (["train", "--approx-rank", "5"], 5, False), (["train", "--rank", "2"], 2, True)):
+        cfg = config_from_args(parser.parse_args(argv))
+        assert cfg.matrix_approximation_rank == expected, argv
+        err = capsys.readouterr().err
+        assert ("--rank is deprecated" in err and "use --matrix-approximation-rank" in err) == warned, (argv, err)
+    assert "--rank " not in parser.subcommand_parsers["train"].format_help()  # hidden from --help
+    args = parser.parse_args(["bench", "--ranks", "1,4"])
+    assert args.matrix_approximation_ranks == "1,4" and "use --matrix-approximation-ranks" in capsys.readouterr().err
+    args = parser.parse_args(["autotune", "--model", "gpt2", "--rank", "4", "8"])
+    assert args.matrix_approximation_rank == [4, 8] and "--rank is deprecated" in capsys.readouterr().err
 
 
 def test_only_rank_0_checks_out_under_torchrun(monkeypatch, capsys):

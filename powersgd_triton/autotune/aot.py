@@ -354,12 +354,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         description="Compile every autotuner candidate for GPU targets without a GPU.",
     )
     p.add_argument("--kernels", nargs="+", default=None)
-    p.add_argument("--ranks", type=int, nargs="+", default=[4, 16])
+    from ..cli import RANK_HELP, add_rank_option
+
+    add_rank_option(p, plural=True, deprecated="--ranks", dest="ranks", type=int, nargs="+", default=[4, 16],
+                    metavar="R", help=RANK_HELP + " (default 4 16)")
     p.add_argument("--archs", type=int, nargs="+", default=[80, 90])
     p.add_argument("--dtypes", nargs="+", default=["bf16"])
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--ranks-for", nargs="+", default=[], metavar="KERNEL=R[,R]",
-                   help="ranks for one kernel instead of --ranks, e.g. orthogonalize=4")
+                   help="matrix approximation ranks for one kernel instead of --matrix-approximation-ranks, "
+                         "e.g. orthogonalize=4")
     p.add_argument("--all-variants", action="store_true")
     p.add_argument("--json", metavar="PATH", help="write every result here")
     p.add_argument("--plan", metavar="CASES.json", help="compile what these bucket cases launch (plan_jobs)")

@@ -2,7 +2,8 @@
 
 ::
 
-    powersgd-triton autotune --model resnet50|bert-base|gpt2|vit-b16 [--rank R ...] [--dtype D ...]
+    powersgd-triton autotune --model resnet50|bert-base|gpt2|vit-b16 [--matrix-approximation-rank R ...]
+                             [--dtype D ...]
                              [--hook layerwise|batched|both] [--bucket-cap-mb MB] [--force] [--export PATH]
     powersgd-triton autotune --show
     powersgd-triton autotune --clear
@@ -24,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _env
-from ..cli import positive, text_table
+from ..cli import RANK_HELP, add_rank_option, positive, text_table
 from ..layout import BucketLayout
 from ..shapes import MODELS, ddp_buckets, model_shapes, numel
 from .cache import ConfigCache, export_device_file
@@ -42,7 +43,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "or show / clear the cache.",
     )
     p.add_argument("--model", choices=sorted(MODELS), help="model whose gradient shapes are tuned")
-    p.add_argument("--rank", type=positive(int), nargs="+", default=[4], metavar="R", help="matrix approximation rank(s)")
+    add_rank_option(p, type=positive(int), nargs="+", default=[4], metavar="R",
+                    help=RANK_HELP + "; several may be given (default 4)")
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["fp32", "fp16", "bf16"], help="gradient dtype(s)")
     p.add_argument("--hook", choices=["layerwise", "batched", "both"], default="layerwise",
                    help="powerSGD_hook (layerwise) and/or batched_powerSGD_hook shapes")
@@ -171,7 +173,7 @@ def run(args, out=None) -> int:
     work: Dict[str, Tuple[str, BucketLayout, torch.dtype]] = {}
     for dname in args.dtype:
         dtype = parse_dtype(dname)
-        for rank in args.rank:
+        for rank in args.matrix_approximation_rank:
             for hook in hooks:
                 layouts = model_layouts(args.model, rank, dtype, hook, device, args.bucket_cap_mb,
                                         args.min_compression_rate, args.first_bucket_mb)
@@ -219,7 +221,7 @@ def run(args, out=None) -> int:
                             f"{heur / tuned:.2f}x"])
     if summary:
         print("\nper step (4 kernels x buckets, summed):", file=out)
-        print(text_table(["dtype", "rank", "hook", "buckets", "heuristic ms", "chosen ms", "speed-up"], summary),
+        print(text_table(["dtype", "approx. rank", "hook", "buckets", "heuristic ms", "chosen ms", "speed-up"], summary),
               file=out)
 
     if args.export:

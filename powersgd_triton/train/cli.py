@@ -10,7 +10,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List
 
-from ..cli import positive, text_table
+from ..cli import add_rank_option, positive, text_table
 from .fsdp import LABELS as FSDP_LABELS
 from .fsdp import parse_mesh
 from .loop import COMPARE_HOOKS, FSDP_HOOKS, HOOK_LABELS, HOOKS, TrainConfig, WORKLOAD_DEFAULTS
@@ -113,7 +113,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="HSDP with FSDP2 on R x S ranks (R replicas of S-way shards, e.g. 2x2) instead of DDP: our "
                         "hooks compress the all-reduce across the R replicas; allreduce is native HSDP (2-D mesh); "
                         f"--compare defaults to {','.join(FSDP_HOOKS)}")
-    p.add_argument("--rank", type=int, default=4, help="PowerSGD matrix approximation rank")
+    add_rank_option(p, type=int, default=4, metavar="R")
     p.add_argument("--start-iter", type=int, default=10,
                    help="start_powerSGD_iter: plain all-reduce for the first steps (DDP rebuilds its buckets)")
     p.add_argument("--epochs", type=int, default=None, help="epochs (default: per workload)")
@@ -155,7 +155,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         workload=args.workload,
         hooks=hooks,
         world_size=args.world_size,
-        rank=args.rank,
+        matrix_approximation_rank=args.matrix_approximation_rank,
         start_iter=args.start_iter,
         epochs=args.epochs,
         steps=args.steps,
@@ -237,8 +237,8 @@ def format_table(result: Dict[str, Any]) -> str:
     any_run = next(iter(runs.values()))
     title = (
         f"{cfg['workload']}: {cfg['world_size']} rank{'s' if cfg['world_size'] != 1 else ''} "
-        f"({cfg['backend']}, {cfg['device']}), PowerSGD rank "
-        f"{cfg['rank']}, compression from step {cfg['start_iter']}, {any_run['steps']} steps, "
+        f"({cfg['backend']}, {cfg['device']}), matrix approximation rank "
+        f"{cfg['matrix_approximation_rank']}, compression from step {cfg['start_iter']}, {any_run['steps']} steps, "
         f"batch {cfg['batch_size']}/rank, seed {cfg['seed']}"
     )
     notes = [
@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{PROG}: {resolved.workload} on {world} rank{'s' if world != 1 else ''} ({resolved.backend}, "
             f"{resolved.device}, {'torchrun' if tr else '127.0.0.1'}); hooks: {', '.join(resolved.hooks)}; "
-            f"PowerSGD rank {resolved.rank}, compression from step {resolved.start_iter}",
+            f"matrix approximation rank {resolved.matrix_approximation_rank}, compression from step {resolved.start_iter}",
             flush=True,
         )
     try:

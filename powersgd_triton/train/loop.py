@@ -53,7 +53,7 @@ class TrainConfig:
     workload: str = "digits"
     hooks: Tuple[str, ...] = ("powersgd",)
     world_size: int = 2
-    rank: int = 4  # PowerSGD matrix approximation rank
+    matrix_approximation_rank: int = 4  # PowerSGD's r (PyTorch's matrix_approximation_rank), not a process rank
     start_iter: int = 10  # start_powerSGD_iter: plain all-reduce before it
     epochs: Optional[int] = None
     steps: Optional[int] = None  # total steps; overrides epochs
@@ -104,8 +104,9 @@ class TrainConfig:
             check_fsdp_config(cfg)  # sets world_size = R * S
         if cfg.world_size < 1:
             raise ValueError(f"world size must be at least 1, got {cfg.world_size}")
-        if cfg.rank < 1:
-            raise ValueError(f"--rank (PowerSGD matrix approximation rank) must be at least 1, got {cfg.rank}")
+        if cfg.matrix_approximation_rank < 1:
+            raise ValueError("--matrix-approximation-rank must be at least 1, got "
+                             f"{cfg.matrix_approximation_rank}")
         if "alternating" in cfg.hooks and not cfg.warm_start:
             raise ValueError("--hook alternating needs warm start (its kept factors carry the power iteration): "
                              "drop --no-warm-start")
@@ -245,7 +246,7 @@ def make_hook(name: str, cfg: TrainConfig):
     from ..benchmarking import make_hook as make_powersgd_hook
 
     impl = {"reference": "pytorch", "powersgd": "ours", "batched": "ours"}.get(name, name)
-    return make_powersgd_hook(impl, cfg.rank, batched=name == "batched", backend=cfg.kernels,
+    return make_powersgd_hook(impl, cfg.matrix_approximation_rank, batched=name == "batched", backend=cfg.kernels,
                               start_powerSGD_iter=cfg.start_iter, min_compression_rate=cfg.min_compression_rate,
                               use_error_feedback=cfg.use_error_feedback, warm_start=cfg.warm_start,
                               random_seed=cfg.seed)
