@@ -34,18 +34,23 @@ def interpreter_enabled() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
-    """True when ``import triton`` works."""
+    """True when ``import triton`` works and it is not older than the tested floor (:mod:`powersgd_triton._compat`:
+    an older one is not used)."""
     try:
         import triton  # noqa: F401
     except Exception:  # pragma: no cover - depends on the install
         return False
-    return True
+    from ._compat import triton_too_old
+
+    return triton_too_old() is None
 
 
 def triton_unavailable_reason(device: torch.device) -> str:
     """Why the Triton kernels cannot run on tensors of ``device`` (for error messages; call when they cannot)."""
     if not triton_available():
-        return "triton is not installed"
+        from ._compat import triton_too_old
+
+        return triton_too_old() or "triton is not installed"
     if device.type == "cpu":
         return "CPU tensors need TRITON_INTERPRET=1 set before triton is imported (Triton's interpreter, slow)"
     if device.type == "cuda":

@@ -76,18 +76,14 @@ HOOKS = {"powerSGD_hook": powerSGD_hook, "alternating_powerSGD_hook": alternatin
 
 def _fsdp_api():
     """``(FSDPModule, Shard)`` of this torch, or ``RuntimeError`` naming the version when FSDP2's hook is missing."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor, Shard  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - torch without FSDP2
-        raise RuntimeError(
-            f"torch {torch.__version__} has no FSDP2 (torch.distributed.fsdp.FSDPModule): {exc}"
-        ) from None
-    if not callable(getattr(FSDPModule, "set_all_reduce_hook", None)):
-        raise RuntimeError(
-            f"torch {torch.__version__}: FSDPModule has no set_all_reduce_hook; PowerSGD over the replicate group "
-            "needs a torch whose FSDP2 has it"
-        )
+    from ._compat import fsdp_all_reduce_hook_missing
+
+    missing = fsdp_all_reduce_hook_missing()
+    if missing:
+        raise RuntimeError(missing)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import Shard
+
     return FSDPModule, Shard
 
 

@@ -200,7 +200,7 @@ def _triton_unusable_reason() -> Optional[str]:
     would, which breaks a later ``fork``).
     """
     if not _env.triton_available():
-        return "triton is not installed"
+        return _env.triton_unavailable_reason(torch.device("cpu"))  # not installed, or older than the tested floor
     try:
         from .kernels import triton_ops  # noqa: F401
     except ImportError as exc:

@@ -20,9 +20,10 @@ import torch.nn as nn
 
 from _dist import run_ranks
 
-fsdp_api = pytest.importorskip("torch.distributed.fsdp")
-if not hasattr(getattr(fsdp_api, "FSDPModule", None), "set_all_reduce_hook"):
-    pytest.skip("this torch's FSDP2 has no set_all_reduce_hook", allow_module_level=True)
+from powersgd_triton._compat import fsdp_all_reduce_hook_missing
+
+if fsdp_all_reduce_hook_missing():
+    pytest.skip(fsdp_all_reduce_hook_missing(), allow_module_level=True)
 
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402

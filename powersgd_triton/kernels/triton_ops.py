@@ -527,8 +527,7 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
     ``TRITON_INTERPRET`` unset (the interpreter replaces ``@triton.jit`` functions at import time). Raises
     ``RuntimeError`` under the interpreter and whatever Triton raises on a compile error.
     """
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from .._compat import ast_source, gpu_target
 
     fn = KERNEL_FUNCTIONS[kernel]
     if not hasattr(fn, "arg_names") or _env.interpreter_enabled():
@@ -539,9 +538,9 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
         signature["src_ptr"], signature["dst_ptr"] = signature["dst_ptr"], signature["src_ptr"]
     for name in constexprs:
         signature[name] = "constexpr"
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    src = ast_source(fn, signature, constexprs)
     options = {"num_warps": config.get("num_warps", 4), "num_stages": config.get("num_stages", 1)}
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    compiled = triton.compile(src, target=gpu_target(arch), options=options)
     if kernel == "project_t" and variant is not None and variant.get("split"):  # the split path's reducer too
         compile_aot("reduce_splits", config, grad_dtype, max_rank, arch, dict(HAS_Q2=variant.get("HAS_Q2", False)))
     return compiled

@@ -1,0 +1,115 @@
+"""The torch and Triton versions this package is tested with, and every API of theirs that differs between versions.
+
+Each version-dependent call goes through this module, so a new release is adapted in one file. Tested (the whole
+test suite, ``README.md``'s command): torch 2.13.0 (CPU build) with triton 3.9.0; the kernel tests also with triton
+3.6.0 (Triton's interpreter, numpy 2.4 and 2.5) and the ahead-of-time compiles for sm_80/sm_90 with both. The
+floors in ``pyproject.toml`` (``torch>=2.13``, ``triton>=3.6``) are these tested minima. The GPU image that
+``bench/gpu_check.py`` is written for has torch 2.11 + triton 3.6: below the torch floor, expected to work (the
+package only reads torch's version in the gates below, and :mod:`powersgd_triton.fsdp` handles FSDP2's 2.11
+internals), not run by the suite here.
+
+| API | changed in | gate |
+| --- | --- | --- |
+| ``tl.dot(a, b, input_precision="ieee")`` (the kernels' fp32 products on FMA units) | triton 3.0 (before: ``allow_tf32=``) | a triton older than :data:`MIN_TRITON` is not used: ``backend="auto"`` runs the torch backend, ``"triton"`` raises naming the version (:func:`triton_too_old`) |
+| ``triton.compiler.ASTSource(fn, signature, constexprs=...)``, the signature keyed by argument name | triton 3.2 (3.0/3.1: ``constants=``, keyed by index) | :func:`ast_source` |
+| ``triton.backends.compiler.GPUTarget(backend, arch, warp_size)`` | triton 3.0 | :func:`gpu_target` |
+| ``FSDPModule.set_all_reduce_hook`` (FSDP2 over the replicate group of HSDP) | torch 2.7 | :func:`fsdp_all_reduce_hook_missing` |
+"""
+
+import inspect
+import re
+from typing import Optional, Tuple
+
+import torch
+
+MIN_TORCH: Tuple[int, int] = (2, 13)  # pyproject.toml's floor: the oldest torch the test suite ran on
+MIN_TRITON: Tuple[int, int] = (3, 6)  # pyproject.toml's floor: the oldest triton the kernel tests ran on
+TESTED = {"torch": ("2.13.0",), "triton": ("3.6.0", "3.9.0")}
+
+
+def version_tuple(text: str) -> Tuple[int, ...]:
+    """The leading release numbers of a version string: ``"2.13.0+cpu"`` -> ``(2, 13, 0)``, ``"3.7.0.dev20250101"`` ->
+    ``(3, 7, 0)``, ``"3.6"`` -> ``(3, 6)``. Raises ``ValueError`` when the text starts with no number."""
+    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", str(text))
+    if match is None:
+        raise ValueError(f"not a version: {text!r}")
+    return tuple(int(x) for x in match.group(1).split("."))
+
+
+def torch_version() -> Tuple[int, ...]:
+    """This torch's release numbers."""
+    return version_tuple(torch.__version__)
+
+
+def triton_version() -> Optional[Tuple[int, ...]]:
+    """This triton's release numbers; None when it cannot be imported."""
+    try:
+        import triton
+    except Exception:  # noqa: BLE001 - a broken install is "not available" too
+        return None
+    return version_tuple(triton.__version__)
+
+
+def triton_too_old() -> Optional[str]:
+    """Why the installed triton is not used (older than :data:`MIN_TRITON`), or None (new enough, or not installed:
+    :mod:`powersgd_triton._env` says that)."""
+    v = triton_version()
+    if v is None or v[:2] >= MIN_TRITON:
+        return None
+    import triton
+
+    return (f"triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON))}, the oldest this package is "
+            "tested with (its kernels use tl.dot(input_precision=...) and ASTSource(constexprs=...))")
+
+
+def untested_versions() -> Tuple[str, ...]:
+    """Human-readable notes for a torch or triton below the tested floors (empty when both are at or above them).
+    Nothing refuses them here; ``bench/gpu_check.py`` and ``powersgd-triton bench`` record the notes."""
+    notes = []
+    if torch_version()[:2] < MIN_TORCH:
+        notes.append(f"torch {torch.__version__} is below the tested floor {'.'.join(map(str, MIN_TORCH))}")
+    reason = triton_too_old()
+    if reason:
+        notes.append(reason)
+    return tuple(notes)
+
+
+def ast_source(fn, signature: dict, constexprs: dict):
+    """``triton.compiler.ASTSource`` of a ``@triton.jit`` function for an ahead-of-time compile.
+
+    ``signature``: argument name -> Triton type (``"*fp32"``, ``"i32"``, ``"constexpr"``); ``constexprs``: name ->
+    value. Raises ``RuntimeError`` naming the version on a triton whose ``ASTSource`` takes ``constants=`` keyed by
+    index (3.0/3.1, below :data:`MIN_TRITON`).
+    """
+    from triton.compiler import ASTSource
+
+    params = inspect.signature(ASTSource.__init__).parameters
+    if "constexprs" not in params:
+        import triton
+
+        raise RuntimeError(f"triton {triton.__version__}: ASTSource has no constexprs= (it takes "
+                           f"{', '.join(p for p in params if p != 'self')}); ahead-of-time compiles need triton >= "
+                           f"{'.'.join(map(str, MIN_TRITON))}")
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+
+
+def gpu_target(arch: int, backend: str = "cuda", warp_size: int = 32):
+    """``triton.backends.compiler.GPUTarget`` for ``sm_<arch>`` (e.g. 80, 90): what ``triton.compile(src,
+    target=...)`` compiles for without a GPU."""
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget(backend, int(arch), warp_size)
+
+
+def fsdp_all_reduce_hook_missing() -> Optional[str]:
+    """Why FSDP2's all-reduce hook cannot be used with this torch (no FSDP2, or no ``set_all_reduce_hook``: before
+    torch 2.7), or None when it can."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor, Shard  # noqa: F401
+    except ImportError as exc:
+        return f"torch {torch.__version__} has no FSDP2 (torch.distributed.fsdp.FSDPModule): {exc}"
+    if not callable(getattr(FSDPModule, "set_all_reduce_hook", None)):
+        return (f"torch {torch.__version__}: FSDPModule has no set_all_reduce_hook (FSDP2 has it from torch 2.7); "
+                "PowerSGD over the replicate group needs a torch whose FSDP2 has it")
+    return None

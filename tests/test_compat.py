@@ -1,0 +1,137 @@
+"""powersgd_triton._compat: the tested minimum versions (pyproject's floors) and the version-dependent APIs' gates.
+
+A triton older than the floor is not used (backend "auto" falls back to the torch backend, "triton" raises naming the
+version); an ASTSource without ``constexprs=`` is refused by name; FSDP2 without ``set_all_reduce_hook`` is named;
+and no module outside ``_compat.py`` reaches those APIs directly.
+"""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from powersgd_triton import _compat, _env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("text, expected", [("2.13.0+cpu", (2, 13, 0)), ("3.7.0.dev20250101", (3, 7, 0)),
+                                            ("3.6", (3, 6)), ("v2.11.1rc1", (2, 11, 1))])
+def test_version_tuple(text, expected):
+    assert _compat.version_tuple(text) == expected
+
+
+def test_version_tuple_refuses_text_without_a_number():
+    with pytest.raises(ValueError, match="not a version"):
+        _compat.version_tuple("nightly")
+
+
+def test_pyproject_floors_are_the_tested_minimum():
+    text = (ROOT / "pyproject.toml").read_text()
+    torch_floor = re.search(r'"torch>=([\d.]+)"', text).group(1)
+    triton_floor = re.search(r'"triton>=([\d.]+)[;"]', text).group(1)
+    assert _compat.version_tuple(torch_floor) == _compat.MIN_TORCH
+    assert _compat.version_tuple(triton_floor) == _compat.MIN_TRITON
+    assert min(_compat.version_tuple(v) for v in _compat.TESTED["torch"])[:2] == _compat.MIN_TORCH
+    assert min(_compat.version_tuple(v) for v in _compat.TESTED["triton"])[:2] == _compat.MIN_TRITON
+
+
+@pytest.fixture
+def old_triton(monkeypatch):
+    """triton reporting 3.1.0 (older than the floor), with the cached availability probe reset around the test."""
+    triton = pytest.importorskip("triton")
+    monkeypatch.setattr(triton, "__version__", "3.1.0")
+    _env.triton_available.cache_clear()
+    yield
+    monkeypatch.undo()
+    _env.triton_available.cache_clear()
+
+
+def test_triton_older_than_the_floor_is_not_used(old_triton):
+    reason = _compat.triton_too_old()
+    assert reason and "triton 3.1.0 is older than 3.6" in reason
+    assert not _env.triton_available()
+    assert "triton 3.1.0 is older than 3.6" in _env.triton_unavailable_reason(torch.device("cpu"))
+    assert any("triton 3.1.0" in n for n in _compat.untested_versions())
+    from powersgd_triton import PowerSGDState
+
+    with pytest.raises(RuntimeError, match="triton 3.1.0 is older than 3.6"):
+        PowerSGDState(process_group=None, matrix_approximation_rank=2, backend="triton")
+    from powersgd_triton.state import _resolve_backend
+
+    assert _resolve_backend("auto", torch.zeros(4)) == "torch"
+
+
+def test_this_install_is_not_below_the_floors():
+    assert _compat.triton_too_old() is None
+    assert _compat.untested_versions() == ()
+
+
+def test_ast_source_refuses_the_old_signature_by_name(monkeypatch):
+    pytest.importorskip("triton")
+    import triton.compiler
+
+    class OldASTSource:  # triton 3.0/3.1: constants= keyed by index
+        def __init__(self, fn, signature, constants=None, attrs=None):
+            raise AssertionError("must not be called")
+
+    monkeypatch.setattr(triton.compiler, "ASTSource", OldASTSource)
+    with pytest.raises(RuntimeError, match="ASTSource has no constexprs=.*fn, signature, constants, attrs"):
+        _compat.ast_source(lambda: None, {"x": "i32"}, {})
+
+
+def test_gpu_target_fields():
+    pytest.importorskip("triton")
+    t = _compat.gpu_target(90)
+    assert (t.backend, t.arch, t.warp_size) == ("cuda", 90, 32)
+
+
+def test_fsdp_hook_gate(monkeypatch):
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    assert _compat.fsdp_all_reduce_hook_missing() is None  # torch 2.13 has it
+    monkeypatch.delattr(fsdp.FSDPModule, "set_all_reduce_hook")
+    missing = _compat.fsdp_all_reduce_hook_missing()
+    assert "no set_all_reduce_hook" in missing and "torch 2.7" in missing
+    from powersgd_triton.fsdp import _fsdp_api
+
+    with pytest.raises(RuntimeError, match="no set_all_reduce_hook"):
+        _fsdp_api()
+
+
+def test_version_dependent_apis_are_reached_through_compat_only():
+    """``ASTSource``/``GPUTarget`` are built in ``_compat.py`` alone; FSDP2's hook is probed there alone."""
+    offenders = []
+    for path in (ROOT / "powersgd_triton").rglob("*.py"):
+        if path.name == "_compat.py":
+            continue
+        text = path.read_text()
+        for pattern in (r"\bASTSource\(", r"\bGPUTarget\(", r"import ASTSource", r"import GPUTarget",
+                        r"hasattr\([^)]*set_all_reduce_hook"):
+            if re.search(pattern, text):
+                offenders.append(f"{os.path.relpath(path, ROOT)}: {pattern}")
+    assert not offenders, offenders
+
+
+# ---------------------------------------------------------------------- the tests' own poisoned allocations (conftest)
+def test_allocations_in_tests_are_poisoned():
+    from powersgd_triton import benchmarking as B
+
+    x = torch.ones(3)
+    for t in (torch.empty(4), torch.empty_like(x), x.new_empty(5), torch.empty_strided((2, 2), (2, 1)),
+              torch.empty(3, dtype=torch.bfloat16)):
+        assert torch.isnan(t).all(), t
+    assert (torch.empty(3, dtype=torch.int32) == torch.iinfo(torch.int32).max).all()
+    assert (torch.empty(2, dtype=torch.uint8) == 255).all()
+    assert torch.empty(2, device="meta").is_meta
+    with B.OpCounter() as ops:  # the poisoning is invisible to dispatch modes (op counts stay what the code does)
+        torch.empty(3)
+    assert ops.compute == 0 and ops.by_kind["alloc"] == 1
+    leaf = torch.empty(2, requires_grad=True)
+    assert leaf.requires_grad and leaf.is_leaf
+
+
+@pytest.mark.no_poison
+def test_no_poison_marker_turns_it_off():
+    assert torch.empty.__name__ == "empty" and torch.Tensor.new_empty.__name__ == "new_empty"  # torch's own
