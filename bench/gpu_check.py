@@ -72,6 +72,10 @@ def parse_args(argv=None):
                          "'workers' in the dry run runs the workers in the interpreter (tests their plumbing)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma list of sections to run (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json/.md (default $OUT)")
+    ap.add_argument("--history", default=None, metavar="PATH",
+                    help="benchmark history to append the kernel and hook timings to when every correctness and "
+                         "non-finite case passed (default: bench/history.jsonl of this checkout on a GPU; none in the "
+                         "dry run); a copy of the lines always goes to history.jsonl in --out")
     ap.add_argument("--warm-worker", default=None, help=argparse.SUPPRESS)  # "i/N": compile-phase worker (GPU)
     ap.add_argument("--warm-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--warm-deadline", type=float, default=None, help=argparse.SUPPRESS)  # time.time() to stop
@@ -1554,7 +1558,48 @@ def main() -> int:
     print("\n" + text, flush=True)
     corr = RESULTS["sections"].get("correctness", {})
     nonfinite = RESULTS["sections"].get("nonfinite", {})
-    return 1 if (corr.get("failed") or nonfinite.get("failed") or RESULTS["errors"]) else 0
+    failed = bool(corr.get("failed") or nonfinite.get("failed") or RESULTS["errors"])
+    record_history(failed)
+    return 1 if failed else 0
+
+
+def record_history(failed: bool) -> None:
+    """The kernel and hook timings as benchmark history lines (powersgd_triton.history), keyed by this checkout's
+    commit and the GPU: into ``--history`` (default bench/history.jsonl on a GPU, none in the dry run) and a copy in
+    ``$OUT/history.jsonl``. Correctness-gated: nothing is recorded unless the correctness and non-finite sections ran
+    and every case passed, and no section raised."""
+    from powersgd_triton import history as H
+
+    secs = RESULTS["sections"]
+    ran = "correctness" in secs and "nonfinite" in secs and "passed" in secs["correctness"]
+    if failed or not ran:
+        why = "a correctness or non-finite case failed, or a section raised" if failed else \
+            "the correctness and non-finite sections did not both run"
+        RESULTS["history"] = f"not recorded: {why}"
+        log(f"history: {RESULTS['history']}")
+        save()
+        return
+    commit, dirty = H.git_commit(str(ROOT))
+    env = secs.get("env") or B.environment(DEVICE)
+    records = []
+    for name in ("kernels", "hooks"):  # the extra sections add their rows to these
+        rows = (secs.get(name) or {}).get("rows") or []
+        records += H.make_records(rows, source=f"gpu_check.{name}" + (".dry" if DRY else ""), env=env,
+                                  commit=commit, dirty=dirty)
+    targets = [] if not commit else [p for p in (ARGS.history or (None if DRY else str(ROOT / H.DEFAULT_PATH)),)
+                                     if p]
+    if ARGS.out:
+        targets.append(str(Path(ARGS.out) / "history.jsonl"))
+    done = []
+    for path in targets:
+        try:
+            n = H.append(path, records, correct=True)
+            done.append(f"{n} lines in {path}")
+        except (OSError, ValueError) as exc:
+            done.append(f"{path}: {exc}")
+    RESULTS["history"] = "; ".join(done) if done else "not recorded: no git commit and no --out"
+    log(f"history: {RESULTS['history']}")
+    save()
 
 
 if __name__ == "__main__":

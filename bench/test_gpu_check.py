@@ -34,6 +34,14 @@ def test_gpu_check_dry_run(tmp_path):
     assert data["errors"] == {}, data["errors"]
     for noise in ("USDT:", "profiler_start", "CPUAllocator.cpp"):  # torch.profiler's chatter stays out
         assert noise not in out, noise
+    # benchmark history: the dry run's timings, correctness-gated, keyed by commit and device, in $OUT only
+    from powersgd_triton import history as H
+
+    if H.git_commit(str(ROOT))[0]:
+        recs = H.load(str(tmp_path / "history.jsonl"))
+        assert {r["source"] for r in recs} == {"gpu_check.kernels.dry", "gpu_check.hooks.dry"}, data.get("history")
+        assert all(r["commit"] == H.git_commit(str(ROOT))[0] and r["device"].startswith("cpu: ") for r in recs)
+        assert any(r["key"].get("kernel") == "project" and r["metrics"]["median_ms"] > 0 for r in recs)
     sections = data["sections"]
     assert {"env", "compile", "copy", "correctness", "nonfinite", "kernels", "hooks"} <= set(sections)
     # compile phase: sm_90 binaries with their registers, spills, shared memory and occupancy

@@ -35,6 +35,13 @@ def add_parser(subparsers):
                    help="no timing: print the performance model's prediction (powersgd_triton.perfmodel) for "
                         "--models/--ranks/--dtypes on --gpu, from the kernels compiled for it (no GPU needed)")
     p.add_argument("--gpu", default="h200", help="GPU spec of --model-only: h100 or h200 (default h200)")
+    p.add_argument("--history", default=None, metavar="PATH",
+                   help="append the rows to this benchmark history (JSON lines keyed by git commit and device; "
+                        "default: bench/history.jsonl when run from a git checkout of this project), only when ours "
+                        "agrees with PyTorch's hook on the same buckets (see powersgd_triton.history)")
+    p.add_argument("--no-history", action="store_true", help="record nothing in the history")
+    p.add_argument("--compare-to", default=None, metavar="REF",
+                   help="after the run, compare its rows with the history's rows of git ref REF on this device")
     p.set_defaults(func=run)
     return p
 
@@ -100,7 +107,17 @@ def run(args) -> int:
                                         counts=not args.no_counts, shrink=args.shrink,
                                         bucket_cap_mb=25.0 if args.shrink == 1 else 25.0 / args.shrink ** 2)
     env = B.environment(device)
+    checks = {}
+    for model in models:
+        for dtype in dtypes:
+            for rank in ranks:
+                checks[model, dtype, rank] = B.check_against_pytorch(
+                    model, rank, dtype, device, backend=backend, shrink=args.shrink,
+                    bucket_cap_mb=25.0 if args.shrink == 1 else 25.0 / args.shrink ** 2)
+    dtype_arg = {str(B._dtype(d)).replace("torch.", ""): d for d in dtypes}  # "float32" -> "fp32"
     for r in rows:
+        r["shrink"] = args.shrink
+        r["agrees_with_pytorch"] = checks[r["model"], dtype_arg[r["dtype"]], r["matrix_approximation_rank"]]["ok"]
         for k in ("held_bytes", "peak_extra_bytes", "allreduce_bytes", "grad_bytes"):
             if k in r:
                 r[k + "_h"] = B.fmt_bytes(r[k])
@@ -135,9 +152,47 @@ def run(args) -> int:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(head + "\n\n" + table + "\n")
+    lines = [f"ours vs PyTorch's hook, same buckets, {c['steps']} compressed steps: {model} r={rank} {dtype}: max "
+             f"relative difference {c['max_rel_diff']:.2e} (tolerance {c['tolerance']:g}): "
+             + ("agrees" if c["ok"] else "DIFFERS" + ("" if c["finite"] else " (non-finite)"))
+             for (model, dtype, rank), c in checks.items()]
+    print("\n" + "\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
             options = {k: v for k, v in vars(args).items() if k != "func"}
-            json.dump({"environment": env, "rows": rows, "options": options}, f, indent=1, default=str)
+            json.dump({"environment": env, "rows": rows, "options": options,
+                       "checks": [dict(model=m, dtype=d, matrix_approximation_rank=r, **c)
+                                  for (m, d, r), c in checks.items()]}, f, indent=1, default=str)
+    return _history(args, rows, env)
+
+
+def _history(args, rows, env) -> int:
+    """Append the correct rows to the benchmark history and compare with ``--compare-to``; 0, or 2 for a bad ref."""
+    from . import history as H
+
+    path = None if args.no_history else (args.history or H.default_path())
+    commit, dirty = H.git_commit()
+    if path:
+        good = [r for r in rows if r["agrees_with_pytorch"]]
+        bad = sorted({f"{r['model']} r={r['matrix_approximation_rank']} {r['dtype']}" for r in rows
+                      if not r["agrees_with_pytorch"]})
+        if bad:
+            print(f"not recorded in {path}: ours differs from PyTorch's hook for {', '.join(bad)}")
+        if not commit:
+            print(f"not recorded in {path}: no git commit here (run from a checkout)")
+        elif good:
+            n = H.append(path, H.make_records(good, source="bench", env=env, commit=commit, dirty=dirty),
+                         correct=True)
+            print(f"recorded {n} rows in {path} (commit {commit[:10]}{', dirty work tree' if dirty else ''}, "
+                  f"device {H.device_name(env)})")
+    if args.compare_to:
+        try:
+            records = H.load(path or H.DEFAULT_PATH)
+            ref = H.resolve_ref(args.compare_to)
+            device = H.device_name(env)
+            cmp = H.compare(records, ref, commit, device)
+        except (OSError, H.HistoryError) as exc:
+            return _usage(f"--compare-to {args.compare_to}: {exc}")
+        print("\n" + H.format_comparison(cmp, ref, commit or "?", device))
     return 0
 

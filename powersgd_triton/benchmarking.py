@@ -886,6 +886,41 @@ def compare_hooks(model: str, rank: int, dtype="fp32", device="cpu", *, backend:
     return rows
 
 
+AGREEMENT_TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+def check_against_pytorch(model: str, rank: int, dtype="fp32", device="cpu", *, backend: str = "auto",
+                          compressed_steps: int = 2, shrink: int = 1, bucket_cap_mb: float = 25.0,
+                          first_bucket_mb: float = DDP_FIRST_BUCKET_MB, seed: int = 1) -> dict:
+    """Ours against PyTorch's ``powerSGD_hook`` on the same buckets: the correctness gate of a benchmark record.
+
+    Each hook gets fresh copies of the same random buckets (``seed``) and the same state arguments (same
+    ``random_seed``, so the same initial Q), runs the plain all-reduce steps and ``compressed_steps`` compressed ones;
+    then each bucket's contents are compared. Returns ``{"max_rel_diff", "tolerance", "finite", "ok", "steps"}``:
+    ``max_rel_diff`` is the largest ``||ours - theirs|| / ||theirs||`` (float64) over the buckets, ``tolerance``
+    :data:`AGREEMENT_TOL` of the dtype (float32 1e-4; bfloat16/float16 5e-2: PyTorch's hook keeps P and Q in the
+    bucket's dtype there, ours in float32). A few steps only: over many steps two runs drift apart as PyTorch's hook
+    does from itself after a one-ulp change. Needs a process group (:func:`ensure_process_group`).
+    """
+    device = torch.device(device)
+    out = {}
+    for impl in ("pytorch", "ours"):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        buckets = model_buckets(model, dtype, device, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
+                                shrink=shrink, generator=gen)
+        HookStep(impl, buckets, rank, backend=backend).warmup(compressed_steps)
+        out[impl] = [b.buffer() for b in buckets]
+    worst, finite = 0.0, True
+    for mine, theirs in zip(out["ours"], out["pytorch"]):
+        finite = finite and bool(torch.isfinite(mine).all())
+        a, b = mine.double(), theirs.double()
+        diff = float((a - b).norm() / b.norm().clamp_min(1e-30))
+        worst = diff if diff != diff else max(worst, diff)  # NaN stays
+    tol = AGREEMENT_TOL[_dtype(dtype)]
+    return {"max_rel_diff": worst, "tolerance": tol, "finite": finite, "ok": bool(finite and worst < tol),
+            "steps": compressed_steps}
+
+
 # ============================================================================================ reporting
 def _cpu_model() -> str:
     try:
@@ -979,7 +1014,7 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[Tuple[str, str]]) -> 
 
 __all__ = [
     "CollectiveRecord", "DTYPES", "FakeGradBucket", "HookStep", "IMPLS", "KERNELS", "KernelBench",
-    "OpCounter", "StepCounts", "bucket_layout", "quiet_profiler", "count_cuda_kernels", "count_step", "count_triton_launches",
+    "OpCounter", "StepCounts", "bucket_layout", "check_against_pytorch", "quiet_profiler", "count_cuda_kernels", "count_step", "count_triton_launches",
     "compare_hooks", "ensure_process_group", "environment", "time_interleaved", "fmt_bytes", "held_bytes", "kernel_bytes", "make_hook", "markdown_table",
     "model_bucket_shapes", "model_buckets", "peak_extra_bytes", "random_buffer", "shrink_shapes",
     "synchronous_collectives", "time_cpu",

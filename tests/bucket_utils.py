@@ -1,6 +1,7 @@
 """Helpers for kernel tests: buckets of gradients in a flat buffer, canary guards, float64 oracle."""
 
-from typing import List, Sequence, Tuple
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -69,3 +70,98 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def layerwise(buf, grads, rank, min_rate=0.5) -> BucketLayout:
     return BucketLayout.from_gradients(buf, grads, rank, min_rate)
+
+
+# ------------------------------------------------------------------------------------------ per-matrix comparisons
+def matrix_slice(spec, which: str) -> slice:
+    """Where one compressed matrix lives: ``"m"`` its segment of the bucket, ``"e"`` of the error memory, ``"p"``/``"q"``
+    its factor in the packed P/Q buffers."""
+    if which == "p":
+        return slice(spec.p_offset, spec.p_offset + spec.n * spec.rank)
+    if which == "q":
+        return slice(spec.q_offset, spec.q_offset + spec.m * spec.rank)
+    if which == "e":
+        return slice(spec.e_offset, spec.e_offset + spec.numel)
+    if which == "m":
+        return slice(spec.offset, spec.offset + spec.numel)
+    raise ValueError(f"which must be m, e, p or q, got {which!r}")
+
+
+def per_matrix_errors(a: torch.Tensor, b: torch.Tensor, layout: BucketLayout, which: str,
+                      scale: Optional[Dict[int, float]] = None) -> List[float]:
+    """The error of ``a`` against the reference ``b`` on each compressed matrix's slice, in ``layout.matrices`` order:
+    ``||a_i - b_i|| / ||b_i||`` in float64, or ``/ scale[id(spec)]`` when given (a product's error bound is relative
+    to its factors' norms). NaN where a slice holds a non-finite value."""
+    out = []
+    for spec in layout.matrices:
+        sl = matrix_slice(spec, which)
+        x, ref = a[sl].double(), b[sl].double()
+        if scale is None:
+            denom = ref.norm().item()
+        else:
+            denom = scale[id(spec)]
+        out.append((x - ref).norm().item() / (denom if denom > 0 else 1.0))
+    return out
+
+
+def assert_per_matrix(a: torch.Tensor, b: torch.Tensor, layout: BucketLayout, which: str, tol: float,
+                      scale: Optional[Dict[int, float]] = None, what: str = "") -> None:
+    """Assert every compressed matrix's error (:func:`per_matrix_errors`) is below ``tol``; a non-finite one fails.
+
+    The failure names each matrix that broke: its index in the bucket, the gradient it is (``grad_index``), its shape
+    ``n x m``, rank, the slice compared, the dtypes of ``a`` and of the reference, and its error; and how many
+    elements of it are non-finite (an element a kernel never wrote reads as the tests' NaN poison).
+    """
+    bad = []
+    for i, (spec, err) in enumerate(zip(layout.matrices, per_matrix_errors(a, b, layout, which, scale))):
+        if err < tol:
+            continue
+        sl = matrix_slice(spec, which)
+        nonfinite = int((~torch.isfinite(a[sl])).sum())
+        bad.append(f"  matrix {i} (gradient {spec.grad_index}, {spec.n}x{spec.m}, rank {spec.rank}): {which}[{sl.start}:"
+                   f"{sl.stop}] error {err:.3g}" + (f", {nonfinite} of {sl.stop - sl.start} elements non-finite"
+                                                     if nonfinite or math.isnan(err) else ""))
+    assert not bad, (f"{what + ': ' if what else ''}{len(bad)} of {len(layout.matrices)} matrices over {tol:g} "
+                     f"({which}, {a.dtype} against a {b.dtype} reference):\n" + "\n".join(bad))
+
+
+class Worst:
+    """The largest of a series of errors and where it was, so that a failed assert names what broke.
+
+    ``add(err, **where)`` (e.g. ``step=3, bucket=1, gradient=2, shape=(40, 48), dtype=torch.float32``); a NaN error is
+    the worst of all and is kept. ``value`` is the largest error; ``str(worst)`` reads ``1.2e-03 at step 3, bucket 1,
+    gradient 2, shape (40, 48), dtype torch.float32``. Picklable (the ranks of ``run_ranks`` return it);
+    :meth:`merge` combines the ranks' ones.
+    """
+
+    def __init__(self):
+        self.value = 0.0
+        self.where: Dict[str, object] = {}
+
+    def add(self, err: float, **where) -> None:
+        if math.isnan(self.value):
+            return
+        if math.isnan(err) or err > self.value:
+            self.value, self.where = float(err), {k: str(v) for k, v in where.items()}
+
+    @staticmethod
+    def merge(items) -> "Worst":
+        out = Worst()
+        for w in items:
+            out.add(w.value, **w.where)
+        return out
+
+    def __str__(self) -> str:
+        where = ", ".join(f"{k} {v}" for k, v in self.where.items())
+        return f"{self.value:.3e}" + (f" at {where}" if where else "")
+
+
+def add_per_gradient(worst: Worst, got: torch.Tensor, want: torch.Tensor, shapes, **where) -> None:
+    """Add to ``worst`` the error of each gradient of a flat bucket (``shapes`` back to back), named by its index,
+    shape and dtype (``got``'s, against ``want``'s) besides ``where``."""
+    off = 0
+    for i, s in enumerate(shapes):
+        k = numel(s)
+        worst.add(rel_err64(got[off : off + k], want[off : off + k]), **where, gradient=i, shape=tuple(s),
+                  dtype=f"{got.dtype} vs {want.dtype}")
+        off += k

@@ -133,11 +133,22 @@ def test_bench_cli_prints_the_side_by_side_table(world1, tmp_path, capfd):
     CPUAllocator warning (the CPU peak-memory measurement profiles the step) stay out of stdout and stderr."""
     from powersgd_triton import cli
 
-    md, js = tmp_path / "t.md", tmp_path / "t.json"
+    md, js, hist = tmp_path / "t.md", tmp_path / "t.json", tmp_path / "history.jsonl"
+    from powersgd_triton import history as H
+
+    commit = H.git_commit()[0]
     code = cli.main(["bench", "--models", "resnet50", "--matrix-approximation-ranks", "2", "--shrink", "16",
-                     "--rounds", "1", "--markdown", str(md), "--json", str(js)])
+                     "--rounds", "1", "--markdown", str(md), "--json", str(js), "--history", str(hist)]
+                    + (["--compare-to", "HEAD"] if commit else []))
     assert code == 0
     out, err = capfd.readouterr()
+    # correctness gate of the history: ours agrees with PyTorch's hook on the same buckets, so the rows are recorded
+    assert "resnet50 r=2 fp32: max relative difference" in out and "agrees" in out
+    if commit:  # keyed by commit and device; compared with HEAD's rows (these very rows: ratio 1)
+        recs = H.load(str(hist))
+        assert len(recs) == 2 and {r["commit"] for r in recs} == {commit}
+        assert {r["key"]["impl"] for r in recs} == {"pytorch", "ours"} and recs[0]["key"]["shrink"] == 16
+        assert f"recorded 2 rows in {hist}" in out and "| median_ms |" in out and "| 1.000 |" in out
     assert "PyTorch/ours" in out and "| resnet50 | 2 | float32 | pytorch |" in out
     assert "| approx. rank r |" in out and "| ran as | ATen compute ops/step | Triton launches/step |" in out
     assert "PyTorch's hook (ATen ops)" in out and "our torch backend" in out  # which backend the ops are of
@@ -145,7 +156,9 @@ def test_bench_cli_prints_the_side_by_side_table(world1, tmp_path, capfd):
         assert noise not in out + err, (noise, err[-2000:])
     import json
 
-    rows = json.loads(js.read_text())["rows"]
+    payload = json.loads(js.read_text())
+    rows = payload["rows"]
+    assert payload["checks"][0]["ok"] and payload["checks"][0]["max_rel_diff"] < 1e-4
     assert [r["impl"] for r in rows] == ["pytorch", "ours"] and rows[1]["speedup"] > 0
     assert [r["matrix_approximation_rank"] for r in rows] == [2, 2] and "rank" not in rows[0]
     assert [r["ops_backend"] for r in rows] == ["pytorch", "torch"] and rows[1]["triton_launches"] == 0

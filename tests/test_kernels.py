@@ -7,7 +7,8 @@ fully overwritten, and nothing may be written outside it.
 import pytest
 import torch
 
-from bucket_utils import CANARY, guarded, guards_intact, layerwise, make_bucket, rel_err
+from bucket_utils import (CANARY, assert_per_matrix, guarded, guards_intact, layerwise, make_bucket, matrix_slice,
+                          rel_err)
 from powersgd_triton import ops
 from powersgd_triton.kernels import reference
 from powersgd_triton.layout import BucketLayout
@@ -29,46 +30,18 @@ SHAPE_SETS = {
 }
 
 
-def _slice(s, which):
-    if which == "p":
-        return slice(s.p_offset, s.p_offset + s.n * s.rank)
-    if which == "q":
-        return slice(s.q_offset, s.q_offset + s.m * s.rank)
-    if which == "e":
-        return slice(s.e_offset, s.e_offset + s.numel)
-    return slice(s.offset, s.offset + s.numel)
-
-
-def _per_matrix(a, b, layout, which, scale=None):
-    """Largest error over the matrices of the bucket, per factor slice or bucket segment.
-
-    Relative to the reference slice's norm by default. For a product (P = M·Q, Q = Mᵀ·P, P·Qᵀ) pass
-    ``scale={id(spec): ‖left‖·‖right‖}``: the error bound of a float32 dot product is relative to its factors, and a
-    tiny result from cancellation (a 64x1 "matrix" whose Q is one dot product) would otherwise look inaccurate.
-    """
-    worst = 0.0
-    for s in layout.matrices:
-        sl = _slice(s, which)
-        if scale is None:
-            worst = max(worst, rel_err(a[sl], b[sl]))
-        else:
-            denom = scale[id(s)] or 1.0
-            worst = max(worst, (a[sl].double() - b[sl].double()).norm().item() / denom)
-    return worst
-
-
 def _product_scale(layout, left, left_which, right, right_which, factor=1.0):
-    """{id(spec): ‖left_i‖·‖right_i‖·factor} for :func:`_per_matrix`."""
+    """{id(spec): ‖left_i‖·‖right_i‖·factor} for :func:`bucket_utils.assert_per_matrix`."""
     return {
-        id(s): left[_slice(s, left_which)].double().norm().item()
-        * right[_slice(s, right_which)].double().norm().item()
+        id(s): left[matrix_slice(s, left_which)].double().norm().item()
+        * right[matrix_slice(s, right_which)].double().norm().item()
         * factor
         for s in layout.matrices
     }
 
 
 def _all_matrices(x, layout, which):
-    return torch.cat([x[_slice(s, which)].double() for s in layout.matrices])
+    return torch.cat([x[matrix_slice(s, which)].double() for s in layout.matrices])
 
 
 def _factor(layout, which, gen, scale=1.0):
@@ -93,13 +66,11 @@ def test_project(dtype, shapes, rank, with_error, rng, backend):
     ops.project(buf, layout, q, p, err, backend=backend)
 
     assert rel_err(p, p64) < FP32_TOL
-    assert _per_matrix(p, p64, layout, "p", _product_scale(layout, buf64, "m", q, "q")) < FP32_TOL
+    assert_per_matrix(p, p64, layout, "p", FP32_TOL, scale=_product_scale(layout, buf64, "m", q, "q"))
     assert guards_intact(p_whole, layout.p_numel)
     assert guards_intact(whole, layout.numel, fill=CANARY)
     if with_error:  # M + E written back into the bucket, rounded to its dtype
-        assert _per_matrix(buf, buf64, layout, "m") < STORE_TOL[dtype]
-
-
+        assert_per_matrix(buf, buf64, layout, "m", STORE_TOL[dtype])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shapes", SHAPE_SETS, ids=str)
 @pytest.mark.parametrize("rank", [1, 4])
@@ -116,7 +87,7 @@ def test_project_t(dtype, shapes, rank, rng, backend):
     ops.project_t(buf, layout, p, q, backend=backend)
 
     assert rel_err(q, q64) < FP32_TOL
-    assert _per_matrix(q, q64, layout, "q", _product_scale(layout, buf, "m", p, "p")) < FP32_TOL
+    assert_per_matrix(q, q64, layout, "q", FP32_TOL, scale=_product_scale(layout, buf, "m", p, "p"))
     assert guards_intact(q_whole, layout.q_numel)
     assert torch.equal(buf, before)
 
@@ -151,7 +122,7 @@ def test_orthogonalize(which, shapes, rank, epsilon, rng, backend):
 
     assert torch.equal(x, x_before), "out-of-place orthogonalize changed its input"
     assert guards_intact(out_whole, x.numel())
-    assert _per_matrix(out, ref, layout, which) < FP32_TOL
+    assert_per_matrix(out, ref, layout, which, FP32_TOL)
     for s in layout.matrices:
         rows = s.n if which == "p" else s.m
         off = s.p_offset if which == "p" else s.q_offset
@@ -194,11 +165,12 @@ def test_reconstruct(dtype, shapes, rank, mode, rng, backend):
     ops.reconstruct(buf, layout, p, q, scale, err, flag if mode == "error_kept" else None, backend=backend)
 
     assert rel_err(_all_matrices(buf, layout, "m"), _all_matrices(buf64, layout, "m")) < STORE_TOL[dtype]
-    assert _per_matrix(buf, buf64, layout, "m", _product_scale(layout, p, "p", q, "q", scale)) < STORE_TOL[dtype]
+    assert_per_matrix(buf, buf64, layout, "m", STORE_TOL[dtype],
+                      scale=_product_scale(layout, p, "p", q, "q", scale))
     assert torch.equal(layout.gather_uncompressed(buf), uncompressed_before), "uncompressed gradients touched"
     assert guards_intact(whole, layout.numel, fill=CANARY)
     if mode == "error":
-        assert _per_matrix(err, err64, layout, "e") < FP32_TOL * 10
+        assert_per_matrix(err, err64, layout, "e", FP32_TOL * 10)
         assert guards_intact(err_whole, layout.e_numel)
     if mode == "error_kept":
         assert torch.equal(err, old_err), "error memory changed although update_error was False"
@@ -359,9 +331,9 @@ def test_full_step_with_other_configs(configs, rank, rng):
     ops.project_t(buf, layout, p, q, backend="triton", config=cfg["project_t"])
     ops.reconstruct(buf, layout, p, q, 1.0, err, backend="triton", config=cfg["reconstruct"])
 
-    assert _per_matrix(p, p64, layout, "p") < 1e-4
-    assert _per_matrix(q, q64, layout, "q") < 1e-4
-    assert _per_matrix(buf, buf64, layout, "m") < 1e-4
+    assert_per_matrix(p, p64, layout, "p", 1e-4)
+    assert_per_matrix(q, q64, layout, "q", 1e-4)
+    assert_per_matrix(buf, buf64, layout, "m", 1e-4)
     assert guards_intact(q_whole, layout.q_numel) and guards_intact(p_whole, layout.p_numel)
     assert guards_intact(whole, layout.numel, fill=CANARY)
 
@@ -393,8 +365,8 @@ def test_reconstruct_local_error(backend, local, dtype, rng):
         assert torch.allclose(err64[s.e_offset : s.e_offset + s.numel].view(s.n, s.m), expect)
         break
     ops.reconstruct(buf, layout, p, q, 0.5, err, torch.tensor(True), backend=backend, **kw)
-    assert _per_matrix(buf, buf64, layout, "m") < STORE_TOL[dtype]
-    assert _per_matrix(err, err64, layout, "e") < 1e-5
+    assert_per_matrix(buf, buf64, layout, "m", STORE_TOL[dtype])
+    assert_per_matrix(err, err64, layout, "e", 1e-5)
     assert guards_intact(err_whole, layout.e_numel)
 
 
@@ -455,5 +427,5 @@ def test_commit_factor(backend, which, finite, rng):
         assert torch.equal(kept, before)
         return
     for s in layout.matrices:
-        sl = _slice(s, which)
+        sl = matrix_slice(s, which)
         assert torch.equal(kept[sl], before[sl] if s is zero else new[sl])
