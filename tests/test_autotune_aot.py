@@ -5,7 +5,8 @@ has interpreted kernels) and a fresh ``TRITON_CACHE_DIR`` (so every kernel reall
 bf16, rank 4 (broadcast-multiply path), 8 (both paths offered; the heuristic's own tile at ranks 5-8) and 16
 (``tl.dot`` path) for the three matmul kernels, rank 4 for orthogonalize (its candidate dicts are the same at every
 rank, its compile time grows ~R^2: see the slow test). Each config also gets the heuristic config of its rank.
-About 170 compilations, 1-3 minutes on 2 shared cores.
+About 170 compilations, 1-3 minutes on 2 shared cores: part of the full compile matrix (``-m aot_matrix``); the
+default run compiles each kernel once per target (tests/test_aot_compile.py).
 """
 
 import json
@@ -38,6 +39,7 @@ def _config_key(c):
     return json.dumps(c, sort_keys=True)
 
 
+@pytest.mark.aot_matrix
 @pytest.mark.timeout(600)
 def test_every_candidate_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
     from powersgd_triton.kernels import triton_ops as ops
@@ -66,6 +68,7 @@ def test_every_candidate_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
     print(proc.stdout)
 
 
+@pytest.mark.aot_matrix
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(os.environ.get("POWERSGD_TRITON_SLOW_TESTS") != "1", reason="set POWERSGD_TRITON_SLOW_TESTS=1")
