@@ -12,7 +12,10 @@ kernel             keys
 ``project``        ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``USE_DOT``
 ``project_t``      ``BLOCK_M`` columns per tile, ``BLOCK_K`` rows per step, ``SPLIT_ROWS`` rows per
                    program at most (0: no split), ``USE_DOT``
-``orthogonalize``  ``BLOCK`` rows per step
+``orthogonalize``  ``BLOCK`` rows per tile, ``SHORT_ROWS`` most rows of a factor done by one program (taller
+                   ones are split: two launches), ``GRAM_ROWS`` rows per float64 Gram slot of a split
+                   factor (with ``BLOCK`` it fixes the summation order), ``SPLIT_ROWS`` rows per program
+                   of the apply pass of a split factor
 ``reconstruct``    ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``USE_DOT``
 =================  ===================================================
 
@@ -22,6 +25,7 @@ grows with programs × loop steps). :func:`compile_aot` compiles a kernel for a 
 """
 
 import itertools
+import weakref
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -30,13 +34,14 @@ import triton
 from .. import _env
 from ..layout import KERNELS, MIN_DOT_RANK, BucketLayout, padded_rank  # noqa: F401 - re-exported
 from .lowrank_mm import _project_kernel, _project_t_kernel, _reduce_splits_kernel
-from .orthogonalize import _commit_factor_kernel, _orthogonalize_kernel
+from .orthogonalize import _commit_factor_kernel, _ortho_gram_kernel, _orthogonalize_kernel
 from .reconstruct import _reconstruct_kernel
 from .segments import _copy_segments_kernel
 
 KERNEL_FUNCTIONS = {
     "project": _project_kernel,
     "orthogonalize": _orthogonalize_kernel,
+    "orthogonalize_gram": _ortho_gram_kernel,  # first launch of orthogonalize when a factor is split over rows
     "project_t": _project_t_kernel,
     "reconstruct": _reconstruct_kernel,
     "reduce_splits": _reduce_splits_kernel,  # second stage of project_t for split (tall) matrices
@@ -46,11 +51,12 @@ KERNEL_FUNCTIONS = {
 SEGMENT_BLOCK = 1024
 # Register budget for the broadcast-multiply path: elements of the [BLOCK, BLOCK_K, R] product per program.
 MAX_BROADCAST_ELEMENTS = 16384
-# Orthogonalize keeps a [BLOCK, R] fp32 tile per program and unrolls R columns: at most 16 tile elements per thread
-# (BLOCK * R <= 512 * num_warps). Larger tiles take minutes to compile at R >= 16 (measured, CPU, sm_90, triton 3.9:
-# BLOCK 512 / 4 warps / R 16: 220 s; BLOCK 512 / 8 warps / R 32: 450 s), which live tuning would pay per config, and
-# are likely to spill registers (not measured yet: no GPU run).
-MAX_ORTHO_TILE_PER_WARP = 512
+# Orthogonalize: a factor of at most SHORT_ROWS rows is done by one program (one launch for the bucket); the heuristic
+# allows ORTHO_SHORT_BYTES of float32 factor per program (two passes over it by one SM, the second from L2: a few
+# microseconds, about an extra launch), and splits taller factors (GPT-2's and BERT's embeddings) over rows.
+ORTHO_SHORT_BYTES = 128 * 1024
+# Rows per program of the apply pass of a split factor: GPT-2's 50257-row factor gets ~200 programs (132 SMs).
+ORTHO_SPLIT_ROWS = 256
 # project_t splits matrices taller than this over several programs (GPT-2's 50257-row embedding would otherwise
 # get only m / BLOCK_M programs).
 DEFAULT_SPLIT_ROWS = 2048
@@ -58,7 +64,7 @@ DEFAULT_SPLIT_ROWS = 2048
 INTERPRETER_CONFIGS: Dict[str, dict] = {
     "project": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
     "project_t": dict(BLOCK_M=64, BLOCK_K=64, SPLIT_ROWS=0, USE_DOT=False, num_warps=4, num_stages=1),
-    "orthogonalize": dict(BLOCK=128, num_warps=4, num_stages=1),
+    "orthogonalize": dict(BLOCK=64, SHORT_ROWS=4096, GRAM_ROWS=256, SPLIT_ROWS=256, num_warps=4, num_stages=1),
     "reconstruct": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
 }
 
@@ -81,19 +87,14 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
 
     Broadcast-multiply tiles are kept while ``tile * BLOCK_K * R <= MAX_BROADCAST_ELEMENTS`` (registers);
     ``tl.dot`` tiles are offered from rank 8 on (below that, padding r to 16 only multiplies the FMAs).
-    Orthogonalize tiles are kept while ``BLOCK * R <= MAX_ORTHO_TILE_PER_WARP * num_warps`` (BLOCK 64 always).
+    Orthogonalize: the heuristic, its tile halved and doubled, one more warp count, twice and half the short limit,
+    pipelined or not (:func:`_ortho_configs`).
     Raises ``ValueError`` for an unknown kernel name.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     if kernel == "orthogonalize":
-        r = padded_rank(max_rank)
-        return [
-            dict(BLOCK=b, num_warps=w, num_stages=1)
-            for b in (64, 128, 256, 512)
-            for w in (4, 8)
-            if b * r <= MAX_ORTHO_TILE_PER_WARP * w or b == 64
-        ]
+        return _ortho_configs(padded_rank(max_rank))
     tile = _tile_key(kernel)
     out = []
     r = padded_rank(max_rank)
@@ -125,7 +126,7 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
         return dict(INTERPRETER_CONFIGS[kernel])
     max_rank = layout.max_rank if layout is not None else 4
     if kernel == "orthogonalize":
-        return dict(BLOCK=256 if max_rank <= 8 else 64, num_warps=4, num_stages=1)
+        return _ortho_heuristic(padded_rank(max_rank))
     r = padded_rank(max_rank)
     wide_k = 128 if dtype in (torch.float16, torch.bfloat16) else 64
     split = {"SPLIT_ROWS": DEFAULT_SPLIT_ROWS} if kernel == "project_t" else {}
@@ -179,15 +180,188 @@ def project_t(buffer, layout: BucketLayout, p, q, *, config: Optional[dict] = No
         )
 
 
+def _ortho_heuristic(R: int) -> dict:
+    """Orthogonalize default at padded rank R, from a model of an H100/H200 (132 SMs, ~4 TB/s, 64K registers/SM).
+
+    * ``BLOCK``: a [BLOCK, R] float32 tile of 4 KiB (256 rows up to R 4; 64 at R 16), float64 in registers: 32 regs
+      per thread at 4 warps;
+    * ``SHORT_ROWS``: ``ORTHO_SHORT_BYTES`` of factor per program (8192 rows at R 4: ResNet-50's, BERT's and GPT-2's
+      layers other than the embeddings are one launch; 2048 at R 16);
+    * ``GRAM_ROWS``: 2048 rows per Gram slot up to R 4, 1024 above (each program of the apply pass sums the slots of
+      its matrix: 25-50 slots of R²·8 bytes for GPT-2's 50257 rows);
+    * ``SPLIT_ROWS``: ``ORTHO_SPLIT_ROWS``; 4 warps, 2 stages (the row loops are software-pipelined).
+    """
+    block = max(16, min(256, 1024 // R))
+    short = max(block, ORTHO_SHORT_BYTES // (4 * R))
+    gram = max(block, 2048 if R <= 4 else 1024)
+    return dict(BLOCK=block, SHORT_ROWS=short, GRAM_ROWS=gram, SPLIT_ROWS=max(block, ORTHO_SPLIT_ROWS), num_warps=4,
+                num_stages=2)
+
+
+def _ortho_configs(R: int) -> List[dict]:
+    base = _ortho_heuristic(R)
+    out = [base]
+
+    def add(**changes):
+        c = dict(base, **changes)
+        for key in ("SHORT_ROWS", "GRAM_ROWS", "SPLIT_ROWS"):
+            c[key] = max(c[key], c["BLOCK"])
+        if c not in out:
+            out.append(c)
+
+    add(BLOCK=max(16, base["BLOCK"] // 2))
+    add(BLOCK=base["BLOCK"] * 2, num_warps=8)
+    add(num_warps=8)
+    add(num_stages=1)
+    add(SHORT_ROWS=base["SHORT_ROWS"] * 2)
+    add(SHORT_ROWS=max(base["BLOCK"], base["SHORT_ROWS"] // 4), SPLIT_ROWS=base["SPLIT_ROWS"] * 2)
+    return out
+
+
+def _check_ortho_config(cfg: dict) -> None:
+    block = cfg.get("BLOCK")
+    if not isinstance(block, int) or block < 16 or block & (block - 1):
+        raise ValueError(f"orthogonalize config: BLOCK must be a power of two >= 16, got {block!r}")
+    for key in ("SHORT_ROWS", "GRAM_ROWS", "SPLIT_ROWS"):
+        v = cfg.get(key)
+        if not isinstance(v, int) or v < block or v % block:
+            raise ValueError(f"orthogonalize config: {key} must be a multiple of BLOCK ({block}), got {v!r}")
+
+
+# Per layout (weakly held): {(which, R, BLOCK, SHORT_ROWS, GRAM_ROWS, SPLIT_ROWS): _OrthoPlan}
+_ORTHO_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class _OrthoPlan:
+    """Host-side launch plan of one orthogonalize call (see :func:`orthogonalize_plan`); device tables made lazily."""
+
+    def __init__(self, layout: BucketLayout, which: str, cfg: dict):
+        _check_ortho_config(cfg)
+        block, short, gram_rows, split = cfg["BLOCK"], cfg["SHORT_ROWS"], cfg["GRAM_ROWS"], cfg["SPLIT_ROWS"]
+        self.R = padded_rank(layout.max_rank)
+        self.group_tiles = gram_rows // block
+        self.gram_tasks: List[tuple] = []  # (matrix, first row, slot, head slot, rm)
+        self.tasks: List[tuple] = []  # (matrix, first row, end row, first slot, slots, head slot, rm)
+        slot = 0
+        max_short = max_parts = 0
+        self.split_matrices = 0
+        self.factor_elems = 0  # valid elements of the factors
+        self.split_elems = 0
+        for i, s in enumerate(layout.matrices):
+            rows = s.n if which == "p" else s.m
+            rm = padded_rank(s.rank)  # completion vectors of this factor (the torch backend's too)
+            self.factor_elems += rows * s.rank
+            if rows <= short:
+                self.tasks.append((i, 0, rows, 0, 0, -1, rm))
+                max_short = max(max_short, rows)
+                continue
+            parts = -(-rows // gram_rows)
+            head = slot + parts
+            for k in range(parts):
+                self.gram_tasks.append((i, k * gram_rows, slot + k, head if k == 0 else -1, rm))
+            for c in range(0, rows, split):
+                self.tasks.append((i, c, min(c + split, rows), slot, parts, head, rm))
+            slot += parts + 1
+            max_parts = max(max_parts, parts)
+            self.split_matrices += 1
+            self.split_elems += rows * s.rank
+        self.slots = slot
+        self.short_groups = -(-(-(-max_short // block)) // self.group_tiles)
+        self.max_parts = max_parts
+        self.apply_tiles = max(-(-max_short // block), -(-split // block) if self.split_matrices else 0)
+        self._device_tables = None
+
+    def device_tables(self, device):
+        if self._device_tables is None:
+            def dev(rows, width):
+                return torch.tensor(rows, dtype=torch.int64).reshape(-1, width).to(device)
+
+            self._device_tables = (dev(self.gram_tasks, 5) if self.gram_tasks else None, dev(self.tasks, 7))
+        return self._device_tables
+
+
+def _ortho_plan(layout: BucketLayout, which: str, cfg: dict) -> _OrthoPlan:
+    key = (which, padded_rank(layout.max_rank), cfg.get("BLOCK"), cfg.get("SHORT_ROWS"), cfg.get("GRAM_ROWS"),
+           cfg.get("SPLIT_ROWS"))
+    plans = _ORTHO_PLANS.setdefault(layout, {})
+    plan = plans.get(key)
+    if plan is None:
+        plan = _OrthoPlan(layout, which, cfg)
+        plans[key] = plan
+    return plan
+
+
+def _ortho_workspace(layout: BucketLayout, slots: int, R: int) -> torch.Tensor:
+    """float64 workspace of at least ``slots`` [R, R] Gram slots, kept per layout for reuse."""
+    plans = _ORTHO_PLANS.setdefault(layout, {})
+    ws = plans.get("workspace")
+    need = max(1, slots * R * R)
+    if ws is None or ws.numel() < need:
+        ws = torch.empty(need, dtype=torch.float64, device=layout.device)
+        plans["workspace"] = ws
+    return ws
+
+
 def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, config: Optional[dict] = None) -> None:
-    """One launch: Gram-Schmidt on every P_i (``which="p"``) or Q_i (``"q"``), one program per matrix."""
+    """Orthogonalize every P_i (``which="p"``) or Q_i (``"q"``): ONE launch when every factor has at most
+    ``SHORT_ROWS`` rows, else two (float64 Gram slots of the split factors, then the rest); see
+    :mod:`powersgd_triton.kernels.orthogonalize`. Raises ``ValueError`` for a malformed config."""
     cfg = _resolve("orthogonalize", layout, x.dtype, config)
+    plan = _ortho_plan(layout, which, cfg)
     rows_col, off_col = (1, 5) if which == "p" else (2, 6)
-    _orthogonalize_kernel[(layout.num_matrices,)](
-        x, out, layout.table, float(epsilon),
-        ROWS_COL=rows_col, OFF_COL=off_col, R=padded_rank(layout.max_rank), BLOCK=cfg["BLOCK"],
-        **_launch_options(cfg),
+    gram_tasks, tasks = plan.device_tables(x.device)
+    ws = _ortho_workspace(layout, plan.slots, plan.R) if plan.slots else x
+    consts = dict(ROWS_COL=rows_col, OFF_COL=off_col, R=plan.R, BLOCK=cfg["BLOCK"], GROUP_TILES=plan.group_tiles)
+    if gram_tasks is not None:
+        _ortho_gram_kernel[(gram_tasks.shape[0],)](x, ws, layout.table, gram_tasks, **consts, **_launch_options(cfg))
+    _orthogonalize_kernel[(tasks.shape[0],)](
+        x, out, ws, layout.table, tasks, float(epsilon), plan.short_groups, plan.max_parts, plan.apply_tiles,
+        **consts, **_launch_options(cfg),
     )
+
+
+def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] = None) -> List[dict]:
+    """The launches of one :func:`orthogonalize` call on ``layout`` (``which`` = "p" or "q"), in launch order.
+
+    One dict per launch: ``kernel`` (a :data:`KERNEL_FUNCTIONS` name), ``programs`` (grid size), ``iterations``
+    (loop trips of one program over tiles of ``BLOCK`` rows and Gram slots; every program makes the most, masked),
+    ``rank_steps`` (serial Gram-Schmidt steps on the r x r Gram per program, 0 for the Gram launch),
+    ``bytes_read`` / ``bytes_written`` (bytes the loads and stores of the whole launch touch: factor float32,
+    Gram slots float64, task tables; a short factor is read twice, the second time likely from L2),
+    ``config`` and ``variant`` (``compile_aot(kernel, config, ..., variant=variant)`` compiles exactly this
+    launch). ``config=None``: the heuristic (or interpreter) config. Raises ``ValueError`` for an unknown
+    ``which`` or a malformed config.
+    """
+    if which not in ("p", "q"):
+        raise ValueError(f"which must be 'p' or 'q', got {which!r}")
+    cfg = dict(_resolve("orthogonalize", layout, torch.float32, config))
+    if layout.num_matrices == 0:
+        return []
+    plan = _ortho_plan(layout, which, cfg)
+    R, block = plan.R, cfg["BLOCK"]
+    variant = dict(ROWS_COL=1, OFF_COL=5) if which == "p" else dict(ROWS_COL=2, OFF_COL=6)
+    table_bytes = 8 * 8  # one layout-table row per program
+    slot_bytes = R * R * 8
+    out = []
+    if plan.gram_tasks:
+        heads = sum(1 for t in plan.gram_tasks if t[3] >= 0)
+        out.append(dict(
+            kernel="orthogonalize_gram", programs=len(plan.gram_tasks), iterations=plan.group_tiles, rank_steps=0,
+            bytes_read=4 * plan.split_elems + len(plan.gram_tasks) * (table_bytes + 32) + heads * 4 * R * R,
+            bytes_written=(len(plan.gram_tasks) + heads) * slot_bytes,
+            config=dict(cfg), variant=dict(variant),
+        ))
+    short_elems = plan.factor_elems - plan.split_elems
+    split_programs = len(plan.tasks) - (layout.num_matrices - plan.split_matrices)
+    out.append(dict(
+        kernel="orthogonalize", programs=len(plan.tasks),
+        iterations=plan.short_groups * plan.group_tiles + plan.max_parts + plan.apply_tiles, rank_steps=R,
+        bytes_read=8 * short_elems + 4 * plan.split_elems + len(plan.tasks) * (table_bytes + 48)
+        + sum((t[4] + 1) * slot_bytes for t in plan.tasks if t[4] > 0),
+        bytes_written=4 * plan.factor_elems,
+        config=dict(cfg), variant=dict(variant, WITH_GRAM=False), split_programs=split_programs,
+    ))
+    return out
 
 
 def reconstruct(
@@ -262,7 +436,10 @@ def _signature(kernel: str, grad_dtype: torch.dtype) -> Dict[str, str]:
     if kernel == "commit_factor":
         return dict(new_ptr=f, kept_ptr=f, flag_ptr="*u8", table_ptr=i64)
     if kernel == "orthogonalize":
-        return dict(x_ptr=f, out_ptr=f, table_ptr=i64, eps="fp32")
+        return dict(x_ptr=f, out_ptr=f, ws_ptr="*fp64", table_ptr=i64, tasks_ptr=i64, eps="fp32", short_groups="i32",
+                    max_parts="i32", apply_tiles="i32")
+    if kernel == "orthogonalize_gram":
+        return dict(x_ptr=f, ws_ptr="*fp64", table_ptr=i64, tasks_ptr=i64)
     return dict(
         buf_ptr=g, p_ptr=f, q_ptr=f, lf_ptr=f, e_ptr=f, flag_ptr="*u8", table_ptr=i64, tiles_ptr=i32, scale="fp32"
     )
@@ -271,8 +448,10 @@ def _signature(kernel: str, grad_dtype: torch.dtype) -> Dict[str, str]:
 def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict:
     use_dot = config.get("USE_DOT", False)
     c = {"R": padded_rank(max_rank, use_dot)}
-    if kernel == "orthogonalize":
-        c.update(BLOCK=config["BLOCK"], ROWS_COL=variant.get("ROWS_COL", 1), OFF_COL=variant.get("OFF_COL", 5))
+    if kernel in ("orthogonalize", "orthogonalize_gram"):
+        _check_ortho_config(config)
+        c.update(BLOCK=config["BLOCK"], GROUP_TILES=config["GRAM_ROWS"] // config["BLOCK"],
+                 ROWS_COL=variant.get("ROWS_COL", 1), OFF_COL=variant.get("OFF_COL", 5))
         return c
     if kernel == "reduce_splits":
         c.update(BLOCK_M=config["BLOCK_M"], R=padded_rank(max_rank, use_dot))
@@ -295,7 +474,8 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
 def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: int, arch: int, variant=None):
     """Compile ``kernel`` with ``config`` for ``sm_<arch>`` (e.g. 80, 90) without a GPU; returns the compiled kernel.
 
-    ``variant`` sets the feature constexprs (``HAS_ERROR``, ``HAS_FLAG``, ``ROWS_COL``/``OFF_COL``). Must run with
+    ``variant`` sets the feature constexprs (``HAS_ERROR``, ``HAS_FLAG``, ``ROWS_COL``/``OFF_COL``); ``orthogonalize``
+    also compiles ``orthogonalize_gram`` (its first launch for split factors) unless ``WITH_GRAM=False``. Must run with
     ``TRITON_INTERPRET`` unset (the interpreter replaces ``@triton.jit`` functions at import time). Raises
     ``RuntimeError`` under the interpreter and whatever Triton raises on a compile error.
     """
@@ -316,6 +496,8 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     if kernel == "project_t" and constexprs["SPLIT_ROWS"] > 0:  # the split path launches the reducer too
         compile_aot("reduce_splits", config, grad_dtype, max_rank, arch)
+    if kernel == "orthogonalize" and (variant or {}).get("WITH_GRAM", True):  # and the Gram launch of split factors
+        compile_aot("orthogonalize_gram", config, grad_dtype, max_rank, arch, variant)
     return compiled
 
 
@@ -331,7 +513,7 @@ def variants(kernel: str) -> Iterable[dict]:
             dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=1),
             dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=2),
         ]
-    if kernel == "orthogonalize":
+    if kernel in ("orthogonalize", "orthogonalize_gram"):
         return [dict(ROWS_COL=1, OFF_COL=5), dict(ROWS_COL=2, OFF_COL=6)]
     if kernel == "project_t":
         return [dict(SPLIT_ROWS=0), dict(SPLIT_ROWS=DEFAULT_SPLIT_ROWS)]
