@@ -51,8 +51,8 @@ def _mm(a, b, USE_DOT: tl.constexpr):
 
 @triton.jit
 def _walsh(rows, cols, n, rm):
-    """Completion vectors: ``(-1)^popcount(row & c) / sqrt(rm)`` at ``[rows, cols]`` for ``row < min(n, rm)``,
-    ``c < rm``, else 0 (Sylvester-Hadamard columns on the first ``rm`` rows: orthonormal when ``n >= rm``, of rank
+    """Completion vectors: ``(-1)^popcount(row & c)`` at ``[rows, cols]`` for ``row < min(n, rm)``, ``c < rm``, else
+    0 (Sylvester-Hadamard columns on the first ``rm`` rows: orthogonal, of norm sqrt(rm), when ``n >= rm``; of rank
     ``min(n, rm)`` otherwise). float64 [len(rows), len(cols)]."""
     v = rows[:, None].to(tl.int32) & cols[None, :].to(tl.int32)
     v = v ^ (v >> 4)
@@ -60,7 +60,7 @@ def _walsh(rows, cols, n, rm):
     v = v ^ (v >> 1)
     sign = 1.0 - 2.0 * (v & 1).to(tl.float64)
     ok = (rows[:, None] < n) & (rows[:, None] < rm) & (cols[None, :] < rm)
-    return tl.where(ok, sign / tl.sqrt(rm.to(tl.float64)), 0.0)
+    return tl.where(ok, sign, 0.0)
 
 
 @triton.jit
@@ -108,19 +108,18 @@ def _completions(Zx, dep, Gwx, Gww, eps, R: tl.constexpr):
     """Fill the dependent columns (``dep``), in order, each with the completion vector of largest residual against
     all other columns, orthogonalized against them, divided by ``norm + eps``; returns ``(Zx, Zw)``: column j is
     ``X·Zx[:, j] + W·Zw[:, j]``. ``Gwx = WᵀX``, ``Gww = WᵀW`` (W: :func:`_walsh`). The chosen residual is at least
-    1/rm of a unit vector (the candidates span rm >= r dimensions), so one classical Gram-Schmidt pass in float64
-    is orthogonal to float64 rounding. Runs only for a factor with a dependent column.
+    1/rm of the candidate's norm (the candidates span rm >= r dimensions), so one classical Gram-Schmidt pass in
+    float64 is orthogonal to float64 rounding. Runs only for a factor with a dependent column.
     """
     ia = tl.arange(0, R)[:, None]
     ib = tl.arange(0, R)[None, :]
     idx = tl.arange(0, R)
     Zw = tl.zeros((R, R), dtype=tl.float64)
     wdiag = tl.sum(tl.where(ia == ib, Gww, 0.0), axis=1)
+    OT = _mm(Gwx, Zx, R >= 8)  # OT[c, i] = w_cᵀ q_i (dependent columns still zero), updated per completed column
     for j in range(R):
         if tl.sum(tl.where(idx == j, dep, 0.0), axis=0) > 0.0:
-            # OT[c, i] = w_cᵀ q_i (column j is still zero); residual of candidate c: ||w_c||² - Σ_i OT[c, i]²
-            OT = _mm(Gwx, Zx, R >= 8) + _mm(Gww, Zw, R >= 8)
-            res = tl.where(wdiag > 0.0, wdiag - tl.sum(OT * OT, axis=1), -1.0)
+            res = tl.where(wdiag > 0.0, wdiag - tl.sum(OT * OT, axis=1), -1.0)  # ||w_c||² - Σ_i (w_cᵀ q_i)²
             best = tl.max(res, axis=0)
             cstar = tl.min(tl.where(res == best, idx, R), axis=0)  # the first of the largest
             o = tl.sum(tl.where(ia == cstar, OT, 0.0), axis=0)  # o[i] = q_iᵀ w_c*
@@ -129,6 +128,8 @@ def _completions(Zx, dep, Gwx, Gww, eps, R: tl.constexpr):
             vw = (tl.where(idx == cstar, 1.0, 0.0) - tl.sum(Zw * o[None, :], axis=1)) * inv
             Zx = tl.where(ib == j, vx[:, None], Zx)
             Zw = tl.where(ib == j, vw[:, None], Zw)
+            ot = tl.sum(Gwx * vx[None, :], axis=1) + tl.sum(Gww * vw[None, :], axis=1)  # W^T q_j
+            OT = tl.where(ib == j, ot[:, None], OT)
     return Zx, Zw
 
 

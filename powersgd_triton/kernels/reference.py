@@ -10,7 +10,6 @@ Source: PowerSGD, Vogels et al. 2019 (arXiv 1905.13727), Algorithm 1; column-by-
 PyTorch's ``_orthogonalize_gram_schmidt``, except that a zero column stays zero instead of becoming NaN.
 """
 
-import math
 from typing import Dict, Optional
 
 import torch
@@ -98,8 +97,9 @@ _WALSH_CACHE: Dict[tuple, torch.Tensor] = {}
 def walsh_vectors(rows: int, r: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Completion vectors of a ``rows x r`` factor: ``(h, rm)`` with ``rm = padded_rank_of(r)``, ``h = min(rows, rm)``.
 
-    Column c is ``(-1)^popcount(i & c) / sqrt(rm)`` on rows ``i < h`` (a Sylvester-Hadamard column on the first rows,
-    zero below): orthonormal when ``rows >= rm``, of rank ``h`` otherwise. The same vectors as the Triton kernel's.
+    Column c is ``(-1)^popcount(i & c)`` on rows ``i < h`` (a Sylvester-Hadamard column on the first rows, zero below):
+    orthogonal, of norm sqrt(rm), when ``rows >= rm``; of rank ``h`` otherwise. The same vectors as the Triton
+    kernel's.
     """
     rm = padded_rank_of(r)
     h = min(rows, rm)
@@ -111,7 +111,7 @@ def walsh_vectors(rows: int, r: int, dtype: torch.dtype, device) -> torch.Tensor
         while bool(v.any()):
             parity ^= v & 1
             v = v >> 1
-        w = ((1.0 - 2.0 * parity.double()) / math.sqrt(rm)).to(dtype=dtype, device=device)
+        w = (1.0 - 2.0 * parity.double()).to(dtype=dtype, device=device)
         _WALSH_CACHE[key] = w
     return w
 

@@ -64,7 +64,7 @@ DEFAULT_SPLIT_ROWS = 2048
 INTERPRETER_CONFIGS: Dict[str, dict] = {
     "project": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
     "project_t": dict(BLOCK_M=64, BLOCK_K=64, SPLIT_ROWS=0, USE_DOT=False, num_warps=4, num_stages=1),
-    "orthogonalize": dict(BLOCK=64, SHORT_ROWS=4096, GRAM_ROWS=256, SPLIT_ROWS=256, num_warps=4, num_stages=1),
+    "orthogonalize": dict(BLOCK=256, SHORT_ROWS=4096, GRAM_ROWS=256, SPLIT_ROWS=256, num_warps=4, num_stages=1),
     "reconstruct": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
 }
 
@@ -183,19 +183,20 @@ def project_t(buffer, layout: BucketLayout, p, q, *, config: Optional[dict] = No
 def _ortho_heuristic(R: int) -> dict:
     """Orthogonalize default at padded rank R, from a model of an H100/H200 (132 SMs, ~4 TB/s, 64K registers/SM).
 
-    * ``BLOCK``: a [BLOCK, R] float32 tile of 4 KiB (256 rows up to R 4; 64 at R 16), float64 in registers: 32 regs
-      per thread at 4 warps;
-    * ``SHORT_ROWS``: ``ORTHO_SHORT_BYTES`` of factor per program (8192 rows at R 4: ResNet-50's, BERT's and GPT-2's
-      layers other than the embeddings are one launch; 2048 at R 16);
-    * ``GRAM_ROWS``: 2048 rows per Gram slot up to R 4, 1024 above (each program of the apply pass sums the slots of
-      its matrix: 25-50 slots of R²·8 bytes for GPT-2's 50257 rows);
-    * ``SPLIT_ROWS``: ``ORTHO_SPLIT_ROWS``; 4 warps, 2 stages (the row loops are software-pipelined).
+    * ``BLOCK`` rows per tile: 1-4 KiB of float32 factor per load (256 rows at R 1 and 4, 512 at R 2, 32 at R 32),
+      held in float64 in registers; 8 warps. Chosen from the sm_90 compile (ptxas -v, triton 3.9): no spills at any
+      R <= 32, at most 128 registers per thread up to R 16 (a BLOCK of 512 at R 1 spills 8 bytes);
+    * ``SHORT_ROWS``: ``ORTHO_SHORT_BYTES`` of factor per program, at most 32 tiles (8192 rows at R 1 and 4:
+      ResNet-50's, BERT's and GPT-2's layers other than the embeddings are one launch; 2048 at R 16);
+    * ``GRAM_ROWS``: 2048 rows per Gram slot up to R 8, 4096 above (each program of the apply pass sums the slots of
+      its matrix: 13-25 slots of R²·8 bytes for GPT-2's 50257 rows);
+    * ``SPLIT_ROWS``: ``ORTHO_SPLIT_ROWS`` (about 200 programs for GPT-2's embedding); 3 stages (the row loops are
+      software-pipelined, several tiles in flight per SM).
     """
-    block = max(16, min(256, 1024 // R))
-    short = max(block, ORTHO_SHORT_BYTES // (4 * R))
-    gram = max(block, 2048 if R <= 4 else 1024)
-    return dict(BLOCK=block, SHORT_ROWS=short, GRAM_ROWS=gram, SPLIT_ROWS=max(block, ORTHO_SPLIT_ROWS), num_warps=4,
-                num_stages=2)
+    block = {1: 256, 2: 512}.get(R, max(16, 1024 // R))
+    short = max(block, min(ORTHO_SHORT_BYTES // (4 * R), 32 * block))
+    gram = max(block, 2048 if R <= 8 else 4096)
+    return dict(BLOCK=block, SHORT_ROWS=short, GRAM_ROWS=gram, SPLIT_ROWS=ORTHO_SPLIT_ROWS, num_warps=8, num_stages=3)
 
 
 def _ortho_configs(R: int) -> List[dict]:
@@ -204,28 +205,33 @@ def _ortho_configs(R: int) -> List[dict]:
 
     def add(**changes):
         c = dict(base, **changes)
-        for key in ("SHORT_ROWS", "GRAM_ROWS", "SPLIT_ROWS"):
+        for key in ("SHORT_ROWS", "GRAM_ROWS"):
             c[key] = max(c[key], c["BLOCK"])
         if c not in out:
             out.append(c)
 
     add(BLOCK=max(16, base["BLOCK"] // 2))
     add(BLOCK=base["BLOCK"] * 2, num_warps=8)
-    add(num_warps=8)
-    add(num_stages=1)
+    add(num_warps=12 - base["num_warps"])  # the other of 4 and 8
+    add(num_stages=2)
     add(SHORT_ROWS=base["SHORT_ROWS"] * 2)
-    add(SHORT_ROWS=max(base["BLOCK"], base["SHORT_ROWS"] // 4), SPLIT_ROWS=base["SPLIT_ROWS"] * 2)
+    add(SHORT_ROWS=base["SHORT_ROWS"] // 4, SPLIT_ROWS=base["SPLIT_ROWS"] * 2)
     return out
 
 
 def _check_ortho_config(cfg: dict) -> None:
+    """Raise ``ValueError`` unless BLOCK is a power of two >= 16, SHORT_ROWS and GRAM_ROWS multiples of it and
+    SPLIT_ROWS a positive multiple of 16 (a split program writes ceil(SPLIT_ROWS / BLOCK) tiles, masked)."""
     block = cfg.get("BLOCK")
     if not isinstance(block, int) or block < 16 or block & (block - 1):
         raise ValueError(f"orthogonalize config: BLOCK must be a power of two >= 16, got {block!r}")
-    for key in ("SHORT_ROWS", "GRAM_ROWS", "SPLIT_ROWS"):
+    for key in ("SHORT_ROWS", "GRAM_ROWS"):
         v = cfg.get(key)
         if not isinstance(v, int) or v < block or v % block:
             raise ValueError(f"orthogonalize config: {key} must be a multiple of BLOCK ({block}), got {v!r}")
+    split = cfg.get("SPLIT_ROWS")
+    if not isinstance(split, int) or split < 16 or split % 16:
+        raise ValueError(f"orthogonalize config: SPLIT_ROWS must be a positive multiple of 16, got {split!r}")
 
 
 # Per layout (weakly held): {(which, R, BLOCK, SHORT_ROWS, GRAM_ROWS, SPLIT_ROWS): _OrthoPlan}
