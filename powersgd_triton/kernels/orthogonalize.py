@@ -23,12 +23,11 @@ would keep that column of the warm-start Q at zero for ever (``M·0 = 0``). A fa
 
 Launches (see :func:`powersgd_triton.kernels.triton_ops.orthogonalize`): factors of at most ``SHORT_ROWS`` rows get
 one program each in ONE launch of :func:`_orthogonalize_kernel` (Gram pass, r x r work, apply pass); taller factors
-are split over rows: :func:`_ortho_gram_kernel` writes the float64 Gram of each group of ``GRAM_ROWS`` rows to a
-workspace, then one program per ``SPLIT_ROWS`` rows of :func:`_orthogonalize_kernel` sums the group Grams of its
-matrix in order, repeats the r x r work and applies it to its rows. The Gram of a factor is summed in the same order
-(tiles of ``BLOCK`` rows in order within a group, groups in order) on both paths, so the result depends on
-``BLOCK``/``GRAM_ROWS`` only, not on how many programs run or whether the factor was split. No atomics: bitwise
-reproducible, the same on every rank with the same config.
+are split over rows: :func:`_ortho_gram_kernel` writes the float64 Gram of each ``GRAM_ROWS`` rows to a workspace
+slot, then one program per ``SPLIT_ROWS`` rows of :func:`_orthogonalize_kernel` sums the slots of its matrix (every
+such program the same sum, in the same order), repeats the r x r work and applies it to its rows. No atomics and a
+fixed summation order: the result is bitwise reproducible, depends on the config and the factor only (not on the
+number of programs of the apply pass or their scheduling), and is the same on every rank with the same config.
 """
 
 import triton
@@ -185,7 +184,7 @@ def _ortho_gram_kernel(
     tl.store(ws_ptr + head * (R * R) + rr, gwx, mask=(rr * 0 + head) >= 0)
 
 
-@triton.jit(do_not_specialize=["eps", "short_groups", "max_parts", "apply_tiles"])
+@triton.jit
 def _orthogonalize_kernel(
     x_ptr,  # flat factor input (float32)
     out_ptr,  # flat factor output (float32; may alias x_ptr)
@@ -193,17 +192,22 @@ def _orthogonalize_kernel(
     table_ptr,  # int64 [L, 8] layout table
     tasks_ptr,  # int64 [T, 7]: matrix, first row, end row, first Gram slot, Gram slots (0: short), head slot, rm
     eps,  # float32 epsilon added to each norm
-    short_groups,  # Gram groups (GROUP_TILES tiles each) of the tallest short factor
-    max_parts,  # most Gram slots of a split factor
-    apply_tiles,  # most tiles of BLOCK rows one program writes
     ROWS_COL: tl.constexpr,
     OFF_COL: tl.constexpr,
     R: tl.constexpr,
     BLOCK: tl.constexpr,
-    GROUP_TILES: tl.constexpr,
+    CHUNK_TILES: tl.constexpr,  # tiles of BLOCK rows per chunk (an unconditional, software-pipelined inner loop)
+    SHORT_CHUNKS: tl.constexpr,  # chunks of the tallest short factor (SHORT_ROWS)
+    APPLY_CHUNKS: tl.constexpr,  # chunks one program writes at most (max(SHORT_ROWS, SPLIT_ROWS))
+    SLOT_BLOCK: tl.constexpr,  # Gram slots summed per step
 ):
     """One program per short factor, or per SPLIT_ROWS rows of a split one: Gram (accumulated here, or summed from
-    the slots), Gram-Schmidt on it, ``X·Zx (+ W·Zw)`` for its rows."""
+    the slots), Gram-Schmidt on it, ``X·Zx (+ W·Zw)`` for its rows.
+
+    Loop bounds are constexprs of the config (chunks past the end of the factor are skipped by a scalar test, the
+    tiles inside a chunk are masked) or ``while`` conditions: a loop over a runtime bound, ``range(n)``, fails in
+    Triton 3.6's interpreter.
+    """
     pid = tl.program_id(0).to(tl.int64)
     task = tasks_ptr + pid * 7
     mat = tl.load(task)
@@ -224,19 +228,25 @@ def _orthogonalize_kernel(
     is_short = nparts == 0
     n_gram = tl.where(is_short, n, 0)
 
-    # Gram of a short factor: tiles in order within groups of GROUP_TILES, groups in order (as the split path).
+    # Gram of a short factor, chunk by chunk, tiles in order.
     total = tl.zeros((R, R), dtype=tl.float64)
-    for g in range(short_groups):
-        group = tl.zeros((R, R), dtype=tl.float64)
-        for t in range(GROUP_TILES):
-            rows = (g * GROUP_TILES + t) * BLOCK + ar
-            mask = (rows < n_gram)[:, None] & col_ok[None, :]
-            x = tl.load(x_ptr + base + rows[:, None] * r + ranks[None, :], mask=mask, other=0.0).to(tl.float64)
-            group += tl.dot(tl.trans(x), x)
-        total += group
-    # Gram of a split factor: its slots in order.
-    for k in range(max_parts):
-        total += tl.load(ws_ptr + (slot + k) * (R * R) + rr, mask=(rr * 0 + k) < nparts, other=0.0)
+    for c in range(SHORT_CHUNKS):
+        if c * (CHUNK_TILES * BLOCK) < n_gram:
+            for t in range(CHUNK_TILES):
+                rows = (c * CHUNK_TILES + t) * BLOCK + ar
+                mask = (rows < n_gram)[:, None] & col_ok[None, :]
+                x = tl.load(x_ptr + base + rows[:, None] * r + ranks[None, :], mask=mask, other=0.0)
+                x = x.to(tl.float64)
+                total += tl.dot(tl.trans(x), x)
+    # Gram of a split factor: the sum of its slots, SLOT_BLOCK at a time.
+    sb = tl.arange(0, SLOT_BLOCK).to(tl.int64)
+    k = nparts * 0
+    while k < nparts:
+        sl = k + sb
+        offs = (slot + sl)[:, None, None] * (R * R) + rr[None, :, :]
+        total += tl.sum(tl.load(ws_ptr + offs, mask=(sl < nparts)[:, None, None], other=0.0), axis=0)
+        k += SLOT_BLOCK
+
     eps64 = tl.zeros((), dtype=tl.float64) + eps
     Zx, dep = _gram_schmidt_on_gram(total, r, eps64, R)
     Zw = tl.zeros((R, R), dtype=tl.float64)
@@ -247,18 +257,21 @@ def _orthogonalize_kernel(
         w = _walsh(ranks, ranks, n, rm)
         Zx, Zw = _completions(Zx, dep, gwx, _mm(tl.trans(w), w, R >= 4), eps64, R)
 
-    for it in range(apply_tiles):
-        rows = row0 + it * BLOCK + ar
-        mask = (rows < row_end)[:, None] & col_ok[None, :]
-        ptrs = base + rows[:, None] * r + ranks[None, :]
-        x = tl.load(x_ptr + ptrs, mask=mask, other=0.0).to(tl.float64)
-        if R >= 4:
-            q = tl.dot(x, Zx)
-        else:
-            q = tl.sum(x[:, :, None] * Zx[None, :, :], axis=1)
-        if use_w:
-            q += _mm(_walsh(rows, ranks, n, rm), Zw, R >= 4)
-        tl.store(out_ptr + ptrs, q.to(out_ptr.dtype.element_ty), mask=mask)
+    for c in range(APPLY_CHUNKS):
+        first = row0 + c * (CHUNK_TILES * BLOCK)
+        if first < row_end:
+            for t in range(CHUNK_TILES):
+                rows = first + t * BLOCK + ar
+                mask = (rows < row_end)[:, None] & col_ok[None, :]
+                ptrs = base + rows[:, None] * r + ranks[None, :]
+                x = tl.load(x_ptr + ptrs, mask=mask, other=0.0).to(tl.float64)
+                if R >= 4:
+                    q = tl.dot(x, Zx)
+                else:
+                    q = tl.sum(x[:, :, None] * Zx[None, :, :], axis=1)
+                if use_w:
+                    q += _mm(_walsh(rows, ranks, n, rm), Zw, R >= 4)
+                tl.store(out_ptr + ptrs, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -282,13 +295,17 @@ def _commit_factor_kernel(
     base = tl.load(row + OFF_COL)
     offs = tl.arange(0, BLOCK).to(tl.int64)
     peak = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, count, BLOCK):
+    k0 = count * 0
+    while k0 < count:  # (not range(0, count, BLOCK): a loaded bound fails in Triton 3.6's interpreter)
         x = tl.load(new_ptr + base + k0 + offs, mask=k0 + offs < count, other=0.0).to(tl.float32)
         peak = tl.maximum(peak, tl.abs(x))
+        k0 += BLOCK
     # as a [BLOCK] mask: a scalar bool in a mask expression is not portable (the interpreter rejects it)
     nonzero = (tl.zeros((BLOCK,), dtype=tl.float32) + tl.max(peak, axis=0)) != 0.0
     ok = tl.load(flag_ptr + tl.zeros((BLOCK,), dtype=tl.int32)) != 0
-    for k0 in range(0, count, BLOCK):
+    k0 = count * 0
+    while k0 < count:
         mask = k0 + offs < count
         x = tl.load(new_ptr + base + k0 + offs, mask=mask, other=0.0)
         tl.store(kept_ptr + base + k0 + offs, x, mask=mask & ok & nonzero)
+        k0 += BLOCK

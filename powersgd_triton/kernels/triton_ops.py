@@ -238,18 +238,39 @@ def _check_ortho_config(cfg: dict) -> None:
 _ORTHO_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+ORTHO_SLOT_BLOCK = 16  # Gram slots summed per step by a program of a split factor
+
+
+def _ortho_constexprs(cfg: dict) -> dict:
+    """The orthogonalize kernels' loop constexprs, all functions of the config: ``GROUP_TILES`` (tiles per Gram slot,
+    first launch), ``CHUNK_TILES`` (tiles per unconditional inner loop), ``SHORT_CHUNKS`` and ``APPLY_CHUNKS``."""
+    _check_ortho_config(cfg)
+    block = cfg["BLOCK"]
+    chunk_tiles = min(4, cfg["SHORT_ROWS"] // block)
+    chunk = chunk_tiles * block
+    return dict(
+        BLOCK=block,
+        GROUP_TILES=cfg["GRAM_ROWS"] // block,
+        CHUNK_TILES=chunk_tiles,
+        SHORT_CHUNKS=-(-cfg["SHORT_ROWS"] // chunk),
+        APPLY_CHUNKS=-(-max(cfg["SHORT_ROWS"], cfg["SPLIT_ROWS"]) // chunk),
+        SLOT_BLOCK=ORTHO_SLOT_BLOCK,
+    )
+
+
 class _OrthoPlan:
     """Host-side launch plan of one orthogonalize call (see :func:`orthogonalize_plan`); device tables made lazily."""
 
     def __init__(self, layout: BucketLayout, which: str, cfg: dict):
-        _check_ortho_config(cfg)
-        block, short, gram_rows, split = cfg["BLOCK"], cfg["SHORT_ROWS"], cfg["GRAM_ROWS"], cfg["SPLIT_ROWS"]
+        self.consts = _ortho_constexprs(cfg)
+        short, gram_rows, split = cfg["SHORT_ROWS"], cfg["GRAM_ROWS"], cfg["SPLIT_ROWS"]
+        chunk = self.consts["CHUNK_TILES"] * cfg["BLOCK"]
         self.R = padded_rank(layout.max_rank)
-        self.group_tiles = gram_rows // block
         self.gram_tasks: List[tuple] = []  # (matrix, first row, slot, head slot, rm)
         self.tasks: List[tuple] = []  # (matrix, first row, end row, first slot, slots, head slot, rm)
+        self.tiles: List[int] = []  # per finish task: tiles of BLOCK rows read and written (chunks rounded up)
+        self.slot_steps: List[int] = []  # per finish task: steps of the slot sum
         slot = 0
-        max_short = max_parts = 0
         self.split_matrices = 0
         self.factor_elems = 0  # valid elements of the factors
         self.split_elems = 0
@@ -259,7 +280,8 @@ class _OrthoPlan:
             self.factor_elems += rows * s.rank
             if rows <= short:
                 self.tasks.append((i, 0, rows, 0, 0, -1, rm))
-                max_short = max(max_short, rows)
+                self.tiles.append(2 * -(-rows // chunk) * self.consts["CHUNK_TILES"])
+                self.slot_steps.append(0)
                 continue
             parts = -(-rows // gram_rows)
             head = slot + parts
@@ -267,14 +289,12 @@ class _OrthoPlan:
                 self.gram_tasks.append((i, k * gram_rows, slot + k, head if k == 0 else -1, rm))
             for c in range(0, rows, split):
                 self.tasks.append((i, c, min(c + split, rows), slot, parts, head, rm))
+                self.tiles.append(-(-(min(c + split, rows) - c) // chunk) * self.consts["CHUNK_TILES"])
+                self.slot_steps.append(-(-parts // ORTHO_SLOT_BLOCK))
             slot += parts + 1
-            max_parts = max(max_parts, parts)
             self.split_matrices += 1
             self.split_elems += rows * s.rank
         self.slots = slot
-        self.short_groups = -(-(-(-max_short // block)) // self.group_tiles)
-        self.max_parts = max_parts
-        self.apply_tiles = max(-(-max_short // block), -(-split // block) if self.split_matrices else 0)
         self._device_tables = None
 
     def device_tables(self, device):
@@ -317,12 +337,15 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, c
     rows_col, off_col = (1, 5) if which == "p" else (2, 6)
     gram_tasks, tasks = plan.device_tables(x.device)
     ws = _ortho_workspace(layout, plan.slots, plan.R) if plan.slots else x
-    consts = dict(ROWS_COL=rows_col, OFF_COL=off_col, R=plan.R, BLOCK=cfg["BLOCK"], GROUP_TILES=plan.group_tiles)
+    c = plan.consts
+    common = dict(ROWS_COL=rows_col, OFF_COL=off_col, R=plan.R, BLOCK=c["BLOCK"])
     if gram_tasks is not None:
-        _ortho_gram_kernel[(gram_tasks.shape[0],)](x, ws, layout.table, gram_tasks, **consts, **_launch_options(cfg))
+        _ortho_gram_kernel[(gram_tasks.shape[0],)](
+            x, ws, layout.table, gram_tasks, GROUP_TILES=c["GROUP_TILES"], **common, **_launch_options(cfg)
+        )
     _orthogonalize_kernel[(tasks.shape[0],)](
-        x, out, ws, layout.table, tasks, float(epsilon), plan.short_groups, plan.max_parts, plan.apply_tiles,
-        **consts, **_launch_options(cfg),
+        x, out, ws, layout.table, tasks, float(epsilon), CHUNK_TILES=c["CHUNK_TILES"], SHORT_CHUNKS=c["SHORT_CHUNKS"],
+        APPLY_CHUNKS=c["APPLY_CHUNKS"], SLOT_BLOCK=c["SLOT_BLOCK"], **common, **_launch_options(cfg),
     )
 
 
@@ -330,8 +353,9 @@ def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] 
     """The launches of one :func:`orthogonalize` call on ``layout`` (``which`` = "p" or "q"), in launch order.
 
     One dict per launch: ``kernel`` (a :data:`KERNEL_FUNCTIONS` name), ``programs`` (grid size), ``iterations``
-    (loop trips of one program over tiles of ``BLOCK`` rows and Gram slots; every program makes the most, masked),
-    ``rank_steps`` (serial Gram-Schmidt steps on the r x r Gram per program, 0 for the Gram launch),
+    (the most loop trips of one program: tiles of ``BLOCK`` rows, reading and writing, plus steps of
+    ``ORTHO_SLOT_BLOCK`` Gram slots), ``rank_steps`` (serial Gram-Schmidt steps on the r x r Gram per program, 0 for
+    the Gram launch), ``split_programs`` (finish launch: programs of split factors),
     ``bytes_read`` / ``bytes_written`` (bytes the loads and stores of the whole launch touch: factor float32,
     Gram slots float64, task tables; a short factor is read twice, the second time likely from L2),
     ``config`` and ``variant`` (``compile_aot(kernel, config, ..., variant=variant)`` compiles exactly this
@@ -344,7 +368,7 @@ def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] 
     if layout.num_matrices == 0:
         return []
     plan = _ortho_plan(layout, which, cfg)
-    R, block = plan.R, cfg["BLOCK"]
+    R = plan.R
     variant = dict(ROWS_COL=1, OFF_COL=5) if which == "p" else dict(ROWS_COL=2, OFF_COL=6)
     table_bytes = 8 * 8  # one layout-table row per program
     slot_bytes = R * R * 8
@@ -352,20 +376,21 @@ def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] 
     if plan.gram_tasks:
         heads = sum(1 for t in plan.gram_tasks if t[3] >= 0)
         out.append(dict(
-            kernel="orthogonalize_gram", programs=len(plan.gram_tasks), iterations=plan.group_tiles, rank_steps=0,
-            bytes_read=4 * plan.split_elems + len(plan.gram_tasks) * (table_bytes + 32) + heads * 4 * R * R,
+            kernel="orthogonalize_gram", programs=len(plan.gram_tasks), iterations=plan.consts["GROUP_TILES"],
+            rank_steps=0,
+            bytes_read=4 * plan.split_elems + len(plan.gram_tasks) * (table_bytes + 40) + heads * 4 * R * R,
             bytes_written=(len(plan.gram_tasks) + heads) * slot_bytes,
             config=dict(cfg), variant=dict(variant),
         ))
     short_elems = plan.factor_elems - plan.split_elems
-    split_programs = len(plan.tasks) - (layout.num_matrices - plan.split_matrices)
     out.append(dict(
         kernel="orthogonalize", programs=len(plan.tasks),
-        iterations=plan.short_groups * plan.group_tiles + plan.max_parts + plan.apply_tiles, rank_steps=R,
-        bytes_read=8 * short_elems + 4 * plan.split_elems + len(plan.tasks) * (table_bytes + 48)
-        + sum((t[4] + 1) * slot_bytes for t in plan.tasks if t[4] > 0),
+        iterations=max(t + k for t, k in zip(plan.tiles, plan.slot_steps)), rank_steps=R,
+        bytes_read=8 * short_elems + 4 * plan.split_elems + len(plan.tasks) * (table_bytes + 56)
+        + sum(t[4] * slot_bytes for t in plan.tasks if t[4] > 0),
         bytes_written=4 * plan.factor_elems,
-        config=dict(cfg), variant=dict(variant, WITH_GRAM=False), split_programs=split_programs,
+        config=dict(cfg), variant=dict(variant, WITH_GRAM=False),
+        split_programs=len(plan.tasks) - (layout.num_matrices - plan.split_matrices),
     ))
     return out
 
@@ -442,8 +467,7 @@ def _signature(kernel: str, grad_dtype: torch.dtype) -> Dict[str, str]:
     if kernel == "commit_factor":
         return dict(new_ptr=f, kept_ptr=f, flag_ptr="*u8", table_ptr=i64)
     if kernel == "orthogonalize":
-        return dict(x_ptr=f, out_ptr=f, ws_ptr="*fp64", table_ptr=i64, tasks_ptr=i64, eps="fp32", short_groups="i32",
-                    max_parts="i32", apply_tiles="i32")
+        return dict(x_ptr=f, out_ptr=f, ws_ptr="*fp64", table_ptr=i64, tasks_ptr=i64, eps="fp32")
     if kernel == "orthogonalize_gram":
         return dict(x_ptr=f, ws_ptr="*fp64", table_ptr=i64, tasks_ptr=i64)
     return dict(
@@ -455,9 +479,11 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
     use_dot = config.get("USE_DOT", False)
     c = {"R": padded_rank(max_rank, use_dot)}
     if kernel in ("orthogonalize", "orthogonalize_gram"):
-        _check_ortho_config(config)
-        c.update(BLOCK=config["BLOCK"], GROUP_TILES=config["GRAM_ROWS"] // config["BLOCK"],
-                 ROWS_COL=variant.get("ROWS_COL", 1), OFF_COL=variant.get("OFF_COL", 5))
+        oc = _ortho_constexprs(config)
+        keys = ("BLOCK", "GROUP_TILES") if kernel == "orthogonalize_gram" else (
+            "BLOCK", "CHUNK_TILES", "SHORT_CHUNKS", "APPLY_CHUNKS", "SLOT_BLOCK")
+        c.update({k: oc[k] for k in keys})
+        c.update(ROWS_COL=variant.get("ROWS_COL", 1), OFF_COL=variant.get("OFF_COL", 5))
         return c
     if kernel == "reduce_splits":
         c.update(BLOCK_M=config["BLOCK_M"], R=padded_rank(max_rank, use_dot))
