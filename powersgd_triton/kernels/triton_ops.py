@@ -55,8 +55,8 @@ MAX_BROADCAST_ELEMENTS = 16384
 # allows ORTHO_SHORT_BYTES of float32 factor per program (two passes over it by one SM, the second from L2: a few
 # microseconds, about an extra launch), and splits taller factors (GPT-2's and BERT's embeddings) over rows.
 ORTHO_SHORT_BYTES = 128 * 1024
-# Rows per program of the apply pass of a split factor: GPT-2's 50257-row factor gets ~200 programs (132 SMs).
-ORTHO_SPLIT_ROWS = 256
+# Rows per program of the apply pass of a split factor: GPT-2's 50257-row factor gets 393 programs (132 SMs).
+ORTHO_SPLIT_ROWS = 128
 # project_t splits matrices taller than this over several programs (GPT-2's 50257-row embedding would otherwise
 # get only m / BLOCK_M programs).
 DEFAULT_SPLIT_ROWS = 2048
@@ -188,15 +188,18 @@ def _ortho_heuristic(R: int) -> dict:
       R <= 32, at most 128 registers per thread up to R 16 (a BLOCK of 512 at R 1 spills 8 bytes);
     * ``SHORT_ROWS``: ``ORTHO_SHORT_BYTES`` of factor per program, at most 32 tiles (8192 rows at R 1 and 4:
       ResNet-50's, BERT's and GPT-2's layers other than the embeddings are one launch; 2048 at R 16);
-    * ``GRAM_ROWS``: 2048 rows per Gram slot up to R 8, 4096 above (each program of the apply pass sums the slots of
-      its matrix: 13-25 slots of R²·8 bytes for GPT-2's 50257 rows);
-    * ``SPLIT_ROWS``: ``ORTHO_SPLIT_ROWS`` (about 200 programs for GPT-2's embedding); 3 stages (the row loops are
-      software-pipelined, several tiles in flight per SM).
+    * ``GRAM_ROWS``: rows per float64 Gram slot, 512 up to R 4, 1024 up to R 16, 2048 at R 32. Every program of the
+      apply pass sums all slots of its matrix, ``slots·R²·8`` bytes from L2 (GPT-2's 50257 rows: 99 slots, 13 KiB at
+      R 4; 50 slots, 100 KiB at R 16), and the Gram launch has one program per slot (8-64 KiB of factor each);
+    * ``SPLIT_ROWS``: ``ORTHO_SPLIT_ROWS`` up to R 8 (393 programs for GPT-2's embedding, >= 2 per SM), twice that
+      above (the slots every program sums grow as R²: half the programs, half the L2 traffic); 3 stages (the row
+      loops are software-pipelined, several tiles in flight per SM).
     """
     block = {1: 256, 2: 512}.get(R, max(16, 1024 // R))
     short = max(block, min(ORTHO_SHORT_BYTES // (4 * R), 32 * block))
-    gram = max(block, 2048 if R <= 8 else 4096)
-    return dict(BLOCK=block, SHORT_ROWS=short, GRAM_ROWS=gram, SPLIT_ROWS=ORTHO_SPLIT_ROWS, num_warps=8, num_stages=3)
+    gram = max(block, 512 if R <= 4 else 1024 if R <= 16 else 2048)
+    split = ORTHO_SPLIT_ROWS if R <= 8 else 2 * ORTHO_SPLIT_ROWS
+    return dict(BLOCK=block, SHORT_ROWS=short, GRAM_ROWS=gram, SPLIT_ROWS=split, num_warps=8, num_stages=3)
 
 
 def _ortho_configs(R: int) -> List[dict]:
@@ -238,12 +241,15 @@ def _check_ortho_config(cfg: dict) -> None:
 _ORTHO_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-ORTHO_SLOT_BLOCK = 16  # Gram slots summed per step by a program of a split factor
+def _ortho_slot_block(R: int) -> int:
+    """Gram slots summed per step by a program of a split factor: 16 KiB of float64 per load (2 to 64 slots)."""
+    return max(2, min(64, 2048 // (R * R)))
 
 
-def _ortho_constexprs(cfg: dict) -> dict:
-    """The orthogonalize kernels' loop constexprs, all functions of the config: ``GROUP_TILES`` (tiles per Gram slot,
-    first launch), ``CHUNK_TILES`` (tiles per unconditional inner loop), ``SHORT_CHUNKS`` and ``APPLY_CHUNKS``."""
+def _ortho_constexprs(cfg: dict, R: int) -> dict:
+    """The orthogonalize kernels' loop constexprs, functions of the config and the padded rank R: ``GROUP_TILES``
+    (tiles per Gram slot, first launch), ``CHUNK_TILES`` (tiles per unconditional inner loop), ``SHORT_CHUNKS``,
+    ``APPLY_CHUNKS`` and ``SLOT_BLOCK``."""
     _check_ortho_config(cfg)
     block = cfg["BLOCK"]
     chunk_tiles = min(4, cfg["SHORT_ROWS"] // block)
@@ -254,7 +260,7 @@ def _ortho_constexprs(cfg: dict) -> dict:
         CHUNK_TILES=chunk_tiles,
         SHORT_CHUNKS=-(-cfg["SHORT_ROWS"] // chunk),
         APPLY_CHUNKS=-(-max(cfg["SHORT_ROWS"], cfg["SPLIT_ROWS"]) // chunk),
-        SLOT_BLOCK=ORTHO_SLOT_BLOCK,
+        SLOT_BLOCK=_ortho_slot_block(R),
     )
 
 
@@ -262,10 +268,10 @@ class _OrthoPlan:
     """Host-side launch plan of one orthogonalize call (see :func:`orthogonalize_plan`); device tables made lazily."""
 
     def __init__(self, layout: BucketLayout, which: str, cfg: dict):
-        self.consts = _ortho_constexprs(cfg)
+        self.R = padded_rank(layout.max_rank)
+        self.consts = _ortho_constexprs(cfg, self.R)
         short, gram_rows, split = cfg["SHORT_ROWS"], cfg["GRAM_ROWS"], cfg["SPLIT_ROWS"]
         chunk = self.consts["CHUNK_TILES"] * cfg["BLOCK"]
-        self.R = padded_rank(layout.max_rank)
         self.gram_tasks: List[tuple] = []  # (matrix, first row, slot, head slot, rm)
         self.tasks: List[tuple] = []  # (matrix, first row, end row, first slot, slots, head slot, rm)
         self.tiles: List[int] = []  # per finish task: tiles of BLOCK rows read and written (chunks rounded up)
@@ -290,7 +296,7 @@ class _OrthoPlan:
             for c in range(0, rows, split):
                 self.tasks.append((i, c, min(c + split, rows), slot, parts, head, rm))
                 self.tiles.append(-(-(min(c + split, rows) - c) // chunk) * self.consts["CHUNK_TILES"])
-                self.slot_steps.append(-(-parts // ORTHO_SLOT_BLOCK))
+                self.slot_steps.append(-(-parts // self.consts["SLOT_BLOCK"]))
             slot += parts + 1
             self.split_matrices += 1
             self.split_elems += rows * s.rank
@@ -354,7 +360,7 @@ def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] 
 
     One dict per launch: ``kernel`` (a :data:`KERNEL_FUNCTIONS` name), ``programs`` (grid size), ``iterations``
     (the most loop trips of one program: tiles of ``BLOCK`` rows, reading and writing, plus steps of
-    ``ORTHO_SLOT_BLOCK`` Gram slots), ``rank_steps`` (serial Gram-Schmidt steps on the r x r Gram per program, 0 for
+    ``SLOT_BLOCK`` Gram slots), ``rank_steps`` (serial Gram-Schmidt steps on the r x r Gram per program, 0 for
     the Gram launch), ``split_programs`` (finish launch: programs of split factors),
     ``bytes_read`` / ``bytes_written`` (bytes the loads and stores of the whole launch touch: factor float32,
     Gram slots float64, task tables; a short factor is read twice, the second time likely from L2),
@@ -479,7 +485,7 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
     use_dot = config.get("USE_DOT", False)
     c = {"R": padded_rank(max_rank, use_dot)}
     if kernel in ("orthogonalize", "orthogonalize_gram"):
-        oc = _ortho_constexprs(config)
+        oc = _ortho_constexprs(config, c["R"])
         keys = ("BLOCK", "GROUP_TILES") if kernel == "orthogonalize_gram" else (
             "BLOCK", "CHUNK_TILES", "SHORT_CHUNKS", "APPLY_CHUNKS", "SLOT_BLOCK")
         c.update({k: oc[k] for k in keys})
