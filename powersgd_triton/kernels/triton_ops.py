@@ -55,8 +55,9 @@ MAX_BROADCAST_ELEMENTS = 16384
 # allows ORTHO_SHORT_BYTES of float32 factor per program (two passes over it by one SM, the second from L2: a few
 # microseconds, about an extra launch), and splits taller factors (GPT-2's and BERT's embeddings) over rows.
 ORTHO_SHORT_BYTES = 128 * 1024
-# Rows per program of the apply pass of a split factor: GPT-2's 50257-row factor gets 393 programs (132 SMs).
-ORTHO_SPLIT_ROWS = 128
+# Rows per program of the apply pass of a split factor: >= 2 programs per SM of an H100/H200 (132 SMs) for BERT's
+# 30522-row and GPT-2's 50257-row embeddings (318 and 524 programs).
+ORTHO_SPLIT_ROWS = 96
 # project_t splits matrices taller than this over several programs (GPT-2's 50257-row embedding would otherwise
 # get only m / BLOCK_M programs).
 DEFAULT_SPLIT_ROWS = 2048
@@ -191,7 +192,7 @@ def _ortho_heuristic(R: int) -> dict:
     * ``GRAM_ROWS``: rows per float64 Gram slot, 512 up to R 4, 1024 up to R 16, 2048 at R 32. Every program of the
       apply pass sums all slots of its matrix, ``slots·R²·8`` bytes from L2 (GPT-2's 50257 rows: 99 slots, 13 KiB at
       R 4; 50 slots, 100 KiB at R 16), and the Gram launch has one program per slot (8-64 KiB of factor each);
-    * ``SPLIT_ROWS``: ``ORTHO_SPLIT_ROWS`` up to R 8 (393 programs for GPT-2's embedding, >= 2 per SM), twice that
+    * ``SPLIT_ROWS``: ``ORTHO_SPLIT_ROWS`` up to R 8 (>= 2 programs per SM for the embeddings), twice that
       above (the slots every program sums grow as R²: half the programs, half the L2 traffic); 3 stages (the row
       loops are software-pipelined, several tiles in flight per SM).
     """
