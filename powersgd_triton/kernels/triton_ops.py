@@ -88,8 +88,8 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
 
     Broadcast-multiply tiles are kept while ``tile * BLOCK_K * R <= MAX_BROADCAST_ELEMENTS`` (registers);
     ``tl.dot`` tiles are offered from rank 8 on (below that, padding r to 16 only multiplies the FMAs).
-    Orthogonalize: the heuristic, its tile halved and doubled, one more warp count, twice and half the short limit,
-    pipelined or not (:func:`_ortho_configs`).
+    Orthogonalize: the heuristic, its tile halved and quartered, 4 or 8 warps, two stages instead of three, twice and
+    a quarter of the short limit (:func:`_ortho_configs`).
     Raises ``ValueError`` for an unknown kernel name.
     """
     if kernel not in KERNELS:
@@ -214,9 +214,10 @@ def _ortho_configs(R: int) -> List[dict]:
         if c not in out:
             out.append(c)
 
-    add(BLOCK=max(16, base["BLOCK"] // 2))
-    add(BLOCK=base["BLOCK"] * 2, num_warps=8)
-    add(num_warps=12 - base["num_warps"])  # the other of 4 and 8
+    for block in (base["BLOCK"], base["BLOCK"] // 2, base["BLOCK"] // 4):
+        for warps in (8, 4):
+            if block >= 16:
+                add(BLOCK=block, num_warps=warps)
     add(num_stages=2)
     add(SHORT_ROWS=base["SHORT_ROWS"] * 2)
     add(SHORT_ROWS=base["SHORT_ROWS"] // 4, SPLIT_ROWS=base["SPLIT_ROWS"] * 2)
