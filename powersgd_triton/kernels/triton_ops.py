@@ -58,6 +58,8 @@ ORTHO_SHORT_BYTES = 128 * 1024
 # Rows per program of the apply pass of a split factor: >= 2 programs per SM of an H100/H200 (132 SMs) for BERT's
 # 30522-row and GPT-2's 50257-row embeddings (318 and 524 programs).
 ORTHO_SPLIT_ROWS = 96
+# Largest [BLOCK, R] tile of an orthogonalize candidate (held in float64 in registers: 64 per thread at 8 warps).
+ORTHO_MAX_TILE = 8192
 # project_t splits matrices taller than this over several programs (GPT-2's 50257-row embedding would otherwise
 # get only m / BLOCK_M programs).
 DEFAULT_SPLIT_ROWS = 2048
@@ -88,8 +90,7 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
 
     Broadcast-multiply tiles are kept while ``tile * BLOCK_K * R <= MAX_BROADCAST_ELEMENTS`` (registers);
     ``tl.dot`` tiles are offered from rank 8 on (below that, padding r to 16 only multiplies the FMAs).
-    Orthogonalize: the heuristic, its tile halved and quartered, 4 or 8 warps, two stages instead of three, twice and
-    a quarter of the short limit (:func:`_ortho_configs`).
+    Orthogonalize: the heuristics of every rank at 8 and 4 warps whose float64 tile fits (:func:`_ortho_configs`).
     Raises ``ValueError`` for an unknown kernel name.
     """
     if kernel not in KERNELS:
@@ -204,23 +205,16 @@ def _ortho_heuristic(R: int) -> dict:
 
 
 def _ortho_configs(R: int) -> List[dict]:
-    base = _ortho_heuristic(R)
-    out = [base]
-
-    def add(**changes):
-        c = dict(base, **changes)
-        for key in ("SHORT_ROWS", "GRAM_ROWS"):
-            c[key] = max(c[key], c["BLOCK"])
-        if c not in out:
-            out.append(c)
-
-    for block in (base["BLOCK"], base["BLOCK"] // 2, base["BLOCK"] // 4):
-        for warps in (8, 4):
-            if block >= 16:
-                add(BLOCK=block, num_warps=warps)
-    add(num_stages=2)
-    add(SHORT_ROWS=base["SHORT_ROWS"] * 2)
-    add(SHORT_ROWS=base["SHORT_ROWS"] // 4, SPLIT_ROWS=base["SPLIT_ROWS"] * 2)
+    """Orthogonalize candidates at padded rank R: the heuristic of every rank 1..32, at 8 and 4 warps, whose float64
+    tile fits (``BLOCK * R <= ORTHO_MAX_TILE``); the rank's own heuristic first. Every rank's candidates are a subset
+    of rank 4's (all of them), so compiling rank 4's covers them all."""
+    own = _ortho_heuristic(R)
+    out = [own]
+    for r in (1, 2, 4, 8, 16, 32):
+        h = _ortho_heuristic(r)
+        for c in (h, dict(h, num_warps=4)):
+            if c["BLOCK"] * R <= ORTHO_MAX_TILE and c not in out:
+                out.append(c)
     return out
 
 
