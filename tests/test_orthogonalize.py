@@ -201,10 +201,9 @@ def test_rank_deficient_factor_gets_orthonormal_completion(backend, case, epsilo
         f[0][:, 0] = 0.0
         f[1][:, 2] = 0.0
     elif case == "one_row":  # an embedding gradient where one token appeared: all columns on one row
-        f[0].zero_()
-        f[0][7] = torch.randn(4, generator=rng)
-        f[1].zero_()
-        f[1][0] = torch.randn(4, generator=rng)
+        for i, row in ((0, 7), (1, 0)):  # entries of size 1-2: epsilon stays negligible (else MGS-with-epsilon
+            f[i].zero_()  # leaves a residual of 2·epsilon/|x| along the row, as PyTorch's)
+            f[i][row] = (1 + torch.rand(4, generator=rng)) * torch.randn(4, generator=rng).sign()
     else:  # column 1 = 2^k column 0 exactly
         f[0][:, 1] = f[0][:, 0] * 1024.0
         f[1][:, 3] = f[1][:, 1] * 0.125
