@@ -173,8 +173,10 @@ def test_ill_conditioned_projector_matches_float64(backend, kind, size, rng):
     print(f"{kind} {size}: projector error ours {ours:.1e}, PyTorch's {_projector_error(theirs[0], m, p64):.1e}")
     assert ours < 1e-5
     assert ours <= max(1e-7, _projector_error(theirs[0], m, p64))
+    # orthonormal to float32 rounding, or to the float64 Gram's u64·κ² (the Triton backend) beyond κ ~ 3e4
     eye = torch.eye(r, dtype=torch.float64)
-    assert (out.double().t() @ out.double() - eye).abs().max() < (1e-4 if size == 1e-5 else EYE_TOL)
+    cond = float(torch.linalg.cond(x.double()))
+    assert (out.double().t() @ out.double() - eye).abs().max() < max(EYE_TOL, 1e-15 * cond**2)
     # Gram-Schmidt order: column j spans the first j + 1 input columns (outᵀ·x upper triangular)
     lower = torch.tril(out.double().t() @ x.double(), diagonal=-1)
     assert lower.abs().max() < 1e-4 * x.double().norm()
