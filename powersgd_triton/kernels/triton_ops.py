@@ -185,10 +185,10 @@ def project_t(buffer, layout: BucketLayout, p, q, *, config: Optional[dict] = No
 def _ortho_heuristic(R: int) -> dict:
     """Orthogonalize default at padded rank R, from a model of an H100/H200 (132 SMs, ~4 TB/s, 64K registers/SM).
 
-    * ``BLOCK`` rows per tile: 1-4 KiB of float32 factor per load (256 rows at R 1 and 4, 512 at R 2, 32 at R 32),
-      held in float64 in registers; 8 warps. Chosen from the sm_90 compile (ptxas -v, triton 3.9): no spills at any
-      R <= 32, at most 128 registers per thread up to R 16 (a BLOCK of 512 at R 1 spills 8 bytes);
-    * ``SHORT_ROWS``: ``ORTHO_SHORT_BYTES`` of factor per program, at most 32 tiles (8192 rows at R 1 and 4:
+    * ``BLOCK`` rows per tile: 1-4 KiB of float32 factor per load (256 rows up to R 4, 1024 / R above), held in
+      float64 in registers; 8 warps. Chosen from the sm_90 compile (ptxas -v, triton 3.9): no spills at any R <= 32,
+      at most 128 registers per thread up to R 16 (a BLOCK of 512 spills 8 bytes at R 1, takes 166 registers at R 2);
+    * ``SHORT_ROWS``: ``ORTHO_SHORT_BYTES`` of factor per program, at most 32 tiles (8192 rows up to R 4:
       ResNet-50's, BERT's and GPT-2's layers other than the embeddings are one launch; 2048 at R 16);
     * ``GRAM_ROWS``: rows per float64 Gram slot, 512 up to R 4, 1024 up to R 16, 2048 at R 32. Every program of the
       apply pass sums all slots of its matrix, ``slots·R²·8`` bytes from L2 (GPT-2's 50257 rows: 99 slots, 13 KiB at
@@ -197,7 +197,7 @@ def _ortho_heuristic(R: int) -> dict:
       above (the slots every program sums grow as R²: half the programs, half the L2 traffic); 3 stages (the row
       loops are software-pipelined, several tiles in flight per SM).
     """
-    block = {1: 256, 2: 512}.get(R, max(16, 1024 // R))
+    block = 256 if R <= 4 else max(16, 1024 // R)
     short = max(block, min(ORTHO_SHORT_BYTES // (4 * R), 32 * block))
     gram = max(block, 512 if R <= 4 else 1024 if R <= 16 else 2048)
     split = ORTHO_SPLIT_ROWS if R <= 8 else 2 * ORTHO_SPLIT_ROWS
