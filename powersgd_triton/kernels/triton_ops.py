@@ -338,7 +338,7 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, c
     plan = _ortho_plan(layout, which, cfg)
     rows_col, off_col = (1, 5) if which == "p" else (2, 6)
     gram_tasks, tasks = plan.device_tables(x.device)
-    ws = _ortho_workspace(layout, plan.slots, plan.R) if plan.slots else x
+    ws = _ortho_workspace(layout, plan.slots, plan.R)  # float64 even when unused: one compiled signature
     c = plan.consts
     common = dict(ROWS_COL=rows_col, OFF_COL=off_col, R=plan.R, BLOCK=c["BLOCK"])
     if gram_tasks is not None:
