@@ -131,17 +131,18 @@ def _power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
 
 def _completion(x: torch.Tensor) -> torch.Tensor:
     """For each matrix of the batch ``x`` ``(B, rows, r)``: the :func:`walsh_vectors` column with the largest
-    residual against all columns of ``x`` (orthonormal or zero), orthogonalized against them twice: ``(B, rows, 1)``."""
+    residual against all columns of ``x`` (orthonormal or zero), orthogonalized against them: ``(B, rows, 1)``.
+
+    Every candidate has squared norm ``h``; the largest residual is at least ``h / rm`` (the candidates span ``rm >= r``
+    dimensions), so one classical Gram-Schmidt pass is orthogonal to rounding in float64 (two in lower precisions).
+    """
     rows, r = x.shape[1], x.shape[2]
     w = walsh_vectors(rows, r, x.dtype, x.device)  # (h, rm)
     h = w.shape[0]
-    wdiag = w.square().sum(0)  # (rm,)
     ot = torch.matmul(w.t(), x[:, :h, :])  # (B, rm, r): w_cᵀ q_k
-    res = torch.where(wdiag > 0, wdiag - ot.square().sum(-1), -1.0)
-    best = res.argmax(dim=1)  # the first of the largest
-    v = x.new_zeros(x.shape[0], rows, 1)
-    v[:, :h, 0] = w.t().index_select(0, best)
-    for _ in range(2):  # classical Gram-Schmidt twice is enough
+    best = ot.square().sum(-1).argmin(dim=1)  # the largest residual h - Σ_k (w_cᵀ q_k)²; the first of equals
+    v = torch.nn.functional.pad(w.t()[best], (0, rows - h)).unsqueeze(-1)  # (B, rows, 1)
+    for _ in range(1 if x.dtype == torch.float64 else 2):
         v -= torch.bmm(x, torch.bmm(x.transpose(1, 2), v))
     return v
 
