@@ -114,6 +114,37 @@ def test_split_factors_match_float64_and_do_not_depend_on_program_count(which, r
         assert (f_out.double().t() @ f_out.double() - eye).abs().max() < EYE_TOL
 
 
+@pytest.mark.parametrize("epsilon", [0.0, 1e-8])
+def test_split_factors_zero_dependent_and_non_finite(epsilon, rng):
+    """The split path keeps the rules: an all-zero tall factor stays zero (no NaN), a tall factor with duplicate
+    columns gets orthonormal completion vectors (their inner products come from the first launch's head slot), a NaN
+    makes only its own factor non-finite."""
+    pytest.importorskip("triton")
+    shapes = [(300, 40), (200, 9), (150, 130), (24, 24)]
+    buf, _, grads = make_bucket(shapes, torch.float32, rng)
+    layout = layerwise(buf, grads, 4)
+    x = _random_factor(layout, "p", rng)
+    f = _factors(x, layout, "p")
+    f[0].zero_()
+    f[1][:, 1] = f[1][:, 0]
+    f[1][:, 3] = f[1][:, 0] * 4.0
+    f[2][17, 2] = float("nan")
+    cfg = SPLIT_CONFIGS[0]
+    out = ops.orthogonalize(x, layout, "p", epsilon, out=torch.empty_like(x), backend="triton", config=cfg)
+    assert all(t.shape[0] > cfg["SHORT_ROWS"] for t in f[:3])  # split
+    torch_out = ops.orthogonalize(x, layout, "p", epsilon, out=torch.empty_like(x), backend="torch")
+    for o in (out, torch_out):
+        fo = _factors(o, layout, "p")
+        assert (fo[0] == 0).all()
+        q = fo[1].double()
+        assert (q.t() @ q - torch.eye(4, dtype=torch.float64)).abs().max() < EYE_TOL
+        assert (q @ (q.t() @ f[1].double()) - f[1].double()).norm() <= 1e-6 * f[1].double().norm()
+        assert not torch.isfinite(fo[2]).all()
+        assert torch.isfinite(fo[3]).all()
+    # both backends choose the same completion vectors here (no near-ties): the same factors to float32 rounding
+    assert rel_err64(_factors(out, layout, "p")[1], _factors(torch_out, layout, "p")[1]) < 1e-6
+
+
 def test_launches_match_plan_and_split_only_tall_factors(rng):
     pytest.importorskip("triton")
     from powersgd_triton.kernels import triton_ops
@@ -136,8 +167,10 @@ def test_launches_match_plan_and_split_only_tall_factors(rng):
         cfg = triton_ops._ortho_heuristic(padded_rank(rank))
         with recorded_launches(execute=False) as calls:
             ops.orthogonalize(torch.zeros(lay.p_numel), lay, "p", backend="triton", config=cfg)
+        with B.count_triton_launches(execute=False) as count:
+            ops.orthogonalize(torch.zeros(lay.p_numel), lay, "p", backend="triton", config=cfg)
         planned, plan = _planned(lay, "p", cfg)
-        assert calls == planned and len(calls) == launches, (model, bucket, rank, calls)
+        assert calls == planned and len(calls) == launches == count["n"], (model, bucket, rank, calls)
         assert plan[-1]["bytes_written"] == 4 * lay.p_numel
         if launches == 2:
             assert plan[-1]["programs"] >= 2 * 132 or rank > 8  # >= 2 programs per SM of an H100/H200
