@@ -120,9 +120,13 @@ def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, backend:
 def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float = 0.0, out=None, *, backend="auto", config=None):
     """Step 2: modified Gram-Schmidt on the columns of every ``P_i`` (``which="p"``) or ``Q_i`` (``which="q"``).
 
-    Columns come out orthonormal, in order (column j spans the first j+1 input columns), each divided by
-    ``norm + epsilon``; an all-zero column stays zero (no NaN) even with ``epsilon=0``; NaN/inf input stays
-    non-finite. Deterministic (fixed reduction order, no atomics). Writes into ``out`` (default in place); returns it.
+    PyTorch's ``_orthogonalize_gram_schmidt``: columns come out orthonormal, in order (column j spans the first j+1
+    input columns), each divided by ``norm + epsilon``. Computed in float64 from the float32 factors (Triton: on the
+    Gram matrix; torch: on the columns), so no norm or inner product overflows or underflows for finite input. An
+    all-zero factor stays zero (no NaN) even with ``epsilon=0``; a column that is zero or numerically dependent on
+    the columns before it (residual norm <= 2^-20 of its norm) in a non-zero factor becomes a unit vector orthogonal
+    to all other columns, as Householder QR gives; NaN/inf input stays non-finite. Deterministic (fixed reduction
+    order, no atomics). Writes into ``out`` (default in place); returns it.
     """
     if which not in ("p", "q"):
         raise ValueError(f"which must be 'p' or 'q', got {which!r}")

@@ -10,7 +10,7 @@ Source: PowerSGD, Vogels et al. 2019 (arXiv 1905.13727), Algorithm 1; column-by-
 PyTorch's ``_orthogonalize_gram_schmidt``, except that a zero column stays zero instead of becoming NaN.
 """
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -87,20 +87,138 @@ def project_t(
         _factor(q, s.q_offset, s.m, s.rank).copy_(torch.mm(pf.t(), mat).t())  # (Pᵀ·M)ᵀ, as in project
 
 
-def gram_schmidt_(x: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
+# A column whose residual norm is at most this times its own norm (squared: 2^-40) is numerically dependent on the
+# columns before it; it is replaced by a completion vector (see gram_schmidt_). Shared with the Triton kernel.
+DEPENDENT_TOL = 2.0**-40
+_DEPENDENT_NORM_TOL = 2.0**-20
+
+
+def padded_rank_of(r: int) -> int:
+    """The smallest power of two >= r: the number of completion vectors of a rank-r factor."""
+    rm = 1
+    while rm < r:
+        rm *= 2
+    return rm
+
+
+_WALSH_CACHE: Dict[tuple, torch.Tensor] = {}
+
+
+def walsh_vectors(rows: int, r: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Completion vectors of a ``rows x r`` factor: ``(h, rm)`` with ``rm = padded_rank_of(r)``, ``h = min(rows, rm)``.
+
+    Column c is ``(-1)^popcount(i & c)`` on rows ``i < h`` (a Sylvester-Hadamard column on the first rows, zero below):
+    orthogonal, of norm sqrt(rm), when ``rows >= rm``; of rank ``h`` otherwise. The same vectors as the Triton
+    kernel's.
+    """
+    rm = padded_rank_of(r)
+    h = min(rows, rm)
+    key = (h, rm, dtype, str(device))
+    w = _WALSH_CACHE.get(key)
+    if w is None:
+        v = torch.arange(h).unsqueeze(1) & torch.arange(rm).unsqueeze(0)
+        parity = torch.zeros_like(v)
+        while bool(v.any()):
+            parity ^= v & 1
+            v = v >> 1
+        w = (1.0 - 2.0 * parity.double()).to(dtype=dtype, device=device)
+        _WALSH_CACHE[key] = w
+    return w
+
+
+def _power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``2^-e`` with ``amax·2^-e`` in [0.5, 1) (exponent clamped to the normal range; 1 for 0, inf and NaN), exact.
+
+    Scaling a column by a power of two changes no bit of its Gram-Schmidt result (unless it under/overflows), and
+    makes its squared norm and its inner products with unit vectors impossible to overflow (BLAS ``nrm2``'s idea).
+    """
+    _, e = torch.frexp(amax)
+    if amax.dtype == torch.float64:
+        return ((1023 - e.to(torch.int64).clamp_(-1021, 1022)) << 52).view(torch.float64)
+    scale = ((127 - e.clamp_(-125, 126)) << 23).view(torch.float32)
+    return scale if amax.dtype == torch.float32 else scale.to(amax.dtype)
+
+
+def _completion(x: torch.Tensor) -> torch.Tensor:
+    """For each matrix of the batch ``x`` ``(B, rows, r)``: the :func:`walsh_vectors` column with the largest
+    residual against all columns of ``x`` (orthonormal or zero), orthogonalized against them: ``(B, rows, 1)``.
+
+    Every candidate has squared norm ``h``; the largest residual is at least ``h / rm`` (the candidates span ``rm >= r``
+    dimensions), so one classical Gram-Schmidt pass is orthogonal to rounding in float64 (two in lower precisions).
+    """
+    rows, r = x.shape[1], x.shape[2]
+    w = walsh_vectors(rows, r, x.dtype, x.device)  # (h, rm)
+    h = w.shape[0]
+    ot = torch.matmul(w.t(), x[:, :h, :])  # (B, rm, r): w_cᵀ q_k
+    best = ot.square().sum(-1).argmin(dim=1)  # the largest residual h - Σ_k (w_cᵀ q_k)²; the first of equals
+    v = torch.nn.functional.pad(w.t()[best], (0, rows - h)).unsqueeze(-1)  # (B, rows, 1)
+    for _ in range(1 if x.dtype == torch.float64 else 2):
+        v -= torch.bmm(x, torch.bmm(x.transpose(1, 2), v))
+    return v
+
+
+def gram_schmidt_(
+    x: torch.Tensor, epsilon: float = 0.0, sync_free: Optional[bool] = None, scale: bool = True
+) -> torch.Tensor:
     """Orthonormalize the columns of a batch ``x`` of shape ``(B, rows, r)`` in place, column by column (MGS).
 
-    Column ``j`` is divided by ``norm + epsilon``; a column whose norm is 0 (with epsilon 0) stays 0 rather than
-    becoming NaN. Non-finite input stays non-finite.
+    PyTorch's ``_orthogonalize_gram_schmidt``: column ``j`` is divided by ``norm + epsilon``, then its projection
+    is removed from the later columns. Differences, for the inputs where PyTorch's gives NaN, inf or a wrong finite
+    result:
+
+    * overflow-safe (``scale``): each column is first scaled by a power of two that brings its largest entry into
+      [0.5, 1) (``epsilon`` scaled with it), so no norm or inner product can overflow for finite input (BLAS
+      ``nrm2``'s idea); the result has the same bits as without the scaling wherever that one does not overflow.
+      ``scale=False`` where it cannot overflow anyway (float32 values in float64);
+    * a column whose residual norm is at most 2^-20 of its own norm (numerically dependent on the columns before
+      it, or all zero in a non-zero matrix) is left at zero during the sweep, then filled with a unit vector
+      orthogonal to all other columns (the :func:`walsh_vectors` column with the largest residual, orthogonalized
+      twice) divided by ``1 + epsilon``, as Householder QR gives an orthonormal column there: a zero column would
+      keep the warm-start factor rank-deficient for ever. The Triton kernel follows the same rules;
+    * an all-zero matrix stays zero (no NaN) with any epsilon; NaN/inf input stays non-finite.
+
+    ``sync_free``: skip the host checks "is any column dependent?" and compute the completion vectors always
+    (default: check on CPU, where it costs nothing; compute always elsewhere, so that no host synchronization
+    happens). Works in ``x``'s dtype. Returns ``x``.
     """
+    if x.numel() == 0:
+        return x
     r = x.shape[-1]
+    if sync_free is None:
+        sync_free = x.device.type != "cpu"
+    eps = epsilon
+    if scale:
+        pow2 = _power_of_two_scale(x.abs().amax(dim=1, keepdim=True))  # (B, 1, r)
+        x.mul_(pow2)
+        if epsilon:
+            eps = pow2 * epsilon
+    norm0 = torch.linalg.vector_norm(x, dim=1, keepdim=True)  # (B, 1, r)
+    # dependent: residual norm <= thr; never in an all-zero matrix or for a non-finite column
+    thr = torch.where(
+        torch.isfinite(norm0) & (norm0.amax(dim=2, keepdim=True) > 0), norm0 * _DEPENDENT_NORM_TOL, -1.0
+    )
+    tiny = torch.finfo(x.dtype).tiny
+    deps = []
     for i in range(r):
         col = x[:, :, i : i + 1]
-        denom = torch.linalg.vector_norm(col, dim=1, keepdim=True) + epsilon
-        col.div_(torch.where(denom == 0, torch.ones_like(denom), denom))  # a zero column stays zero
+        norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
+        if epsilon:
+            denom = norm + (eps[:, :, i : i + 1] if scale else eps)
+        else:
+            denom = norm
+        col.div_(denom.clamp_min(tiny))  # a zero column stays zero (no NaN); NaN stays NaN
+        dep = norm <= thr[:, :, i : i + 1]
+        if sync_free or bool(dep.any()):
+            col.masked_fill_(dep, 0.0)  # left out of the sweep, completed below
+            deps.append((i, dep))
         if i + 1 < r:
             rest = x[:, :, i + 1 :]
             rest.sub_((col * rest).sum(dim=1, keepdim=True) * col)
+    for i, dep in deps:
+        v = _completion(x)
+        v.div_(torch.linalg.vector_norm(v, dim=1, keepdim=True) + epsilon)
+        col = x[:, :, i : i + 1]
+        col.copy_(torch.where(dep, v, col))
     return x
 
 
@@ -110,27 +228,33 @@ def orthogonalize(
     which: str,
     epsilon: float = 0.0,
     out: Optional[torch.Tensor] = None,
-    compute_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """Gram-Schmidt on every P_i (``which="p"``, ``n_i x r_i``) or Q_i (``which="q"``, ``m_i x r_i``) of ``x``.
+    """Gram-Schmidt (:func:`gram_schmidt_`) on every P_i (``which="p"``, ``n_i x r_i``) or Q_i (``which="q"``,
+    ``m_i x r_i``) of ``x``, one batched op sequence per shape group.
 
-    Writes into ``out`` (default: in place) and returns it.
+    Computed in ``compute_dtype``: float64 by default, as the Triton kernel (products of float32 values are exact in
+    float64 and their sums cannot overflow); with float32 each column is scaled by a power of two first. Writes into
+    ``out`` (default: in place) and returns it.
     """
     if out is None:
         out = x
+    # power-of-two scaling only where squares could overflow the compute dtype
+    scale = not (compute_dtype == torch.float64 and x.dtype != torch.float64)
     for g in layout.groups:
         rows = g.n if which == "p" else g.m
         first = layout.matrices[g.first]
         off = first.p_offset if which == "p" else first.q_offset
         size = g.count * rows * g.rank
         dst = out[off : off + size]
+        src = x[off : off + size].view(g.count, rows, g.rank)
         if dst.dtype == compute_dtype:
-            if dst.data_ptr() != x.data_ptr():
-                dst.copy_(x[off : off + size])
-            gram_schmidt_(dst.view(g.count, rows, g.rank), epsilon)
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src.reshape(-1))
+            gram_schmidt_(dst.view(g.count, rows, g.rank), epsilon, scale=scale)
         else:
-            block = x[off : off + size].view(g.count, rows, g.rank).to(compute_dtype).clone()
-            gram_schmidt_(block, epsilon)
+            block = src.to(compute_dtype, copy=True)
+            gram_schmidt_(block, epsilon, scale=scale)
             dst.copy_(block.reshape(-1))
     return out
 

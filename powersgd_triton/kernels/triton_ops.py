@@ -12,7 +12,10 @@ kernel             keys
 ``project``        ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``USE_DOT``
 ``project_t``      ``BLOCK_M`` columns per tile, ``BLOCK_K`` rows per step, ``SPLIT_ROWS`` rows per
                    program at most (0: no split), ``USE_DOT``
-``orthogonalize``  ``BLOCK`` rows per step
+``orthogonalize``  ``BLOCK`` rows per tile, ``SHORT_ROWS`` most rows of a factor done by one program (taller
+                   ones are split: two launches), ``GRAM_ROWS`` rows per float64 Gram slot of a split
+                   factor (with ``BLOCK`` it fixes the summation order), ``SPLIT_ROWS`` rows per program
+                   of the apply pass of a split factor
 ``reconstruct``    ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``USE_DOT``
 =================  ===================================================
 
@@ -22,6 +25,7 @@ grows with programs × loop steps). :func:`compile_aot` compiles a kernel for a 
 """
 
 import itertools
+import weakref
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -30,13 +34,14 @@ import triton
 from .. import _env
 from ..layout import KERNELS, MIN_DOT_RANK, BucketLayout, padded_rank  # noqa: F401 - re-exported
 from .lowrank_mm import _project_kernel, _project_t_kernel, _reduce_splits_kernel
-from .orthogonalize import _commit_factor_kernel, _orthogonalize_kernel
+from .orthogonalize import _commit_factor_kernel, _ortho_gram_kernel, _orthogonalize_kernel
 from .reconstruct import _reconstruct_kernel
 from .segments import _average_kernel, _copy_segments_kernel
 
 KERNEL_FUNCTIONS = {
     "project": _project_kernel,
     "orthogonalize": _orthogonalize_kernel,
+    "orthogonalize_gram": _ortho_gram_kernel,  # first launch of orthogonalize when a factor is split over rows
     "project_t": _project_t_kernel,
     "reconstruct": _reconstruct_kernel,
     "reduce_splits": _reduce_splits_kernel,  # second stage of project_t for split (tall) matrices
@@ -54,21 +59,26 @@ AVERAGE_BLOCK = 1024
 # accumulator elements per thread measured 128-150 registers.
 BROADCAST_ELEMENTS_PER_THREAD = 16
 TILE_ELEMENTS_PER_THREAD = 8
-# Orthogonalize keeps a [BLOCK, R] fp32 tile per program and unrolls R columns: at most 16 tile elements per thread
-# (BLOCK * R <= 512 * num_warps). Larger tiles take minutes to compile at R >= 16 (measured, CPU, sm_90, triton 3.9:
-# BLOCK 512 / 4 warps / R 16: 220 s; BLOCK 512 / 8 warps / R 32: 450 s), which live tuning would pay per config, and
-# are likely to spill registers (not measured yet: no GPU run).
-MAX_ORTHO_TILE_PER_WARP = 512
 # The tile plans aim at this many programs per SM (>= 2: while one program waits for memory another issues loads).
 PROGRAMS_PER_SM = 2
 # SM count used for plans when the device has none to ask (CPU, interpreter): 1 keeps interpreted grids small. The
 # GPU's own count is read from CUDA (132 on H100/H200).
 DEFAULT_NUM_SMS = 1
 
+# Orthogonalize: a factor of at most SHORT_ROWS rows is done by one program (one launch for the bucket); the heuristic
+# allows ORTHO_SHORT_BYTES of float32 factor per program (two passes over it by one SM, the second from L2: a few
+# microseconds, about an extra launch), and splits taller factors (GPT-2's and BERT's embeddings) over rows.
+ORTHO_SHORT_BYTES = 128 * 1024
+# Rows per program of the apply pass of a split factor: >= 2 programs per SM of an H100/H200 (132 SMs) for BERT's
+# 30522-row and GPT-2's 50257-row embeddings (318 and 524 programs).
+ORTHO_SPLIT_ROWS = 96
+# Largest [BLOCK, R] tile of an orthogonalize candidate (held in float64 in registers: 64 per thread at 8 warps).
+ORTHO_MAX_TILE = 8192
+
 INTERPRETER_CONFIGS: Dict[str, dict] = {
     "project": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
     "project_t": dict(BLOCK_M=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
-    "orthogonalize": dict(BLOCK=128, num_warps=4, num_stages=1),
+    "orthogonalize": dict(BLOCK=256, SHORT_ROWS=4096, GRAM_ROWS=256, SPLIT_ROWS=256, num_warps=4, num_stages=1),
     "reconstruct": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
 }
 
@@ -98,22 +108,17 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     """Candidate configs the autotuner times for ``kernel`` at this rank and gradient dtype.
 
     Broadcast-multiply tiles are kept while ``tile * BLOCK_K * R <= 16 * 32 * num_warps`` (16 accumulator elements
-    per thread) and ``tile * BLOCK_K <= 8 * 32 * num_warps``; ``tl.dot`` tiles are offered from rank 8 on (below that, padding r to 16 only multiplies the FMAs).
+    per thread) and ``tile * BLOCK_K <= 8 * 32 * num_warps``; ``tl.dot`` tiles are offered from
+    rank 8 on (below that, padding r to 16 only multiplies the FMAs).
     Every tile comes with ``num_stages`` 1, 2 and 3 (software pipelining of the loads of the next iterations).
-    Orthogonalize tiles are kept while ``BLOCK * R <= MAX_ORTHO_TILE_PER_WARP * num_warps`` (BLOCK 64 always).
+    Orthogonalize: the heuristics of every rank at 8 and 4 warps whose float64 tile fits (:func:`_ortho_configs`).
     The row or column splits are not part of a config: they are planned per bucket from the GPU's SM count.
     Raises ``ValueError`` for an unknown kernel name.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     if kernel == "orthogonalize":
-        r = padded_rank(max_rank)
-        return [
-            dict(BLOCK=b, num_warps=w, num_stages=1)
-            for b in (64, 128, 256, 512)
-            for w in (4, 8)
-            if b * r <= MAX_ORTHO_TILE_PER_WARP * w or b == 64
-        ]
+        return _ortho_configs(padded_rank(max_rank))
     tile = _tile_key(kernel)
     out = []
     r = padded_rank(max_rank)
@@ -157,7 +162,7 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
         return dict(INTERPRETER_CONFIGS[kernel])
     max_rank = layout.max_rank if layout is not None else 4
     if kernel == "orthogonalize":
-        return dict(BLOCK=256 if max_rank <= 8 else 64, num_warps=4, num_stages=1)
+        return _ortho_heuristic(padded_rank(max_rank))
     r = padded_rank(max_rank)
     if r >= MIN_DOT_RANK:
         if kernel == "project_t":
@@ -352,30 +357,219 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, config
         )
 
 
+def _ortho_heuristic(R: int) -> dict:
+    """Orthogonalize default at padded rank R, from a model of an H100/H200 (132 SMs, ~4 TB/s, 64K registers/SM).
+
+    * ``BLOCK`` rows per tile: 1-4 KiB of float32 factor per load (256 rows up to R 4, 1024 / R above), held in
+      float64 in registers; 8 warps. Chosen from the sm_90 compile (ptxas -v, triton 3.9): no spills at any R <= 32,
+      at most 128 registers per thread up to R 16 (a BLOCK of 512 spills 8 bytes at R 1, takes 166 registers at R 2);
+    * ``SHORT_ROWS``: ``ORTHO_SHORT_BYTES`` of factor per program, at most 32 tiles (8192 rows up to R 4:
+      ResNet-50's, BERT's and GPT-2's layers other than the embeddings are one launch; 2048 at R 16);
+    * ``GRAM_ROWS``: rows per float64 Gram slot, 512 up to R 4, 1024 up to R 16, 2048 at R 32. Every program of the
+      apply pass sums all slots of its matrix, ``slots·R²·8`` bytes from L2 (GPT-2's 50257 rows: 99 slots, 13 KiB at
+      R 4; 50 slots, 100 KiB at R 16), and the Gram launch has one program per slot (8-64 KiB of factor each);
+    * ``SPLIT_ROWS``: ``ORTHO_SPLIT_ROWS`` up to R 8 (>= 2 programs per SM for the embeddings), twice that
+      above (the slots every program sums grow as R²: half the programs, half the L2 traffic); 3 stages (the row
+      loops are software-pipelined, several tiles in flight per SM).
+    """
+    block = 256 if R <= 4 else max(16, 1024 // R)
+    short = max(block, min(ORTHO_SHORT_BYTES // (4 * R), 32 * block))
+    gram = max(block, 512 if R <= 4 else 1024 if R <= 16 else 2048)
+    split = ORTHO_SPLIT_ROWS if R <= 8 else 2 * ORTHO_SPLIT_ROWS
+    return dict(BLOCK=block, SHORT_ROWS=short, GRAM_ROWS=gram, SPLIT_ROWS=split, num_warps=8, num_stages=3)
+
+
+def _ortho_configs(R: int) -> List[dict]:
+    """Orthogonalize candidates at padded rank R: the heuristic of every rank 1..32, at 8 and 4 warps, whose float64
+    tile fits (``BLOCK * R <= ORTHO_MAX_TILE``); the rank's own heuristic first. Every rank's candidates are a subset
+    of rank 4's (all of them), so compiling rank 4's covers them all."""
+    own = _ortho_heuristic(R)
+    out = [own]
+    for r in (1, 2, 4, 8, 16, 32):
+        h = _ortho_heuristic(r)
+        for c in (h, dict(h, num_warps=4)):
+            if c["BLOCK"] * R <= ORTHO_MAX_TILE and c not in out:
+                out.append(c)
+    return out
+
+
+def _check_ortho_config(cfg: dict) -> None:
+    """Raise ``ValueError`` unless BLOCK is a power of two >= 16, SHORT_ROWS and GRAM_ROWS multiples of it and
+    SPLIT_ROWS a positive multiple of 16 (a split program writes ceil(SPLIT_ROWS / BLOCK) tiles, masked)."""
+    block = cfg.get("BLOCK")
+    if not isinstance(block, int) or block < 16 or block & (block - 1):
+        raise ValueError(f"orthogonalize config: BLOCK must be a power of two >= 16, got {block!r}")
+    for key in ("SHORT_ROWS", "GRAM_ROWS"):
+        v = cfg.get(key)
+        if not isinstance(v, int) or v < block or v % block:
+            raise ValueError(f"orthogonalize config: {key} must be a multiple of BLOCK ({block}), got {v!r}")
+    split = cfg.get("SPLIT_ROWS")
+    if not isinstance(split, int) or split < 16 or split % 16:
+        raise ValueError(f"orthogonalize config: SPLIT_ROWS must be a positive multiple of 16, got {split!r}")
+
+
+# Per layout (weakly held): {(which, R, BLOCK, SHORT_ROWS, GRAM_ROWS, SPLIT_ROWS): _OrthoPlan}
+_ORTHO_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _ortho_slot_block(R: int) -> int:
+    """Gram slots summed per step by a program of a split factor: 16 KiB of float64 per load (2 to 64 slots)."""
+    return max(2, min(64, 2048 // (R * R)))
+
+
+def _ortho_constexprs(cfg: dict, R: int) -> dict:
+    """The orthogonalize kernels' loop constexprs, functions of the config and the padded rank R: ``GROUP_TILES``
+    (tiles per Gram slot, first launch), ``CHUNK_TILES`` (tiles per unconditional inner loop), ``SHORT_CHUNKS``,
+    ``APPLY_CHUNKS`` and ``SLOT_BLOCK``."""
+    _check_ortho_config(cfg)
+    block = cfg["BLOCK"]
+    chunk_tiles = min(4, cfg["SHORT_ROWS"] // block)
+    chunk = chunk_tiles * block
+    return dict(
+        BLOCK=block,
+        GROUP_TILES=cfg["GRAM_ROWS"] // block,
+        CHUNK_TILES=chunk_tiles,
+        SHORT_CHUNKS=-(-cfg["SHORT_ROWS"] // chunk),
+        APPLY_CHUNKS=-(-max(cfg["SHORT_ROWS"], cfg["SPLIT_ROWS"]) // chunk),
+        SLOT_BLOCK=_ortho_slot_block(R),
+    )
+
+
+class _OrthoPlan:
+    """Host-side launch plan of one orthogonalize call (see :func:`orthogonalize_plan`); device tables made lazily."""
+
+    def __init__(self, layout: BucketLayout, which: str, cfg: dict):
+        self.R = padded_rank(layout.max_rank)
+        self.consts = _ortho_constexprs(cfg, self.R)
+        short, gram_rows, split = cfg["SHORT_ROWS"], cfg["GRAM_ROWS"], cfg["SPLIT_ROWS"]
+        chunk = self.consts["CHUNK_TILES"] * cfg["BLOCK"]
+        self.gram_tasks: List[tuple] = []  # (matrix, first row, slot, head slot, rm)
+        self.tasks: List[tuple] = []  # (matrix, first row, end row, first slot, slots, head slot, rm)
+        self.tiles: List[int] = []  # per finish task: tiles of BLOCK rows read and written (chunks rounded up)
+        self.slot_steps: List[int] = []  # per finish task: steps of the slot sum
+        slot = 0
+        self.split_matrices = 0
+        self.factor_elems = 0  # valid elements of the factors
+        self.split_elems = 0
+        for i, s in enumerate(layout.matrices):
+            rows = s.n if which == "p" else s.m
+            rm = padded_rank(s.rank)  # completion vectors of this factor (the torch backend's too)
+            self.factor_elems += rows * s.rank
+            if rows <= short:
+                self.tasks.append((i, 0, rows, 0, 0, -1, rm))
+                self.tiles.append(2 * -(-rows // chunk) * self.consts["CHUNK_TILES"])
+                self.slot_steps.append(0)
+                continue
+            parts = -(-rows // gram_rows)
+            head = slot + parts
+            for k in range(parts):
+                self.gram_tasks.append((i, k * gram_rows, slot + k, head if k == 0 else -1, rm))
+            for c in range(0, rows, split):
+                self.tasks.append((i, c, min(c + split, rows), slot, parts, head, rm))
+                self.tiles.append(-(-(min(c + split, rows) - c) // chunk) * self.consts["CHUNK_TILES"])
+                self.slot_steps.append(-(-parts // self.consts["SLOT_BLOCK"]))
+            slot += parts + 1
+            self.split_matrices += 1
+            self.split_elems += rows * s.rank
+        self.slots = slot
+        self._device_tables = None
+
+    def device_tables(self, device):
+        if self._device_tables is None:
+            def dev(rows, width):
+                return torch.tensor(rows, dtype=torch.int64).reshape(-1, width).to(device)
+
+            self._device_tables = (dev(self.gram_tasks, 5) if self.gram_tasks else None, dev(self.tasks, 7))
+        return self._device_tables
+
+
+def _ortho_plan(layout: BucketLayout, which: str, cfg: dict) -> _OrthoPlan:
+    key = (which, padded_rank(layout.max_rank), cfg.get("BLOCK"), cfg.get("SHORT_ROWS"), cfg.get("GRAM_ROWS"),
+           cfg.get("SPLIT_ROWS"))
+    plans = _ORTHO_PLANS.setdefault(layout, {})
+    plan = plans.get(key)
+    if plan is None:
+        plan = _OrthoPlan(layout, which, cfg)
+        plans[key] = plan
+    return plan
+
+
+def _ortho_workspace(layout: BucketLayout, slots: int, R: int) -> torch.Tensor:
+    """float64 workspace of at least ``slots`` [R, R] Gram slots, kept per layout for reuse."""
+    plans = _ORTHO_PLANS.setdefault(layout, {})
+    ws = plans.get("workspace")
+    need = max(1, slots * R * R)
+    if ws is None or ws.numel() < need:
+        ws = torch.empty(need, dtype=torch.float64, device=layout.device)
+        plans["workspace"] = ws
+    return ws
+
+
 def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, config: Optional[dict] = None) -> None:
-    """One launch: Gram-Schmidt on every P_i (``which="p"``) or Q_i (``"q"``), one program per matrix."""
+    """Orthogonalize every P_i (``which="p"``) or Q_i (``"q"``): ONE launch when every factor has at most
+    ``SHORT_ROWS`` rows, else two (float64 Gram slots of the split factors, then the rest); see
+    :mod:`powersgd_triton.kernels.orthogonalize`. Raises ``ValueError`` for a malformed config."""
     cfg = _resolve("orthogonalize", layout, x.dtype, config)
+    plan = _ortho_plan(layout, which, cfg)
     rows_col, off_col = (1, 5) if which == "p" else (2, 6)
-    _orthogonalize_kernel[(layout.num_matrices,)](
-        x, out, layout.table, float(epsilon),
-        ROWS_COL=rows_col, OFF_COL=off_col, R=padded_rank(layout.max_rank), BLOCK=cfg["BLOCK"],
-        **_launch_options(cfg),
+    gram_tasks, tasks = plan.device_tables(x.device)
+    ws = _ortho_workspace(layout, plan.slots, plan.R)  # float64 even when unused: one compiled signature
+    c = plan.consts
+    common = dict(ROWS_COL=rows_col, OFF_COL=off_col, R=plan.R, BLOCK=c["BLOCK"])
+    if gram_tasks is not None:
+        _ortho_gram_kernel[(gram_tasks.shape[0],)](
+            x, ws, layout.table, gram_tasks, GROUP_TILES=c["GROUP_TILES"], **common, **_launch_options(cfg)
+        )
+    _orthogonalize_kernel[(tasks.shape[0],)](
+        x, out, ws, layout.table, tasks, float(epsilon), CHUNK_TILES=c["CHUNK_TILES"], SHORT_CHUNKS=c["SHORT_CHUNKS"],
+        APPLY_CHUNKS=c["APPLY_CHUNKS"], SLOT_BLOCK=c["SLOT_BLOCK"], **common, **_launch_options(cfg),
     )
 
 
 def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] = None) -> List[dict]:
-    """The launches of :func:`orthogonalize` in :func:`plan`'s format (today's kernel: one program per matrix,
-    ``R + 1`` passes of two loops over its rows). Stands in until the parallel orthogonalization provides its own."""
-    cfg = dict(config) if config is not None else heuristic_config("orthogonalize", layout, torch.float32)
-    R = padded_rank(layout.max_rank)
-    rows = [(s.n if which == "p" else s.m) for s in layout.matrices]
-    numel = layout.p_numel if which == "p" else layout.q_numel
-    return [dict(kernel="orthogonalize", programs=layout.num_matrices,
-                 iterations=max(-(-n // cfg["BLOCK"]) for n in rows) * (2 * R + 1),
-                 bytes_read=4 * numel, bytes_written=4 * numel, config=cfg,
-                 variant=dict(ROWS_COL=1, OFF_COL=5) if which == "p" else dict(ROWS_COL=2, OFF_COL=6),
-                 dtype="float32", max_rank=layout.max_rank, flops=4 * R * R * numel // max(1, layout.max_rank),
-                 l2_bytes=4 * numel * 2 * R, serial=True)]
+    """The launches of one :func:`orthogonalize` call on ``layout`` (``which`` = "p" or "q"), in launch order.
+
+    One dict per launch: ``kernel`` (a :data:`KERNEL_FUNCTIONS` name), ``programs`` (grid size), ``iterations``
+    (the most loop trips of one program: tiles of ``BLOCK`` rows, reading and writing, plus steps of
+    ``SLOT_BLOCK`` Gram slots), ``rank_steps`` (serial Gram-Schmidt steps on the r x r Gram per program, 0 for
+    the Gram launch), ``split_programs`` (finish launch: programs of split factors),
+    ``bytes_read`` / ``bytes_written`` (bytes the loads and stores of the whole launch touch: factor float32,
+    Gram slots float64, task tables; a short factor is read twice, the second time likely from L2),
+    ``config`` and ``variant`` (``compile_aot(kernel, config, ..., variant=variant)`` compiles exactly this
+    launch). ``config=None``: the heuristic (or interpreter) config. Raises ``ValueError`` for an unknown
+    ``which`` or a malformed config.
+    """
+    if which not in ("p", "q"):
+        raise ValueError(f"which must be 'p' or 'q', got {which!r}")
+    cfg = dict(_resolve("orthogonalize", layout, torch.float32, config))
+    if layout.num_matrices == 0:
+        return []
+    plan = _ortho_plan(layout, which, cfg)
+    R = plan.R
+    variant = dict(ROWS_COL=1, OFF_COL=5) if which == "p" else dict(ROWS_COL=2, OFF_COL=6)
+    table_bytes = 8 * 8  # one layout-table row per program
+    slot_bytes = R * R * 8
+    out = []
+    if plan.gram_tasks:
+        heads = sum(1 for t in plan.gram_tasks if t[3] >= 0)
+        out.append(dict(
+            kernel="orthogonalize_gram", programs=len(plan.gram_tasks), iterations=plan.consts["GROUP_TILES"],
+            rank_steps=0,
+            bytes_read=4 * plan.split_elems + len(plan.gram_tasks) * (table_bytes + 40) + heads * 4 * R * R,
+            bytes_written=(len(plan.gram_tasks) + heads) * slot_bytes,
+            config=dict(cfg), variant=dict(variant), dtype="float32", max_rank=layout.max_rank,
+        ))
+    short_elems = plan.factor_elems - plan.split_elems
+    out.append(dict(
+        kernel="orthogonalize", programs=len(plan.tasks),
+        iterations=max(t + k for t, k in zip(plan.tiles, plan.slot_steps)), rank_steps=R,
+        bytes_read=8 * short_elems + 4 * plan.split_elems + len(plan.tasks) * (table_bytes + 56)
+        + sum(t[4] * slot_bytes for t in plan.tasks if t[4] > 0),
+        bytes_written=4 * plan.factor_elems,
+        config=dict(cfg), variant=dict(variant, WITH_GRAM=False), dtype="float32", max_rank=layout.max_rank,
+        split_programs=len(plan.tasks) - (layout.num_matrices - plan.split_matrices),
+    ))
+    return out
 
 
 def _flag_bytes(flags):
@@ -483,7 +677,9 @@ def _signature(kernel: str, grad_dtype: torch.dtype) -> Dict[str, str]:
     if kernel == "commit_factor":
         return dict(new_ptr=f, kept_ptr=f, flag_ptr="*u8", table_ptr=i64)
     if kernel == "orthogonalize":
-        return dict(x_ptr=f, out_ptr=f, table_ptr=i64, eps="fp32")
+        return dict(x_ptr=f, out_ptr=f, ws_ptr="*fp64", table_ptr=i64, tasks_ptr=i64, eps="fp32")
+    if kernel == "orthogonalize_gram":
+        return dict(x_ptr=f, ws_ptr="*fp64", table_ptr=i64, tasks_ptr=i64)
     return dict(
         buf_ptr=g, p_ptr=f, q_ptr=f, lf_ptr=f, e_ptr=f, kept_ptr=f, flags_ptr="*u8", first_ptr=i32, table_ptr=i64,
         tiles_ptr=i32, n_flags="i32", scale="fp32",
@@ -493,8 +689,12 @@ def _signature(kernel: str, grad_dtype: torch.dtype) -> Dict[str, str]:
 def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict:
     use_dot = config.get("USE_DOT", False)
     c = {"R": padded_rank(max_rank, use_dot)}
-    if kernel == "orthogonalize":
-        c.update(BLOCK=config["BLOCK"], ROWS_COL=variant.get("ROWS_COL", 1), OFF_COL=variant.get("OFF_COL", 5))
+    if kernel in ("orthogonalize", "orthogonalize_gram"):
+        oc = _ortho_constexprs(config, c["R"])
+        keys = ("BLOCK", "GROUP_TILES") if kernel == "orthogonalize_gram" else (
+            "BLOCK", "CHUNK_TILES", "SHORT_CHUNKS", "APPLY_CHUNKS", "SLOT_BLOCK")
+        c.update({k: oc[k] for k in keys})
+        c.update(ROWS_COL=variant.get("ROWS_COL", 1), OFF_COL=variant.get("OFF_COL", 5))
         return c
     if kernel == "reduce_splits":
         c.update(BLOCK_M=config["BLOCK_M"], HAS_Q2=variant.get("HAS_Q2", False))
@@ -523,7 +723,8 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
 def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: int, arch: int, variant=None):
     """Compile ``kernel`` with ``config`` for ``sm_<arch>`` (e.g. 80, 90) without a GPU; returns the compiled kernel.
 
-    ``variant`` sets the feature constexprs (``HAS_ERROR``, ``HAS_FLAG``, ``ROWS_COL``/``OFF_COL``). Must run with
+    ``variant`` sets the feature constexprs (``HAS_ERROR``, ``HAS_FLAG``, ``ROWS_COL``/``OFF_COL``); ``orthogonalize``
+    also compiles ``orthogonalize_gram`` (its first launch for split factors) unless ``WITH_GRAM=False``. Must run with
     ``TRITON_INTERPRET`` unset (the interpreter replaces ``@triton.jit`` functions at import time). Raises
     ``RuntimeError`` under the interpreter and whatever Triton raises on a compile error.
     """
@@ -543,6 +744,8 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
     compiled = triton.compile(src, target=gpu_target(arch), options=options)
     if kernel == "project_t" and variant is not None and variant.get("split"):  # the split path's reducer too
         compile_aot("reduce_splits", config, grad_dtype, max_rank, arch, dict(HAS_Q2=variant.get("HAS_Q2", False)))
+    if kernel == "orthogonalize" and (variant or {}).get("WITH_GRAM", True):  # and the Gram launch of split factors
+        compile_aot("orthogonalize_gram", config, grad_dtype, max_rank, arch, variant)
     return compiled
 
 
@@ -569,7 +772,7 @@ def variants(kernel: str) -> Iterable[dict]:
             dict(HAS_ERROR=False, HAS_FLAG=True, COMMIT=1),
             dict(HAS_ERROR=True, HAS_FLAG=True, PAD_ERROR=True, COMMIT=2),
         ]
-    if kernel == "orthogonalize":
+    if kernel in ("orthogonalize", "orthogonalize_gram"):
         return [dict(ROWS_COL=1, OFF_COL=5), dict(ROWS_COL=2, OFF_COL=6)]
     if kernel == "project_t":
         return [dict(split=True, HAS_Q2=True), dict(split=True), dict(), dict(PAD_ERROR=True)]
