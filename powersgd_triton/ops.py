@@ -142,7 +142,8 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float = 0.0, out
     if resolve_backend(backend, x) == "triton":
         _kernels().orthogonalize(x, layout, which, float(epsilon), out, config=config)
     else:
-        reference.orthogonalize(x, layout, which, float(epsilon), out, compute_dtype=_compute_dtype(x))
+        # float64 for every factor dtype (as the Triton kernel's Gram): products of float32 values are exact there
+        reference.orthogonalize(x, layout, which, float(epsilon), out, compute_dtype=torch.float64)
     return out
 
 
