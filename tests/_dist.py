@@ -60,7 +60,11 @@ def _child(fn, rank, world_size, store_path, timeout, q, args, kwargs):
 
 
 def run_ranks(fn: Callable, world_size: int, tmp_path, *args, timeout: float = 90.0, **kwargs) -> List:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked gloo ranks; results by rank."""
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked gloo ranks; results by rank.
+
+    ``timeout`` (seconds, a hang detector sized for a quiet machine) is multiplied by ``POWERSGD_TEST_TIMEOUT_SCALE``
+    (tests/conftest.py: 2 under pytest-xdist)."""
+    timeout = timeout * float(os.environ.get("POWERSGD_TEST_TIMEOUT_SCALE") or 1)
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     store_path = os.path.join(str(tmp_path), f"store-{uuid.uuid4().hex}")

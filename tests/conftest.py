@@ -73,3 +73,25 @@ def world1():
     yield
     if mine and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------- parallel runs (xdist)
+# README's test command runs the suite on pytest-xdist workers (one per core, at most 4). Tests that share a
+# module-scoped fixture (one multi-rank launch for many tests) stay on one worker (``--dist loadgroup``).
+_GROUPED_MODULES = ("test_hooks_ddp.py", "test_integrations_torchrun.py")
+
+# Per-test time limits (``@pytest.mark.timeout``) and the multi-rank harness's deadline are hang detectors, sized
+# for a quiet machine. Next to another worker they take up to twice as long: scale them (``POWERSGD_TEST_TIMEOUT_SCALE``,
+# default 2 under xdist, 1 otherwise).
+TIMEOUT_SCALE = float(os.environ.get("POWERSGD_TEST_TIMEOUT_SCALE") or (2 if os.environ.get("PYTEST_XDIST_WORKER")
+                                                                         else 1))
+os.environ.setdefault("POWERSGD_TEST_TIMEOUT_SCALE", str(TIMEOUT_SCALE))  # read by tests/_dist.py (and forked ranks)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.fspath.basename in _GROUPED_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.fspath.basename))
+        marker = item.get_closest_marker("timeout")
+        if marker is not None and TIMEOUT_SCALE != 1 and marker.args:
+            item.add_marker(pytest.mark.timeout(float(marker.args[0]) * TIMEOUT_SCALE))
