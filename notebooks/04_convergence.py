@@ -66,6 +66,15 @@ torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm in a kernel without ipywidgets
 plt.rcParams.update({"figure.dpi": 80, "font.size": 8})
 
+# figures for the README: written only when POWERSGD_NB_FIGURES names a folder (notebooks/execute.py sets it)
+FIGURES = os.environ.get("POWERSGD_NB_FIGURES")
+
+
+def save_figure(fig, name):
+    if FIGURES:
+        os.makedirs(FIGURES, exist_ok=True)
+        fig.savefig(os.path.join(FIGURES, name + ".png"), dpi=80, bbox_inches="tight")
+
 WORLD = 2
 # one GPU per rank on CUDA (nccl); gloo ranks on CPU
 DEVICE = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= WORLD else "cpu"
@@ -169,6 +178,7 @@ for workload in WORKLOADS:
     ax2.legend(fontsize=6, ncol=2)
     fig.suptitle(workload)
     fig.tight_layout()
+    save_figure(fig, f"04_curves_{workload}")
     plt.show()
 
 # %% [markdown]
@@ -195,6 +205,7 @@ for workload in WORKLOADS:
     ax.set_title(workload)
     ax.legend(fontsize=6)
     fig.tight_layout()
+    save_figure(fig, f"04_accuracy_vs_bytes_{workload}")
     plt.show()
 
 # %% [markdown]
