@@ -14,6 +14,7 @@ A failing cell stops the run with the cell's error; the ``.ipynb`` of that noteb
 
 import argparse
 import glob
+import hashlib
 import os
 import sys
 import time
@@ -28,6 +29,8 @@ def execute(source: str, timeout: float = 1800.0) -> float:
     from nbclient import NotebookClient
 
     nb = jupytext.read(source)
+    for i, cell in enumerate(nb.cells):  # stable ids (nbformat draws random ones): a rerun changes only outputs
+        cell.id = hashlib.sha1(f"{i}:{cell.cell_type}:{cell.source}".encode()).hexdigest()[:8]
     nb.metadata.setdefault("kernelspec", {"display_name": "Python 3", "language": "python", "name": "python3"})
     t0 = time.perf_counter()
     NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
@@ -35,7 +38,8 @@ def execute(source: str, timeout: float = 1800.0) -> float:
     seconds = time.perf_counter() - t0
     target = source[:-3] + ".ipynb"
     tmp = target + ".tmp"
-    jupytext.write(nb, tmp, fmt="ipynb")
+    with open(tmp, "w") as f:
+        f.write(jupytext.writes(nb, fmt="ipynb"))
     os.replace(tmp, target)
     return seconds
 
