@@ -24,6 +24,7 @@ Usage (from a checkout)::
     python -m powersgd_triton.readme_tables --check              # every check table against a fresh run
     python -m powersgd_triton.readme_tables --write              # regenerate every table in place
     python -m powersgd_triton.readme_tables --check --only digits # tables whose marker contains "digits"
+    python -m powersgd_triton.readme_tables --write --append='--timeout 3600'   # train's own 900 s limit raised
 
 ``--check`` exits 1 and prints each difference (table, row, column, README value, fresh value) when a checked cell
 differs; 2 for a bad README (marker without a table to check, unknown command) or a command that fails.
@@ -167,9 +168,11 @@ def command_env() -> Dict[str, str]:
     return env
 
 
-def run_command(command: str, cwd: str, timeout: Optional[float] = None) -> Tuple[List[str], float]:
-    """``(table lines, seconds)`` of one run of ``command``; ``ReadmeTableError`` when it fails or prints no table."""
-    argv = command_argv(command)
+def run_command(command: str, cwd: str, timeout: Optional[float] = None, extra: Sequence[str] = ()) -> Tuple[
+        List[str], float]:
+    """``(table lines, seconds)`` of one run of ``command`` (``extra`` arguments appended); ``ReadmeTableError`` when
+    it fails or prints no table."""
+    argv = command_argv(command) + list(extra)
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(argv, cwd=cwd, env=command_env(), capture_output=True, text=True, timeout=timeout)
@@ -189,7 +192,8 @@ def select(tables: Sequence[Table], only: Optional[str]) -> List[Table]:
     return [t for t in tables if only is None or only in t.command]
 
 
-def check(path: str, only: Optional[str] = None, timeout: Optional[float] = None, log=print) -> List[str]:
+def check(path: str, only: Optional[str] = None, timeout: Optional[float] = None, log=print,
+          extra: Sequence[str] = ()) -> List[str]:
     """Run every ``check`` table's command (those containing ``only``) and return the differences (``[]``: agree).
 
     ``regenerate`` tables are skipped (logged). Raises ``ReadmeTableError`` for a marker without a table, a failing
@@ -206,14 +210,15 @@ def check(path: str, only: Optional[str] = None, timeout: Optional[float] = None
             continue
         if not t.lines:
             raise ReadmeTableError(f"{path} {t.label}: no table after the marker (run --write)")
-        fresh, seconds = run_command(t.command, os.path.dirname(os.path.abspath(path)), timeout)
+        fresh, seconds = run_command(t.command, os.path.dirname(os.path.abspath(path)), timeout, extra)
         found = compare_tables(t.lines, fresh)
         log(f"{'agrees' if not found else 'DIFFERS'} ({seconds:.0f} s): {t.label}")
         diffs += [f"{t.label}: {d}" for d in found]
     return diffs
 
 
-def write(path: str, only: Optional[str] = None, timeout: Optional[float] = None, log=print) -> Dict[str, float]:
+def write(path: str, only: Optional[str] = None, timeout: Optional[float] = None, log=print,
+          extra: Sequence[str] = ()) -> Dict[str, float]:
     """Regenerate every marked table (those containing ``only``) in place; ``{command: seconds}``.
 
     The file is rewritten after each table, so an interrupted run keeps the tables done so far.
@@ -227,7 +232,7 @@ def write(path: str, only: Optional[str] = None, timeout: Optional[float] = None
     times = {}
     for index in wanted:
         command = all_tables[index].command
-        fresh, seconds = run_command(command, os.path.dirname(os.path.abspath(path)), timeout)
+        fresh, seconds = run_command(command, os.path.dirname(os.path.abspath(path)), timeout, extra)
         times[command] = seconds
         with open(path) as f:  # re-read: line numbers of later tables move when a table grows or shrinks
             lines = f.read().split("\n")
@@ -255,6 +260,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--only", default=None, help="only tables whose command contains this text")
     p.add_argument("--file", default="README.md", help="the markdown file")
     p.add_argument("--timeout", type=float, default=None, help="seconds per command")
+    p.add_argument("--append", default="", metavar="ARGS",
+                   help="arguments appended to every command that do not change its numbers, e.g. "
+                        "--append='--timeout 3600' for train on a loaded machine")
     args = p.parse_args(argv)
     try:
         if args.list:
@@ -263,9 +271,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     print(f"{t.mode:10s} {t.label} ({len(t.lines)} lines)")
             return 0
         if args.write:
-            write(args.file, args.only, args.timeout)
+            write(args.file, args.only, args.timeout, extra=shlex.split(args.append))
             return 0
-        diffs = check(args.file, args.only, args.timeout)
+        diffs = check(args.file, args.only, args.timeout, extra=shlex.split(args.append))
     except (OSError, ReadmeTableError) as exc:
         print(f"readme_tables: error: {exc}", file=sys.stderr)
         return 2

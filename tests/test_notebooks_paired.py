@@ -35,12 +35,13 @@ def test_py_and_ipynb_are_paired(source):
         text = f.read()
     assert "format_name: percent" in text and "formats: ipynb,py:percent" in text, "not a paired percent notebook"
     ipynb = source[:-3] + ".ipynb"
-    assert os.path.exists(ipynb), f"{os.path.basename(ipynb)} missing: jupytext --to ipynb {source}"
+    name = os.path.basename(source)[:-3]
+    assert os.path.exists(ipynb), f"{name}.ipynb missing: python notebooks/execute.py {name}"
     from_py = jupytext.reads(text, fmt="py:percent")
     with open(ipynb) as f:
         stored = json.load(f)
     stored_nb = jupytext.reads(json.dumps(stored), fmt="ipynb")
-    assert _cells(from_py) == _cells(stored_nb), f"{os.path.basename(ipynb)} differs from its .py: regenerate it"
+    assert _cells(from_py) == _cells(stored_nb), f"{name}.ipynb differs from its .py: python notebooks/execute.py {name}"
     assert stored["metadata"].get("kernelspec", {}).get("name") == "python3"
 
 

@@ -84,7 +84,7 @@ def test_write_replaces_and_inserts_tables_and_check_reports(tmp_path, rng, monk
     new_a, _ = _random_table(rng, rows=4)
     new_b, _ = _random_table(rng, rows=2)
     fresh = {"powersgd-triton train --compare": new_a, "python -m powersgd_triton bench": new_b}
-    monkeypatch.setattr(RT, "run_command", lambda command, cwd, timeout=None: (fresh[command], 0.5))
+    monkeypatch.setattr(RT, "run_command", lambda command, cwd, timeout=None, extra=(): (fresh[command], 0.5))
     path = tmp_path / "README.md"
     path.write_text("\n".join(["intro", "<!-- readme-table check: powersgd-triton train --compare -->", ""] + old
                               + ["", "between", "<!-- readme-table regenerate: python -m powersgd_triton bench -->",
