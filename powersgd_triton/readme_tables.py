@@ -2,7 +2,7 @@
 
 Every measured table in ``README.md`` follows a marker line naming the command that prints it::
 
-    <!-- readme-table check: powersgd-triton train --compare -->
+    <!-- readme-table check: powersgd-triton train --workload digits --compare -->
     | hook | DDP buckets | final test acc | ... |
     |------|-------------|----------------|-----|
     ...
