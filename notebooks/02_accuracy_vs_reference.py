@@ -61,6 +61,15 @@ torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm in a kernel without ipywidgets
 plt.rcParams.update({"figure.dpi": 80, "font.size": 8})
 
+# figures for the README: written only when POWERSGD_NB_FIGURES names a folder (notebooks/execute.py sets it)
+FIGURES = os.environ.get("POWERSGD_NB_FIGURES")
+
+
+def save_figure(fig, name):
+    if FIGURES:
+        os.makedirs(FIGURES, exist_ok=True)
+        fig.savefig(os.path.join(FIGURES, name + ".png"), dpi=80, bbox_inches="tight")
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # one GPU per rank on CUDA; gloo ranks on CPU
 WORLD = 2 if DEVICE == "cpu" or torch.cuda.device_count() >= 2 else 1
@@ -185,6 +194,7 @@ ax2.set_xticklabels(labels)
 ax2.set_ylabel(f"error / SVD optimum, step {STEPS}")
 ax2.legend(fontsize=6)
 fig.tight_layout()
+save_figure(fig, "02_ours_vs_pytorch_error")
 plt.show()
 
 max_diff = max(abs(a - b) for a, b in pairs)

@@ -1,0 +1,286 @@
+"""README tables regenerated from the command written beside each, and checked against a fresh run.
+
+Every measured table in ``README.md`` follows a marker line naming the command that prints it::
+
+    <!-- readme-table check: powersgd-triton train --workload digits --compare -->
+    | hook | DDP buckets | final test acc | ... |
+    |------|-------------|----------------|-----|
+    ...
+
+``check``: the table's deterministic columns (accuracy, loss, bytes, calls, compression: everything but timings)
+must come back exactly as printed from a fresh run on the same machine type with the same seed.
+``regenerate``: a table of timings (ms, speed-ups), which a fresh run cannot reproduce; ``--write`` rewrites it,
+``--check`` skips it and says so. Timing columns of a ``check`` table (header with ``ms``, ``speed``, ``median``,
+``p20``/``p80``, ``PyTorch/ours``) are never compared.
+
+The command's first markdown table on stdout (consecutive lines starting with ``|``) is the table. Only this
+project's commands run: ``powersgd-triton ...`` and ``python -m powersgd_triton ...`` (run with this Python, the
+package this module belongs to first on ``PYTHONPATH``, in the README's folder, without ``TRITON_INTERPRET``: on CPU
+our hooks run their torch backend, as in the tables).
+
+Usage (from a checkout)::
+
+    python -m powersgd_triton.readme_tables --list               # the tables and their commands
+    python -m powersgd_triton.readme_tables --check              # every check table against a fresh run
+    python -m powersgd_triton.readme_tables --write              # regenerate every table in place
+    python -m powersgd_triton.readme_tables --check --only digits # tables whose marker contains "digits"
+    python -m powersgd_triton.readme_tables --write --append='--timeout 3600'   # train's own 900 s limit raised
+
+``--check`` exits 1 and prints each difference (table, row, column, README value, fresh value) when a checked cell
+differs; 2 for a bad README (marker without a table to check, unknown command) or a command that fails.
+"""
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+MARKER = re.compile(r"^<!--\s*readme-table\s+(check|regenerate)\s*:\s*(.+?)\s*-->\s*$")
+# headers of columns that hold timings: never compared
+TIMING_HEADER = re.compile(r"(\bms\b|ms/|speed|median|\bp20\b|\bp80\b|PyTorch/ours|seconds|time)", re.IGNORECASE)
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ReadmeTableError(ValueError):
+    """A marker without a usable table or command, or a command that failed or printed no table."""
+
+
+@dataclass
+class Table:
+    """One marked table of a README: ``lines[start:end]`` are its rows (``start == end``: no table yet)."""
+
+    mode: str  # "check" or "regenerate"
+    command: str
+    marker_line: int  # 0-based index of the marker line
+    start: int
+    end: int
+    lines: List[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"line {self.marker_line + 1}: {self.command}"
+
+
+def find_tables(text: str) -> List[Table]:
+    """Every marked table of ``text`` (a README), in order. Blank lines between marker and table are allowed."""
+    lines = text.split("\n")
+    out = []
+    for i, line in enumerate(lines):
+        m = MARKER.match(line.strip())
+        if not m:
+            continue
+        j = i + 1
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        k = j
+        while k < len(lines) and lines[k].lstrip().startswith("|"):
+            k += 1
+        if k == j:  # no table after the marker: --write inserts one right after it
+            j = k = i + 1
+        out.append(Table(m.group(1), m.group(2), i, j, k, lines[j:k]))
+    return out
+
+
+def extract_table(output: str) -> List[str]:
+    """The first markdown table (consecutive lines starting with ``|``) of a command's output."""
+    block: List[str] = []
+    for line in output.splitlines():
+        if line.lstrip().startswith("|"):
+            block.append(line.rstrip())
+        elif block:
+            break
+    return block
+
+
+def parse_table(lines: Sequence[str]) -> Tuple[List[str], List[List[str]]]:
+    """``(header, rows)`` of a markdown table; cells stripped; the separator line dropped."""
+
+    def cells(line: str) -> List[str]:
+        s = line.strip()
+        if s.startswith("|"):
+            s = s[1:]
+        if s.endswith("|"):
+            s = s[:-1]
+        return [c.strip() for c in s.split("|")]
+
+    if len(lines) < 2:
+        raise ReadmeTableError("not a markdown table (needs a header and a separator line)")
+    head = cells(lines[0])
+    rows = [cells(line) for line in lines[1:] if not re.fullmatch(r"[\s|:\-]+", line)]
+    return head, rows
+
+
+def timing_columns(header: Sequence[str]) -> List[int]:
+    """Indices of the columns whose header names a timing."""
+    return [i for i, h in enumerate(header) if TIMING_HEADER.search(h)]
+
+
+def compare_tables(readme: Sequence[str], fresh: Sequence[str]) -> List[str]:
+    """The differences of a README table and a fresh one, ignoring the timing columns; ``[]`` when they agree.
+
+    Headers must be equal (a renamed or added column is a difference); then the number of rows; then every cell
+    of every non-timing column, compared as printed (strings, so ``0.9944`` and ``0.99440`` differ).
+    """
+    head_r, rows_r = parse_table(readme)
+    head_f, rows_f = parse_table(fresh)
+    if head_r != head_f:
+        return [f"columns differ: README {head_r} vs fresh {head_f}"]
+    diffs = []
+    if len(rows_r) != len(rows_f):
+        diffs.append(f"README has {len(rows_r)} rows, the fresh run {len(rows_f)}")
+    skip = set(timing_columns(head_r))
+    for r, (row_r, row_f) in enumerate(zip(rows_r, rows_f)):
+        name = row_r[0] if row_r else f"row {r + 1}"
+        for c, h in enumerate(head_r):
+            if c in skip:
+                continue
+            a = row_r[c] if c < len(row_r) else "<missing>"
+            b = row_f[c] if c < len(row_f) else "<missing>"
+            if a != b:
+                diffs.append(f"row {r + 1} ({name}), column {h!r}: README {a} vs fresh {b}")
+    return diffs
+
+
+def command_argv(command: str) -> List[str]:
+    """The argv that runs a marker's command with this Python; ``ReadmeTableError`` for other programs."""
+    try:
+        words = shlex.split(command)
+    except ValueError as exc:
+        raise ReadmeTableError(f"cannot parse the command {command!r}: {exc}") from None
+    if words[:1] == ["powersgd-triton"]:
+        return [sys.executable, "-m", "powersgd_triton"] + words[1:]
+    if len(words) >= 3 and words[0] in ("python", "python3") and words[1] == "-m" and (
+            words[2] == "powersgd_triton" or words[2].startswith("powersgd_triton.")):
+        return [sys.executable] + words[1:]
+    raise ReadmeTableError(f"only powersgd-triton / python -m powersgd_triton commands run here, not {command!r}")
+
+
+def command_env() -> Dict[str, str]:
+    """This environment, with this package first on ``PYTHONPATH`` and without ``TRITON_INTERPRET``."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def run_command(command: str, cwd: str, timeout: Optional[float] = None, extra: Sequence[str] = ()) -> Tuple[
+        List[str], float]:
+    """``(table lines, seconds)`` of one run of ``command`` (``extra`` arguments appended); ``ReadmeTableError`` when
+    it fails or prints no table."""
+    argv = command_argv(command) + list(extra)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, cwd=cwd, env=command_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise ReadmeTableError(f"{command}: still running after {timeout:g} s") from None
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
+        raise ReadmeTableError(f"{command}: exit status {proc.returncode}\n{tail}")
+    table = extract_table(proc.stdout)
+    if not table:
+        raise ReadmeTableError(f"{command}: printed no markdown table")
+    return table, seconds
+
+
+def select(tables: Sequence[Table], only: Optional[str]) -> List[Table]:
+    return [t for t in tables if only is None or only in t.command]
+
+
+def check(path: str, only: Optional[str] = None, timeout: Optional[float] = None, log=print,
+          extra: Sequence[str] = ()) -> List[str]:
+    """Run every ``check`` table's command (those containing ``only``) and return the differences (``[]``: agree).
+
+    ``regenerate`` tables are skipped (logged). Raises ``ReadmeTableError`` for a marker without a table, a failing
+    command, and when nothing matched ``only``.
+    """
+    with open(path) as f:
+        tables = select(find_tables(f.read()), only)
+    if not tables:
+        raise ReadmeTableError(f"no marked table in {path}" + (f" whose command contains {only!r}" if only else ""))
+    diffs = []
+    for t in tables:
+        if t.mode != "check":
+            log(f"not checked (timings; regenerate with --write): {t.label}")
+            continue
+        if not t.lines:
+            raise ReadmeTableError(f"{path} {t.label}: no table after the marker (run --write)")
+        fresh, seconds = run_command(t.command, os.path.dirname(os.path.abspath(path)), timeout, extra)
+        found = compare_tables(t.lines, fresh)
+        log(f"{'agrees' if not found else 'DIFFERS'} ({seconds:.0f} s): {t.label}")
+        diffs += [f"{t.label}: {d}" for d in found]
+    return diffs
+
+
+def write(path: str, only: Optional[str] = None, timeout: Optional[float] = None, log=print,
+          extra: Sequence[str] = ()) -> Dict[str, float]:
+    """Regenerate every marked table (those containing ``only``) in place; ``{command: seconds}``.
+
+    The file is rewritten after each table, so an interrupted run keeps the tables done so far.
+    """
+    with open(path) as f:
+        text = f.read()
+    all_tables = find_tables(text)
+    wanted = [i for i, t in enumerate(all_tables) if t in select(all_tables, only)]
+    if not wanted:
+        raise ReadmeTableError(f"no marked table in {path}" + (f" whose command contains {only!r}" if only else ""))
+    times = {}
+    for index in wanted:
+        command = all_tables[index].command
+        fresh, seconds = run_command(command, os.path.dirname(os.path.abspath(path)), timeout, extra)
+        times[command] = seconds
+        with open(path) as f:  # re-read: line numbers of later tables move when a table grows or shrinks
+            lines = f.read().split("\n")
+        now = find_tables("\n".join(lines))
+        if len(now) != len(all_tables) or now[index].command != command:
+            raise ReadmeTableError(f"{path} changed while the tables were regenerated; run again")
+        t = now[index]
+        new = lines[: t.start] + fresh + lines[t.end:]
+        if t.start == t.end and t.end < len(new) - len(fresh) and lines[t.end].strip():
+            new.insert(t.start + len(fresh), "")  # a table inserted before text needs a blank line after it
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("\n".join(new))
+        os.replace(tmp, path)
+        log(f"written ({seconds:.0f} s): {t.label}")
+    return times
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m powersgd_triton.readme_tables", description=__doc__.split("\n\n")[0])
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="compare the check tables with a fresh run (default)")
+    mode.add_argument("--write", action="store_true", help="regenerate the tables in place")
+    mode.add_argument("--list", action="store_true", help="list the marked tables")
+    p.add_argument("--only", default=None, help="only tables whose command contains this text")
+    p.add_argument("--file", default="README.md", help="the markdown file")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per command")
+    p.add_argument("--append", default="", metavar="ARGS",
+                   help="arguments appended to every command that do not change its numbers, e.g. "
+                        "--append='--timeout 3600' for train on a loaded machine")
+    args = p.parse_args(argv)
+    try:
+        if args.list:
+            with open(args.file) as f:
+                for t in select(find_tables(f.read()), args.only):
+                    print(f"{t.mode:10s} {t.label} ({len(t.lines)} lines)")
+            return 0
+        if args.write:
+            write(args.file, args.only, args.timeout, extra=shlex.split(args.append))
+            return 0
+        diffs = check(args.file, args.only, args.timeout, extra=shlex.split(args.append))
+    except (OSError, ReadmeTableError) as exc:
+        print(f"readme_tables: error: {exc}", file=sys.stderr)
+        return 2
+    for d in diffs:
+        print(d)
+    return 1 if diffs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""README tables: the marker/table machinery of ``powersgd_triton.readme_tables``, and the README's digits table
+reproduced by a fresh ``powersgd-triton train --compare`` (same seed, same machine type: the same accuracy, loss,
+bytes and calls as printed; ms/step not compared)."""
+
+import os
+
+import pytest
+import torch
+
+from powersgd_triton import readme_tables as RT
+from powersgd_triton.cli import text_table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+HEAD = ["hook", "final test acc", "test loss", "ms/step", "all-reduced/step/rank", "PyTorch/ours"]
+
+
+def _random_table(rng, rows=3):
+    vals = torch.rand(rows, 4, generator=rng, dtype=torch.float64).tolist()
+    body = [[f"hook{i}", f"{v[0]:.4f}", f"{v[1]:.4f}", f"{100 * v[2]:.1f}", f"{1000 * v[3]:.1f} KiB", f"{v[2]:.2f}x"]
+            for i, v in enumerate(vals)]
+    return text_table(HEAD, body).split("\n"), body
+
+
+def _bump(cell):
+    """A cell printed differently: its last digit changed."""
+    return cell[:-1] + ("1" if cell[-1] != "1" else "2") if cell[-1].isdigit() else cell + "0"
+
+
+def test_find_tables_reads_markers_tables_and_empty_slots(rng):
+    table, _ = _random_table(rng)
+    text = "\n".join(["# title", "<!-- readme-table check: powersgd-triton train --compare -->", ""] + table
+                     + ["", "text", "<!-- readme-table regenerate: python -m powersgd_triton bench --rounds 3 -->",
+                        "more text", "<!-- not a marker -->", "| a | b |", "|---|---|"])
+    found = RT.find_tables(text)
+    assert [(t.mode, t.command) for t in found] == [("check", "powersgd-triton train --compare"),
+                                                     ("regenerate", "python -m powersgd_triton bench --rounds 3")]
+    assert found[0].lines == table and (found[0].start, found[0].end) == (3, 3 + len(table))
+    assert found[1].lines == [] and found[1].start == found[1].end == found[1].marker_line + 1
+
+
+def test_extract_table_takes_the_first_table_of_the_output(rng):
+    table, _ = _random_table(rng)
+    other, _ = _random_table(rng, rows=1)
+    out = "\n".join(["title line", ""] + table + ["", "* a note"] + other)
+    assert RT.extract_table(out) == table
+
+
+def test_compare_ignores_only_timing_columns(rng):
+    table, body = _random_table(rng)
+    assert RT.timing_columns(HEAD) == [3, 5]
+    assert RT.compare_tables(table, table) == []
+    r = int(torch.randint(len(body), (1,), generator=rng))
+    timed = [row[:] for row in body]
+    timed[r][3], timed[r][5] = _bump(timed[r][3]), _bump(timed[r][5])
+    assert RT.compare_tables(table, text_table(HEAD, timed).split("\n")) == []
+    for c in (1, 2, 4):  # accuracy, loss, bytes: compared as printed
+        changed = [row[:] for row in body]
+        changed[r][c] = _bump(changed[r][c])
+        diffs = RT.compare_tables(table, text_table(HEAD, changed).split("\n"))
+        assert diffs == [f"row {r + 1} ({body[r][0]}), column {HEAD[c]!r}: README {body[r][c]} vs fresh {changed[r][c]}"]
+    renamed = text_table(HEAD[:2] + ["loss"] + HEAD[3:], body).split("\n")
+    assert RT.compare_tables(table, renamed)[0].startswith("columns differ")
+    fewer = text_table(HEAD, body[:-1]).split("\n")
+    assert RT.compare_tables(table, fewer) == [f"README has {len(body)} rows, the fresh run {len(body) - 1}"]
+
+
+def test_only_this_projects_commands_run():
+    import sys
+
+    assert RT.command_argv("powersgd-triton train --compare a,b") == [sys.executable, "-m", "powersgd_triton",
+                                                                       "train", "--compare", "a,b"]
+    assert RT.command_argv("python -m powersgd_triton bench --rounds 3")[:3] == [sys.executable, "-m",
+                                                                                 "powersgd_triton"]
+    for bad in ("rm -rf /", "python -c 'print(1)'", "python -m pip install x", "bash -c 'powersgd-triton'"):
+        with pytest.raises(RT.ReadmeTableError, match="only powersgd-triton"):
+            RT.command_argv(bad)
+    env = RT.command_env()
+    assert "TRITON_INTERPRET" not in env and env["PYTHONPATH"].split(os.pathsep)[0] == ROOT
+
+
+def test_write_replaces_and_inserts_tables_and_check_reports(tmp_path, rng, monkeypatch):
+    old, _ = _random_table(rng)
+    new_a, _ = _random_table(rng, rows=4)
+    new_b, _ = _random_table(rng, rows=2)
+    fresh = {"powersgd-triton train --compare": new_a, "python -m powersgd_triton bench": new_b}
+    monkeypatch.setattr(RT, "run_command", lambda command, cwd, timeout=None, extra=(): (fresh[command], 0.5))
+    path = tmp_path / "README.md"
+    path.write_text("\n".join(["intro", "<!-- readme-table check: powersgd-triton train --compare -->", ""] + old
+                              + ["", "between", "<!-- readme-table regenerate: python -m powersgd_triton bench -->",
+                                 "after"]))
+    times = RT.write(str(path), log=lambda *a: None)
+    assert times == {"powersgd-triton train --compare": 0.5, "python -m powersgd_triton bench": 0.5}
+    expected = (["intro", "<!-- readme-table check: powersgd-triton train --compare -->", ""] + new_a
+                + ["", "between", "<!-- readme-table regenerate: python -m powersgd_triton bench -->"] + new_b
+                + ["", "after"])
+    assert path.read_text().split("\n") == expected
+    logged = []
+    assert RT.check(str(path), log=logged.append) == []  # the regenerate table is skipped, and says so
+    assert any(line.startswith("not checked") and "bench" in line for line in logged)
+    fresh["powersgd-triton train --compare"] = new_a[:-1]
+    assert RT.check(str(path), log=lambda *a: None) == [
+        f"line 2: powersgd-triton train --compare: README has {len(new_a) - 2} rows, the fresh run {len(new_a) - 3}"]
+    with pytest.raises(RT.ReadmeTableError, match="no marked table"):
+        RT.check(str(path), only="charlm")
+
+
+def test_readme_tables_are_marked_filled_and_runnable():
+    with open(README) as f:
+        tables = RT.find_tables(f.read())
+    commands = [t.command for t in tables]
+    assert "powersgd-triton train --workload digits --compare" in commands
+    for t in tables:
+        RT.command_argv(t.command)  # runnable here
+        assert t.lines, f"{t.label}: no table (python -m powersgd_triton.readme_tables --write)"
+        if t.mode == "check":
+            head, _ = RT.parse_table(t.lines)
+            assert len(RT.timing_columns(head)) < len(head) - 1
+
+
+@pytest.mark.slow
+def test_readme_digits_table_reproduces():
+    """The README's digits table against a fresh ``powersgd-triton train --workload digits --compare`` (4 hooks, 2
+    gloo ranks, about a minute on 2 cores). A difference means the training numbers changed: regenerate the README's tables
+    (``python -m powersgd_triton.readme_tables --write``) and say why in the commit."""
+    logged = []
+    diffs = RT.check(README, only="--workload digits --compare", timeout=600, log=logged.append)
+    assert diffs == [], "\n".join(diffs)
+    assert len(logged) == 1 and logged[0].startswith("agrees"), logged
