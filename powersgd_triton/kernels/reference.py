@@ -325,15 +325,15 @@ def gram_schmidt_(
     return x
 
 
-# The one-batch orthogonalization pads every factor to the tallest one. Where that costs more than this many times
-# the factors' own size and more than an eighth of the bucket (GPT-2's 50257-row embedding next to 768-row factors at
-# a high rank), it runs one batch per shape group instead (no padding).
-PAD_LIMIT = 4
+# The one-batch orthogonalization pads every factor to the tallest one. Where the padded batch has more than this many
+# times the factors' elements and more than a quarter of the bucket's (its int32 gather index then stays below the
+# bucket's bytes / 4), it runs one batch per shape group instead (no padding).
+PAD_LIMIT = 8
 
 
 def _ortho_plan(layout: BucketLayout, which: str):
     """The batches of the grouped orthogonalization of factor ``which``: a list of ``(offset, shape, pad_index,
-    back_index)``. ``shape = (B, rows, r)``: ``B`` factors padded to ``rows`` rows; ``pad_index`` (int64,
+    back_index)``. ``shape = (B, rows, r)``: ``B`` factors padded to ``rows`` rows; ``pad_index`` (int32,
     ``B*rows*r``) gathers the padded batch from the flat factor with one zero appended (None: the batch is the slice
     of ``B*rows*r`` elements at ``offset``), ``back_index`` (int64) the factors' elements from the flat padded batch.
     One padded batch for the whole bucket when the ranks agree and the padding is small (:data:`PAD_LIMIT`), else one
@@ -350,13 +350,14 @@ def _ortho_plan(layout: BucketLayout, which: str):
     r = mats[0].rank if mats else 0
     tall = max(rows, default=0)
     padded = len(mats) * tall * r
-    if mats and len({s.rank for s in mats}) == 1 and (padded <= PAD_LIMIT * numel or 8 * padded <= layout.numel):
+    if mats and len({s.rank for s in mats}) == 1 and (padded <= PAD_LIMIT * numel or 4 * padded <= layout.numel):
         pad = back = None
         if min(rows) != tall:
             grid = torch.arange(tall * r).view(1, tall * r)
             limit = torch.tensor([rw * r for rw in rows]).view(-1, 1)
             valid = grid < limit
-            pad = torch.where(valid, torch.tensor(starts).view(-1, 1) + grid, numel).reshape(-1).to(layout.device)
+            pad = torch.where(valid, torch.tensor(starts).view(-1, 1) + grid, numel).reshape(-1)
+            pad = pad.to(dtype=torch.int32 if numel < 2**31 else torch.int64, device=layout.device)
             back = torch.nonzero(valid.reshape(-1)).reshape(-1).to(layout.device)
         plan.append((0, (len(mats), tall, r), pad, back))
     else:
@@ -381,7 +382,7 @@ def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out:
         if pad is None:
             batch = x[off : off + count * rows * r].to(torch.float64).view(count, rows, r)
         else:
-            batch = torch.cat((x, x.new_zeros(1, dtype=torch.float64)))[pad].view(count, rows, r)
+            batch = torch.cat((x, x.new_zeros(1, dtype=torch.float64))).index_select(0, pad).view(count, rows, r)
         gram = torch.bmm(batch.transpose(1, 2), batch)
         u, info = torch.linalg.cholesky_ex(gram, upper=True)
         residual = u.diagonal(dim1=1, dim2=2)
