@@ -367,6 +367,14 @@ def _ortho_plan(layout: BucketLayout, which: str):
     return plan
 
 
+def _zero64(layout: BucketLayout) -> torch.Tensor:
+    """One float64 zero on the layout's device (the padding of :func:`_orthogonalize_batch`), made once."""
+    z = layout._tiles.get(("torch_zero64",))
+    if z is None:
+        z = layout._tiles[("torch_zero64",)] = torch.zeros(1, dtype=torch.float64, device=layout.device)
+    return z
+
+
 def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out: torch.Tensor) -> bool:
     """Epsilon-0 Gram-Schmidt of every factor in a few batches (:func:`_ortho_plan`: usually one for the bucket) as
     float64 Cholesky-QR (zero rows change no Gram matrix): ``G = XᵀX``, ``G = UᵀU``, ``X·U⁻¹``, the same factor as
@@ -378,11 +386,12 @@ def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out:
     squared norm, the rule of :func:`gram_schmidt_`), an all-zero factor, non-finite values. That test is a host
     check: the path runs on CPU tensors only."""
     results = []
+    pad_zero = _zero64(layout)
     for off, (count, rows, r), pad, back in _ortho_plan(layout, which):
         if pad is None:
             batch = x[off : off + count * rows * r].to(torch.float64).view(count, rows, r)
         else:
-            batch = torch.cat((x, x.new_zeros(1, dtype=torch.float64))).index_select(0, pad).view(count, rows, r)
+            batch = torch.cat((x, pad_zero)).index_select(0, pad).view(count, rows, r)
         gram = torch.bmm(batch.transpose(1, 2), batch)
         u, info = torch.linalg.cholesky_ex(gram, upper=True)
         residual = u.diagonal(dim1=1, dim2=2)
@@ -534,7 +543,7 @@ def all_finite(*tensors: Optional[torch.Tensor]) -> torch.Tensor:
         total = s if total is None else total.add_(s)
     if total is None:
         raise ValueError("all_finite needs at least one non-empty tensor")
-    return total.mul_(0).eq_(0).to(torch.bool)
+    return torch.eq(total.mul_(0), 0)
 
 
 def average(
