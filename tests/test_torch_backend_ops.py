@@ -24,8 +24,8 @@ def _copies(buckets):
 
 def test_resnet50_step_issues_no_more_aten_ops_than_pytorch(world1, rng):
     """ResNet-50's DDP buckets (channels / 4, bucket caps / 16: the same layers per bucket as 25 MB buckets of the
-    full model): one compressed step of our hook on the torch backend against PyTorch's ``powerSGD_hook`` (main:
-    1.6x more ops here, 8x on the full model)."""
+    full model): one compressed step of our hook on the torch backend against PyTorch's ``powerSGD_hook`` (before
+    the grouping: 3,227 ops against PyTorch's 403 here, 3,344 against 407 on the full model)."""
     buckets = B.model_buckets("resnet50", "fp32", shrink=4, bucket_cap_mb=25 / 16, first_bucket_mb=1 / 16,
                               generator=rng)
     theirs, _ = _step_ops("pytorch", _copies(buckets))
