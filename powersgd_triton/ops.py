@@ -19,7 +19,9 @@ Shapes and dtypes (all flat, contiguous, on the bucket's device):
 * ``error``: ``(layout.e_numel,)`` float32 error-feedback memory of the compressed matrices only.
 
 Backends: ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), ``"torch"``
-(:mod:`powersgd_triton.kernels.reference`), ``"auto"`` (Triton where it can run, else torch).
+(:mod:`powersgd_triton.kernels.reference`: batched torch ops, one ``bmm``/``baddbmm`` per run of same-shape matrices
+and, on CPU, one orthogonalization batch per factor; a few ops per shape plus a constant per step, not per matrix),
+``"auto"`` (Triton where it can run, else torch).
 
 The Triton kernels compute in float32: ``"auto"`` runs float64 tensors on the torch backend, and ``"triton"`` refuses
 them (``ValueError``).
@@ -121,8 +123,9 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float = 0.0, out
     """Step 2: modified Gram-Schmidt on the columns of every ``P_i`` (``which="p"``) or ``Q_i`` (``which="q"``).
 
     PyTorch's ``_orthogonalize_gram_schmidt``: columns come out orthonormal, in order (column j spans the first j+1
-    input columns), each divided by ``norm + epsilon``. Computed in float64 from the float32 factors (Triton: on the
-    Gram matrix; torch: on the columns), so no norm or inner product overflows or underflows for finite input. An
+    input columns), each divided by ``norm + epsilon``. Computed in float64 from the float32 factors on the Gram matrix
+    (Triton; torch on CPU with epsilon 0: one batched Cholesky-QR for all factors), or on the columns with a
+    power-of-two scaling per column (torch otherwise), so no norm or inner product overflows for finite input. An
     all-zero factor stays zero (no NaN) even with ``epsilon=0``; a column that is zero or numerically dependent on
     the columns before it (residual norm <= 2^-20 of its norm) in a non-zero factor becomes a unit vector orthogonal
     to all other columns, as Householder QR gives; NaN/inf input stays non-finite. Deterministic (fixed reduction

@@ -419,7 +419,7 @@ def test_commit_factor(backend, which, finite, rng):
     kept = torch.randn(numel, generator=rng)
     new = torch.randn(numel, generator=rng)
     zero = layout.matrices[1]
-    zsl = _slice(zero, which)
+    zsl = matrix_slice(zero, which)
     new[zsl] = 0.0  # this matrix had no gradient: keep its old factor
     before = kept.clone()
     ops.commit_factor(new, kept, layout, which, torch.tensor(finite), backend=backend)
