@@ -33,6 +33,7 @@ says which figures a GPU run replaced.
 """
 
 import argparse
+import heapq
 import math
 import re
 import sys
@@ -45,7 +46,7 @@ from .benchmarking import DTYPES, FakeGradBucket, model_bucket_shapes
 from .layout import BucketLayout
 from .shapes import numel
 
-__all__ = ["GPUSpec", "GPUS", "step_plan", "predict", "predict_step", "model_table", "main"]
+__all__ = ["GPUSpec", "GPUS", "step_plan", "depth", "makespan", "predict", "predict_step", "model_table", "main"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,33 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
     return out
 
 
+def depth(launch: dict, usage: dict) -> int:
+    """Loop iterations whose loads are in flight at once in one program: ``num_stages`` when the compiled loop is
+    software-pipelined (``cp.async`` in the PTX), else ``1 + PREFETCH`` (the kernel's own register prefetch of the
+    next ``PREFETCH`` tiles, a constexpr of the compiled variant: ``config["PREFETCH"]``), else 1."""
+    if usage.get("pipelined"):
+        return max(1, int(usage.get("num_stages", 1)))
+    return 1 + max(0, int(launch.get("config", {}).get("PREFETCH", 0)))
+
+
+def makespan(durations: Sequence[float], slots: int) -> float:
+    """Time until the last program ends when programs (``durations``, seconds, in program-id order) are dispatched
+    in order, each to the first free one of ``slots`` resident-block slots (the block scheduler's in-order
+    dispatch). A list no longer than ``slots`` takes its longest duration."""
+    if not durations:
+        return 0.0
+    if len(durations) <= slots:
+        return max(durations)
+    free = [0.0] * slots
+    heapq.heapify(free)
+    end = 0.0
+    for d in durations:
+        t = heapq.heappop(free) + d
+        end = max(end, t)
+        heapq.heappush(free, t)
+    return end
+
+
 def predict(launch: dict, spec: GPUSpec, usage: Optional[dict] = None) -> dict:
     """The model's prediction for one planned launch (see the module docstring). ``usage``: the compiled metadata
     (:func:`compiled_usage`); computed when not given. Returns the launch's figures: ``programs``, ``waves``,
@@ -154,29 +182,20 @@ def predict(launch: dict, spec: GPUSpec, usage: Optional[dict] = None) -> dict:
     waves = math.ceil(programs / slots)
     total = int(launch["bytes_read"]) + int(launch["bytes_written"])
     flops = float(launch.get("flops", 0))
-    spill_traffic = 2 * int(usage.get("spill_bytes", 0)) * 32 * warps * programs * iterations
+    per_program = launch.get("program_iterations") or [iterations] * programs
+    spill_traffic = 2 * int(usage.get("spill_bytes", 0)) * 32 * warps * sum(per_program)
     l2 = float(launch.get("l2_bytes", 0)) + spill_traffic
-    stages = int(usage.get("num_stages", 1)) if usage.get("pipelined") else 1
-    if launch.get("serial"):
-        chain = iterations * spec.l2_latency_s + 2 * spec.dram_latency_s
-    else:
-        chain = iterations * spec.dram_latency_s / max(1, stages) + 2 * spec.dram_latency_s
-    time_s, bound = 0.0, "latency"
-    left = programs
-    for _ in range(waves):
-        k = min(left, slots)
-        left -= k
-        share = k / programs
-        parts = {
-            "latency": chain,
-            "bandwidth": total * share / spec.copy_bandwidth,
-            "l2": l2 * share / spec.l2_bandwidth,
-            "compute": flops * share / (spec.fp32_flops * spec.fma_efficiency),
-        }
-        worst = max(parts, key=parts.get)
-        if parts[worst] >= parts.get(bound, 0.0):
-            bound = worst
-        time_s += parts[worst]
+    stages = depth(launch, usage)
+    latency = spec.l2_latency_s if launch.get("serial") else spec.dram_latency_s
+    durations = [2 * spec.dram_latency_s + max(1, int(it)) * latency / stages for it in per_program]
+    parts = {
+        "latency": makespan(durations, slots),
+        "bandwidth": total / spec.copy_bandwidth,
+        "l2": l2 / spec.l2_bandwidth,
+        "compute": flops / (spec.fp32_flops * spec.fma_efficiency),
+    }
+    bound = max(parts, key=parts.get)
+    time_s = parts[bound]
     time_s += spec.launch_overhead_s
     resident = min(bpsm, math.ceil(programs / spec.sms))
     return dict(

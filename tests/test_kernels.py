@@ -304,7 +304,8 @@ ALT_CONFIGS = {
     },
     "small_tiles_split": {
         "project": dict(BLOCK_N=8, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1),
-        "project_t": dict(BLOCK_M=16, BLOCK_K=8, SPLIT_ROWS=16, USE_DOT=False, num_warps=4, num_stages=1),
+        "project_t": dict(BLOCK_M=16, BLOCK_K=8, SPLIT_ROWS=16, USE_DOT=False, num_warps=4, num_stages=1,
+                          PREFETCH=1),
         "orthogonalize": dict(BLOCK=16, SHORT_ROWS=256, GRAM_ROWS=64, SPLIT_ROWS=16, num_warps=4, num_stages=1),
         "reconstruct": dict(BLOCK_N=8, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1),
     },
