@@ -37,7 +37,7 @@ import heapq
 import math
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -46,7 +46,8 @@ from .benchmarking import DTYPES, FakeGradBucket, model_bucket_shapes
 from .layout import BucketLayout
 from .shapes import numel
 
-__all__ = ["GPUSpec", "GPUS", "step_plan", "depth", "makespan", "predict", "predict_step", "model_table", "main"]
+__all__ = ["GPUSpec", "GPUS", "step_plan", "depth", "makespan", "predict", "predict_step", "predict_measured", "spec_for_device", "model_table",
+           "main"]
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,69 @@ def predict_step(layout: BucketLayout, dtype: torch.dtype, spec: GPUSpec, *, usa
     step_s = sum(r["time_s"] for r in rows)
     floor_s = floor_bytes(layout, dtype) / spec.copy_bandwidth
     return dict(launches=rows, step_s=step_s, floor_s=floor_s, of_floor=floor_s / step_s)
+
+
+def spec_for_device(device) -> Optional[GPUSpec]:
+    """The built-in :class:`GPUSpec` of a CUDA ``device`` (its name contains "H100" or "H200"), with the device's own
+    SM count; None for any other device (the model knows no other GPU's bandwidth)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(device)
+    name = props.name.upper()
+    key = "h200" if "H200" in name else "h100" if "H100" in name else None
+    if key is None:
+        return None
+    return replace(GPUS[key], sms=int(props.multi_processor_count))
+
+
+# The launches of the bucket steps as benchmarking.KernelBench.ours runs them (ops.* with the heuristic configs).
+_KERNEL_STEPS = {
+    "project": ("project", dict(HAS_ERROR=True)),
+    "project_t": ("project_t", dict(PAD_ERROR=False)),
+    "reconstruct": ("reconstruct", dict(HAS_ERROR=True, HAS_FLAG=True, COMMIT=0)),
+}
+
+
+def predict_measured(what: str, *, device, spec: Optional[GPUSpec] = None, usage: Optional[Usage] = None,
+                     **kw) -> Optional[float]:
+    """The model's milliseconds for an item ``bench/gpu_check.py`` measures, printed beside the measurement.
+
+    ``what="kernel"``: ``kernel`` (project, orthogonalize, project_t, reconstruct: one call of
+    :class:`powersgd_triton.benchmarking.KernelBench`'s ``ours``), ``layout``, ``dtype``. ``what="hook"``: one
+    compressed step of ``powerSGD_hook`` over ``buckets`` (:class:`~powersgd_triton.benchmarking.FakeGradBucket`)
+    at ``rank`` (``min_compression_rate`` 2), the sum of :func:`predict_step` over the buckets (every bucket
+    compressed; the all-reduces are not modelled). ``spec``: default :func:`spec_for_device`; returns None when
+    there is none. ``usage``: default :func:`compiled_usage` (TRITON_INTERPRET unset). Raises ``ValueError`` for
+    an unknown ``what`` or kernel."""
+    spec = spec or spec_for_device(device)
+    if spec is None:
+        return None
+    usage = usage or compiled_usage
+    from .kernels import triton_ops as T
+
+    if what == "kernel":
+        kernel, layout, dtype = kw["kernel"], kw["layout"], kw["dtype"]
+        if kernel == "orthogonalize":
+            launches = T.orthogonalize_plan(layout, "p")
+        elif kernel in _KERNEL_STEPS:
+            name, variant = _KERNEL_STEPS[kernel]
+            launches = T.plan(name, layout, dtype, num_sms=spec.sms, variant=variant)
+        else:
+            raise ValueError(f"unknown kernel {kernel!r}")
+        for launch in launches:
+            if launch["kernel"] == "reduce_splits":
+                launch["variant"] = dict(HAS_Q2=False)
+        return 1e3 * sum(predict(launch, spec, usage(launch, spec.arch))["time_s"] for launch in launches)
+    if what == "hook":
+        dtype, rank = kw["dtype"], kw["rank"]
+        total = 0.0
+        for bucket in kw["buckets"]:
+            layout = BucketLayout.from_gradients(bucket.buffer(), bucket.gradients(), rank, 2.0)
+            if layout.num_matrices:
+                total += predict_step(layout, dtype, spec, usage=usage)["step_s"]
+        return 1e3 * total
+    raise ValueError(f"unknown item {what!r}; expected 'kernel' or 'hook'")
 
 
 def model_layouts(model: str, rank: int, dtype: torch.dtype, bucket_cap_mb: float = 25.0,
