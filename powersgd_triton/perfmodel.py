@@ -17,16 +17,24 @@ stages, whether the loop's loads are software-pipelined: ``cp.async`` in the PTX
 The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_check.py``):
 
 1. Occupancy: ``blocks_per_sm`` from registers, shared memory, warps (``aot.blocks_per_sm``, CUDA's occupancy
-   arithmetic). ``slots = blocks_per_sm * SMs``; programs run in ``waves = ceil(programs / slots)``; all programs of a
-   launch do the same work (``bytes / programs``) and the longest loop (``iterations``) sets a wave's length.
-2. A program's loop iteration waits for its loads once: one DRAM latency (``dram_latency_s``) per iteration, divided
-   by ``num_stages`` only when the compiled loop is pipelined (``cp.async`` found), plus two latencies of table
-   look-ups before the loop. Programs on one SM overlap their waits (that is what occupancy buys).
-3. A wave takes the longest of: that latency chain, its bytes at copy bandwidth (``hbm_bandwidth * copy_fraction``),
-   its L2 traffic (factor re-reads, spills) at ``l2_bandwidth``, its multiply-adds at ``fp32_flops *
-   fma_efficiency`` (FMA issue slots shared with address arithmetic, loads and conversions).
+   arithmetic); ``slots = blocks_per_sm * SMs`` programs are resident at once.
+2. Latency hiding (Little's law per program): a loop step waits for its loads once, but ``depth`` steps of loads
+   are in flight at a time, so a step costs ``dram_latency_s / depth``: ``depth = num_stages`` when the compiled
+   loop is software-pipelined (``cp.async`` in the PTX: the ``tl.dot`` paths), else ``1 + PREFETCH`` (the kernels'
+   own register prefetch of the next steps' tiles, a constexpr of the compiled variant). A program's length is
+   ``2 * dram_latency_s`` (table look-ups before the loop) plus its loop trips (the plan's ``program_iterations``,
+   per program, in launch order) times that step cost. Bytes in flight per SM are then ``resident programs x depth
+   x tile bytes`` per ``dram_latency_s``: the occupancy, the prefetch depth and the tile size all enter.
+3. Programs are dispatched in program-id order, each to the first free slot (:func:`makespan`, the block
+   scheduler's in-order dispatch): a launch's latency time is when its last program ends. The launch takes the
+   longest of that, its bytes at copy bandwidth (``hbm_bandwidth * copy_fraction``), its L2 traffic (factor
+   re-reads, spills) at ``l2_bandwidth`` and its multiply-adds at ``fp32_flops * fma_efficiency`` (FMA issue slots
+   shared with address arithmetic, loads and conversions).
 4. Each launch adds ``launch_overhead_s`` (start-up and tail of a kernel on a busy stream, no CUDA graph).
-5. ``serial`` launches (today's orthogonalize: one program walks a factor) pay ``l2_latency_s`` per iteration.
+5. ``serial`` launches pay ``l2_latency_s`` per iteration instead.
+
+Not modelled: DRAM page and channel effects, L2 hits of the bucket itself, the cost of warp shuffles and of the
+reductions after the loops, the all-reduces.
 
 The percentages are "bytes moved / predicted time" over copy bandwidth. Nothing here is measured; bench/RESULTS.md
 says which figures a GPU run replaced.

@@ -83,10 +83,10 @@ ORTHO_SPLIT_ROWS = 96
 ORTHO_MAX_TILE = 8192
 
 INTERPRETER_CONFIGS: Dict[str, dict] = {
-    "project": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=1),
-    "project_t": dict(BLOCK_M=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=2),
+    "project": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
+    "project_t": dict(BLOCK_M=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
     "orthogonalize": dict(BLOCK=256, SHORT_ROWS=4096, GRAM_ROWS=256, SPLIT_ROWS=256, num_warps=4, num_stages=1),
-    "reconstruct": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=1),
+    "reconstruct": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
 }
 
 
