@@ -166,7 +166,8 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
 
     GPU heuristic (sized with :mod:`powersgd_triton.perfmodel` for an H100/H200): rank <= 8 broadcast multiply with
     16 accumulator elements per thread (no spills, <= 128 registers on sm_90) and the kernels' register prefetch
-    (``PREFETCH`` 1, project_t 2 from rank 4 on: Triton does not pipeline these loops); ``project`` walks whole
+    (``PREFETCH`` 1, project_t 2 from rank 4 on, reconstruct none at rank 8: Triton does not pipeline these
+    loops); ``project`` walks whole
     rows, so it takes ``PROJECT_BLOCK_K`` columns per step and as many rows as the budget allows (8 rows at rank
     <= 2, 4 at rank 4, 2 at rank 8). ``tl.dot`` tiles from rank 16 on, software-pipelined (``num_stages`` 3;
     project at rank 32: 32 columns, 2 stages, no spills). The row and column splits are planned at launch from the
@@ -197,6 +198,8 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
                 "PREFETCH": 1}
     bn = 16
     bk = max(16, min(tile_max // bn, budget // (bn * r)))
+    if r >= 8:  # a prefetched 16 x 16 tile at rank 8 spills 8 bytes (sm_90): no prefetch there
+        return {"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False, "num_warps": 4, "num_stages": 1}
     return {"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False, "num_warps": 4, "num_stages": 1, "PREFETCH": 1}
 
 
