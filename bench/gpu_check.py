@@ -1357,15 +1357,16 @@ def _fmt_consts(c) -> str:
 def perf_prediction(what: str, **kw):
     """PERFORMANCE MODEL: its predicted ms for a measured item, printed beside the measurement; None without it.
 
-    ``powersgd_triton/perfmodel.py`` (being written) is optional here: when it is importable and has
-    ``predict(what, **kw)`` (``what``: "kernel" with kernel, layout, dtype, rank; "hook" with model, rank, dtype,
-    buckets; ``device`` always), its float is shown as "model ms"; any failure shows "-" and never stops the run.
+    :func:`powersgd_triton.perfmodel.predict_measured` (``what``: "kernel" with kernel, layout, dtype, rank; "hook"
+    with model, rank, dtype, buckets; ``device`` always; it compiles the kernels for the GPU, so it runs with
+    TRITON_INTERPRET unset and returns None on a GPU other than an H100/H200): its float is shown as "model ms";
+    any failure shows "-" and never stops the run (the dry run, under the interpreter, shows "-").
     """
     try:
         import importlib
 
         pm = importlib.import_module("powersgd_triton.perfmodel")
-        fn = getattr(pm, "predict", None)
+        fn = getattr(pm, "predict_measured", None)
         if fn is None:
             return None
         value = fn(what, device=DEVICE, **kw)

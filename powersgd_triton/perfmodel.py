@@ -17,26 +17,35 @@ stages, whether the loop's loads are software-pipelined: ``cp.async`` in the PTX
 The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_check.py``):
 
 1. Occupancy: ``blocks_per_sm`` from registers, shared memory, warps (``aot.blocks_per_sm``, CUDA's occupancy
-   arithmetic). ``slots = blocks_per_sm * SMs``; programs run in ``waves = ceil(programs / slots)``; all programs of a
-   launch do the same work (``bytes / programs``) and the longest loop (``iterations``) sets a wave's length.
-2. A program's loop iteration waits for its loads once: one DRAM latency (``dram_latency_s``) per iteration, divided
-   by ``num_stages`` only when the compiled loop is pipelined (``cp.async`` found), plus two latencies of table
-   look-ups before the loop. Programs on one SM overlap their waits (that is what occupancy buys).
-3. A wave takes the longest of: that latency chain, its bytes at copy bandwidth (``hbm_bandwidth * copy_fraction``),
-   its L2 traffic (factor re-reads, spills) at ``l2_bandwidth``, its multiply-adds at ``fp32_flops *
-   fma_efficiency`` (FMA issue slots shared with address arithmetic, loads and conversions).
+   arithmetic); ``slots = blocks_per_sm * SMs`` programs are resident at once.
+2. Latency hiding (Little's law per program): a loop step waits for its loads once, but ``depth`` steps of loads
+   are in flight at a time, so a step costs ``dram_latency_s / depth``: ``depth = num_stages`` when the compiled
+   loop is software-pipelined (``cp.async`` in the PTX: the ``tl.dot`` paths), else ``1 + PREFETCH`` (the kernels'
+   own register prefetch of the next steps' tiles, a constexpr of the compiled variant). A program's length is
+   ``2 * dram_latency_s`` (table look-ups before the loop) plus its loop trips (the plan's ``program_iterations``,
+   per program, in launch order) times that step cost. Bytes in flight per SM are then ``resident programs x depth
+   x tile bytes`` per ``dram_latency_s``: the occupancy, the prefetch depth and the tile size all enter.
+3. Programs are dispatched in program-id order, each to the first free slot (:func:`makespan`, the block
+   scheduler's in-order dispatch): a launch's latency time is when its last program ends. The launch takes the
+   longest of that, its bytes at copy bandwidth (``hbm_bandwidth * copy_fraction``), its L2 traffic (factor
+   re-reads, spills) at ``l2_bandwidth`` and its multiply-adds at ``fp32_flops * fma_efficiency`` (FMA issue slots
+   shared with address arithmetic, loads and conversions).
 4. Each launch adds ``launch_overhead_s`` (start-up and tail of a kernel on a busy stream, no CUDA graph).
-5. ``serial`` launches (today's orthogonalize: one program walks a factor) pay ``l2_latency_s`` per iteration.
+5. ``serial`` launches pay ``l2_latency_s`` per iteration instead.
+
+Not modelled: DRAM page and channel effects, L2 hits of the bucket itself, the cost of warp shuffles and of the
+reductions after the loops, the all-reduces.
 
 The percentages are "bytes moved / predicted time" over copy bandwidth. Nothing here is measured; bench/RESULTS.md
 says which figures a GPU run replaced.
 """
 
 import argparse
+import heapq
 import math
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -45,7 +54,8 @@ from .benchmarking import DTYPES, FakeGradBucket, model_bucket_shapes
 from .layout import BucketLayout
 from .shapes import numel
 
-__all__ = ["GPUSpec", "GPUS", "step_plan", "predict", "predict_step", "model_table", "main"]
+__all__ = ["GPUSpec", "GPUS", "step_plan", "depth", "makespan", "predict", "predict_step", "predict_measured", "spec_for_device", "model_table",
+           "main"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +149,33 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
     return out
 
 
+def depth(launch: dict, usage: dict) -> int:
+    """Loop iterations whose loads are in flight at once in one program: ``num_stages`` when the compiled loop is
+    software-pipelined (``cp.async`` in the PTX), else ``1 + PREFETCH`` (the kernel's own register prefetch of the
+    next ``PREFETCH`` tiles, a constexpr of the compiled variant: ``config["PREFETCH"]``), else 1."""
+    if usage.get("pipelined"):
+        return max(1, int(usage.get("num_stages", 1)))
+    return 1 + max(0, int(launch.get("config", {}).get("PREFETCH", 0)))
+
+
+def makespan(durations: Sequence[float], slots: int) -> float:
+    """Time until the last program ends when programs (``durations``, seconds, in program-id order) are dispatched
+    in order, each to the first free one of ``slots`` resident-block slots (the block scheduler's in-order
+    dispatch). A list no longer than ``slots`` takes its longest duration."""
+    if not durations:
+        return 0.0
+    if len(durations) <= slots:
+        return max(durations)
+    free = [0.0] * slots
+    heapq.heapify(free)
+    end = 0.0
+    for d in durations:
+        t = heapq.heappop(free) + d
+        end = max(end, t)
+        heapq.heappush(free, t)
+    return end
+
+
 def predict(launch: dict, spec: GPUSpec, usage: Optional[dict] = None) -> dict:
     """The model's prediction for one planned launch (see the module docstring). ``usage``: the compiled metadata
     (:func:`compiled_usage`); computed when not given. Returns the launch's figures: ``programs``, ``waves``,
@@ -154,29 +191,20 @@ def predict(launch: dict, spec: GPUSpec, usage: Optional[dict] = None) -> dict:
     waves = math.ceil(programs / slots)
     total = int(launch["bytes_read"]) + int(launch["bytes_written"])
     flops = float(launch.get("flops", 0))
-    spill_traffic = 2 * int(usage.get("spill_bytes", 0)) * 32 * warps * programs * iterations
+    per_program = launch.get("program_iterations") or [iterations] * programs
+    spill_traffic = 2 * int(usage.get("spill_bytes", 0)) * 32 * warps * sum(per_program)
     l2 = float(launch.get("l2_bytes", 0)) + spill_traffic
-    stages = int(usage.get("num_stages", 1)) if usage.get("pipelined") else 1
-    if launch.get("serial"):
-        chain = iterations * spec.l2_latency_s + 2 * spec.dram_latency_s
-    else:
-        chain = iterations * spec.dram_latency_s / max(1, stages) + 2 * spec.dram_latency_s
-    time_s, bound = 0.0, "latency"
-    left = programs
-    for _ in range(waves):
-        k = min(left, slots)
-        left -= k
-        share = k / programs
-        parts = {
-            "latency": chain,
-            "bandwidth": total * share / spec.copy_bandwidth,
-            "l2": l2 * share / spec.l2_bandwidth,
-            "compute": flops * share / (spec.fp32_flops * spec.fma_efficiency),
-        }
-        worst = max(parts, key=parts.get)
-        if parts[worst] >= parts.get(bound, 0.0):
-            bound = worst
-        time_s += parts[worst]
+    stages = depth(launch, usage)
+    latency = spec.l2_latency_s if launch.get("serial") else spec.dram_latency_s
+    durations = [2 * spec.dram_latency_s + max(1, int(it)) * latency / stages for it in per_program]
+    parts = {
+        "latency": makespan(durations, slots),
+        "bandwidth": total / spec.copy_bandwidth,
+        "l2": l2 / spec.l2_bandwidth,
+        "compute": flops / (spec.fp32_flops * spec.fma_efficiency),
+    }
+    bound = max(parts, key=parts.get)
+    time_s = parts[bound]
     time_s += spec.launch_overhead_s
     resident = min(bpsm, math.ceil(programs / spec.sms))
     return dict(
@@ -205,6 +233,69 @@ def predict_step(layout: BucketLayout, dtype: torch.dtype, spec: GPUSpec, *, usa
     step_s = sum(r["time_s"] for r in rows)
     floor_s = floor_bytes(layout, dtype) / spec.copy_bandwidth
     return dict(launches=rows, step_s=step_s, floor_s=floor_s, of_floor=floor_s / step_s)
+
+
+def spec_for_device(device) -> Optional[GPUSpec]:
+    """The built-in :class:`GPUSpec` of a CUDA ``device`` (its name contains "H100" or "H200"), with the device's own
+    SM count; None for any other device (the model knows no other GPU's bandwidth)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(device)
+    name = props.name.upper()
+    key = "h200" if "H200" in name else "h100" if "H100" in name else None
+    if key is None:
+        return None
+    return replace(GPUS[key], sms=int(props.multi_processor_count))
+
+
+# The launches of the bucket steps as benchmarking.KernelBench.ours runs them (ops.* with the heuristic configs).
+_KERNEL_STEPS = {
+    "project": ("project", dict(HAS_ERROR=True)),
+    "project_t": ("project_t", dict(PAD_ERROR=False)),
+    "reconstruct": ("reconstruct", dict(HAS_ERROR=True, HAS_FLAG=True, COMMIT=0)),
+}
+
+
+def predict_measured(what: str, *, device, spec: Optional[GPUSpec] = None, usage: Optional[Usage] = None,
+                     **kw) -> Optional[float]:
+    """The model's milliseconds for an item ``bench/gpu_check.py`` measures, printed beside the measurement.
+
+    ``what="kernel"``: ``kernel`` (project, orthogonalize, project_t, reconstruct: one call of
+    :class:`powersgd_triton.benchmarking.KernelBench`'s ``ours``), ``layout``, ``dtype``. ``what="hook"``: one
+    compressed step of ``powerSGD_hook`` over ``buckets`` (:class:`~powersgd_triton.benchmarking.FakeGradBucket`)
+    at ``rank`` (``min_compression_rate`` 2), the sum of :func:`predict_step` over the buckets (every bucket
+    compressed; the all-reduces are not modelled). ``spec``: default :func:`spec_for_device`; returns None when
+    there is none. ``usage``: default :func:`compiled_usage` (TRITON_INTERPRET unset). Raises ``ValueError`` for
+    an unknown ``what`` or kernel."""
+    spec = spec or spec_for_device(device)
+    if spec is None:
+        return None
+    usage = usage or compiled_usage
+    from .kernels import triton_ops as T
+
+    if what == "kernel":
+        kernel, layout, dtype = kw["kernel"], kw["layout"], kw["dtype"]
+        if kernel == "orthogonalize":
+            launches = T.orthogonalize_plan(layout, "p")
+        elif kernel in _KERNEL_STEPS:
+            name, variant = _KERNEL_STEPS[kernel]
+            launches = T.plan(name, layout, dtype, num_sms=spec.sms, variant=variant)
+        else:
+            raise ValueError(f"unknown kernel {kernel!r}")
+        for launch in launches:
+            if launch["kernel"] == "reduce_splits":
+                launch["variant"] = dict(HAS_Q2=False)
+        return 1e3 * sum(predict(launch, spec, usage(launch, spec.arch))["time_s"] for launch in launches)
+    if what == "hook":
+        dtype, rank = kw["dtype"], kw["rank"]
+        total = 0.0
+        for bucket in kw["buckets"]:
+            layout = BucketLayout.from_gradients(bucket.buffer(), bucket.gradients(), rank, 2.0)
+            if layout.num_matrices:
+                total += predict_step(layout, dtype, spec, usage=usage)["step_s"]
+        return 1e3 * total
+    raise ValueError(f"unknown item {what!r}; expected 'kernel' or 'hook'")
 
 
 def model_layouts(model: str, rank: int, dtype: torch.dtype, bucket_cap_mb: float = 25.0,

@@ -39,7 +39,8 @@ SCRIPT = textwrap.dedent(
     def job(args):
         kernel, dtype_name, rank, variant, arch = args
         dtype = getattr(torch, dtype_name)
-        tuned = "project_t" if kernel == "reduce_splits" else kernel  # the reducer runs with project_t's config
+        # the reducer runs with project_t's config, the Gram launch of split factors with orthogonalize's
+        tuned = {"reduce_splits": "project_t", "orthogonalize_gram": "orthogonalize"}.get(kernel, kernel)
         cfg = T.heuristic_config(tuned, _Layout(rank), dtype) if tuned in T.KERNELS else {}
         try:
             c = T.compile_aot(kernel, cfg, dtype, rank, arch, variant)

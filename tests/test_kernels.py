@@ -176,15 +176,16 @@ def test_reconstruct(dtype, shapes, rank, mode, rng, backend):
         assert torch.equal(err, old_err), "error memory changed although update_error was False"
 
 
-def _full_step(buf, layout, q0, err=None, epsilon=0.0, backend="triton"):
+def _full_step(buf, layout, q0, err=None, epsilon=0.0, backend="triton", configs=None):
     """orthogonalize(Q) -> project -> orthogonalize(P) -> project_t -> reconstruct; returns (P, Q)."""
+    c = configs or {}
     q = torch.full_like(q0, float("nan"))
     p = torch.full((layout.p_numel,), float("nan"))
-    ops.orthogonalize(q0, layout, "q", epsilon, out=q, backend=backend)
-    ops.project(buf, layout, q, p, err, backend=backend)
-    ops.orthogonalize(p, layout, "p", epsilon, backend=backend)
-    ops.project_t(buf, layout, p, q, backend=backend)
-    ops.reconstruct(buf, layout, p, q, 1.0, err, backend=backend)
+    ops.orthogonalize(q0, layout, "q", epsilon, out=q, backend=backend, config=c.get("orthogonalize"))
+    ops.project(buf, layout, q, p, err, backend=backend, config=c.get("project"))
+    ops.orthogonalize(p, layout, "p", epsilon, backend=backend, config=c.get("orthogonalize"))
+    ops.project_t(buf, layout, p, q, backend=backend, config=c.get("project_t"))
+    ops.reconstruct(buf, layout, p, q, 1.0, err, backend=backend, config=c.get("reconstruct"))
     return p, q
 
 
@@ -257,9 +258,15 @@ def test_deterministic_bitwise(rng):
 @pytest.mark.parametrize("numel", [37, 1000, 4099])
 @pytest.mark.parametrize("rank", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "triton-prefetch"])
 def test_batched_view_masks_padding(numel, rank, dtype, rng, backend):
-    """The whole flat buffer as one s×s matrix, s = ceil(sqrt(N)); padding is read as 0 and never written."""
+    """The whole flat buffer as one s×s matrix, s = ceil(sqrt(N)); padding is read as 0 and never written
+    (``triton-prefetch``: the register-prefetch configs, whose last prefetch reads past the matrix, masked)."""
+    configs = None
+    if backend == "triton-prefetch":
+        if numel != 1000:
+            pytest.skip("one size is enough for the prefetch path")
+        backend, configs = "triton", ALT_CONFIGS["prefetch_split"]
     buf, whole = guarded(numel, dtype, fill=CANARY)
     buf.copy_(torch.randn(numel, generator=rng).to(dtype))
     layout = BucketLayout.batched(numel, rank, "cpu", dtype)
@@ -270,7 +277,7 @@ def test_batched_view_masks_padding(numel, rank, dtype, rng, backend):
 
     p64, q64, buf64, err64 = _oracle_step(buf, layout, q0, err)
 
-    p, q = _full_step(buf, layout, q0, err, backend=backend)
+    p, q = _full_step(buf, layout, q0, err, backend=backend, configs=configs)
     assert guards_intact(whole, numel, fill=CANARY), "padding or memory past the bucket was written"
     assert rel_err(p, p64) < (FP32_TOL if dtype == torch.float32 else 1e-2)
     assert rel_err(buf, buf64) < STORE_TOL[dtype] * (1 if dtype == torch.float32 else 2)
@@ -308,6 +315,15 @@ ALT_CONFIGS = {
         "orthogonalize": dict(BLOCK=16, SHORT_ROWS=256, GRAM_ROWS=64, SPLIT_ROWS=16, num_warps=4, num_stages=1),
         "reconstruct": dict(BLOCK_N=8, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1),
     },
+    # the GPU heuristics' register prefetch: the next step's tiles (project_t: the next two) loaded a step early;
+    # several loop steps per program, the last prefetch past the end of each row or column range (masked)
+    "prefetch_split": {
+        "project": dict(BLOCK_N=4, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=1),
+        "project_t": dict(BLOCK_M=16, BLOCK_K=4, SPLIT_ROWS=24, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=2),
+        "orthogonalize": dict(BLOCK=16, SHORT_ROWS=256, GRAM_ROWS=64, SPLIT_ROWS=16, num_warps=4, num_stages=1),
+        "reconstruct": dict(BLOCK_N=8, BLOCK_K=16, SPLIT_COLS=32, USE_DOT=False, num_warps=4, num_stages=1,
+                            PREFETCH=1),
+    },
 }
 
 
@@ -338,7 +354,7 @@ def test_full_step_with_other_configs(configs, rank, rng):
     assert guards_intact(whole, layout.numel, fill=CANARY)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "triton-prefetch"])
 @pytest.mark.parametrize("local", ["p", "q"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_reconstruct_local_error(backend, local, dtype, rng):
@@ -364,7 +380,10 @@ def test_reconstruct_local_error(backend, local, dtype, rng):
             expect = mat - pi @ li.t()
         assert torch.allclose(err64[s.e_offset : s.e_offset + s.numel].view(s.n, s.m), expect)
         break
-    ops.reconstruct(buf, layout, p, q, 0.5, err, torch.tensor(True), backend=backend, **kw)
+    config = None
+    if backend == "triton-prefetch":  # the register prefetch of Q, the local Q and M (a step ahead)
+        backend, config = "triton", ALT_CONFIGS["prefetch_split"]["reconstruct"]
+    ops.reconstruct(buf, layout, p, q, 0.5, err, torch.tensor(True), backend=backend, config=config, **kw)
     assert_per_matrix(buf, buf64, layout, "m", STORE_TOL[dtype])
     assert_per_matrix(err, err64, layout, "e", 1e-5)
     assert guards_intact(err_whole, layout.e_numel)

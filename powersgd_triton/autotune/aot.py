@@ -251,6 +251,8 @@ def plan_jobs(cases: Sequence[dict], archs: Sequence[int] = (90,)) -> List[dict]
         for kernel in ops.KERNEL_FUNCTIONS:
             if kernel in TUNED:
                 cfgs = configs[kernel]
+            elif kernel == "orthogonalize_gram" and "orthogonalize" in configs:  # orthogonalize's first launch
+                cfgs = configs["orthogonalize"]
             else:  # a helper: no block sizes, or those of a tuned kernel (tried in order when compiling)
                 cfgs = [{}]
             for vi, variant in enumerate(ops.variants(kernel)):

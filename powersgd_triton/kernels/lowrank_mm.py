@@ -25,6 +25,29 @@ from .common import _cast_for_store, _load_matrix_row, loop_range  # noqa: F401 
 
 
 @triton.jit
+def _project_loads(m_ptr, e_ptr, q_ptr, rows, row_ok, ranks, k0, m, numel, r, HAS_ERROR: tl.constexpr,
+                   PAD_ERROR: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tiles one project step reads at columns ``k0:k0 + BLOCK_K`` (masked past ``m``): M's ``[rows, k]``,
+    E's (zeros without ``HAS_ERROR``; with ``PAD_ERROR`` also on the padding), Q's ``[k, R]``; as stored."""
+    cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+    col_ok = cols < m
+    lin = rows[:, None] * m + cols[None, :]
+    inside = row_ok[:, None] & col_ok[None, :]
+    mask = inside & (lin < numel)
+    x = tl.load(m_ptr + lin, mask=mask, other=0.0)
+    if HAS_ERROR:
+        if PAD_ERROR:
+            e = tl.load(e_ptr + lin, mask=inside, other=0.0)
+        else:
+            e = tl.load(e_ptr + lin, mask=mask, other=0.0)
+    else:
+        e = tl.zeros((1, 1), dtype=tl.float32)
+    q_mask = col_ok[:, None] & (ranks[None, :] < r)
+    q = tl.load(q_ptr + cols[:, None] * r + ranks[None, :], mask=q_mask, other=0.0)
+    return x, e, q
+
+
+@triton.jit
 def _project_kernel(
     buf_ptr,  # bucket buffer (fp32/fp16/bf16), M_i at buf_ptr + off, row-major n x m
     q_ptr,  # flat Q (float32), Q_i row-major m x r at q_ptr + q_off
@@ -40,6 +63,7 @@ def _project_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,  # 1: the next step's tiles are loaded before this step's arithmetic
 ):
     """P_i[rows] = (M_i + E_i)[rows] · Q_i for one tile of BLOCK_N rows; writes M_i + E_i back if HAS_ERROR."""
     pid = tl.program_id(0)
@@ -54,21 +78,27 @@ def _project_kernel(
         acc = tl.zeros((BLOCK_N, R), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_N, BLOCK_K, R), dtype=tl.float32)
+    if PREFETCH:
+        x_next, e_next, q_next = _project_loads(buf_ptr + off, e_ptr + e_off, q_ptr + q_off, rows, row_ok, ranks,
+                                                0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K)
     for k0 in loop_range(0, m, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         col_ok = cols < m
         lin = rows[:, None] * m + cols[None, :]
         inside = row_ok[:, None] & col_ok[None, :]
         mask = inside & (lin < numel)
-        x = tl.load(buf_ptr + off + lin, mask=mask, other=0.0).to(tl.float32)
+        if PREFETCH:  # this step's tiles arrived during the last step; the next step's go out now
+            x_raw, e_raw, q_raw = x_next, e_next, q_next
+            x_next, e_next, q_next = _project_loads(buf_ptr + off, e_ptr + e_off, q_ptr + q_off, rows, row_ok,
+                                                    ranks, k0 + BLOCK_K, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K)
+        else:
+            x_raw, e_raw, q_raw = _project_loads(buf_ptr + off, e_ptr + e_off, q_ptr + q_off, rows, row_ok, ranks,
+                                                 k0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K)
+        x = x_raw.to(tl.float32)
         if HAS_ERROR:
-            if PAD_ERROR:
-                x += tl.load(e_ptr + e_off + lin, mask=inside, other=0.0).to(tl.float32)
-            else:
-                x += tl.load(e_ptr + e_off + lin, mask=mask, other=0.0).to(tl.float32)
+            x += e_raw.to(tl.float32)
             tl.store(buf_ptr + off + lin, _cast_for_store(x, buf_ptr), mask=mask)
-        q_mask = col_ok[:, None] & (ranks[None, :] < r)
-        q = tl.load(q_ptr + q_off + cols[:, None] * r + ranks[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        q = q_raw.to(tl.float32)
         if USE_DOT:
             acc += tl.dot(x, q, input_precision="ieee")
         else:
@@ -80,6 +110,25 @@ def _project_kernel(
     tl.store(p_ptr + local, _cast_for_store(acc, p_ptr), mask=p_mask)
     if HAS_P2:
         tl.store(p2_ptr + local, _cast_for_store(acc, p2_ptr), mask=p_mask)
+
+
+@triton.jit
+def _project_t_loads(m_ptr, e_ptr, p_ptr, cols, col_ok, ranks, k0, row_end, m, numel, r, PAD_ERROR: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """The tiles one project_t step reads at rows ``k0:k0 + BLOCK_K`` (masked past ``row_end``): M's ``[k, cols]``,
+    the padding's error (``PAD_ERROR``, else zeros) and P's ``[k, R]``; as stored."""
+    rows = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+    row_ok = rows < row_end
+    lin = rows[:, None] * m + cols[None, :]
+    inside = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(m_ptr + lin, mask=inside & (lin < numel), other=0.0)
+    if PAD_ERROR:
+        e = tl.load(e_ptr + lin, mask=inside & (lin >= numel), other=0.0)
+    else:
+        e = tl.zeros((1, 1), dtype=tl.float32)
+    p_mask = row_ok[:, None] & (ranks[None, :] < r)
+    p = tl.load(p_ptr + rows[:, None] * r + ranks[None, :], mask=p_mask, other=0.0)
+    return x, e, p
 
 
 @triton.jit
@@ -98,6 +147,7 @@ def _project_t_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,  # 1 (2): the next step's (and the one after's) tiles are in flight during this step
 ):
     """Q_i[cols] = M_i[rows, cols]ᵀ · P_i[rows] for one tile of BLOCK_M columns and one row range.
 
@@ -119,16 +169,31 @@ def _project_t_kernel(
         acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_K, BLOCK_M, R), dtype=tl.float32)
+    if PREFETCH >= 1:
+        x_next, e_next, p_next = _project_t_loads(buf_ptr + off, e_ptr + e_off, p_ptr + p_off, cols, col_ok, ranks,
+                                                  row_begin, row_end, m, numel, r, PAD_ERROR, BLOCK_K)
+    if PREFETCH >= 2:
+        x_after, e_after, p_after = _project_t_loads(buf_ptr + off, e_ptr + e_off, p_ptr + p_off, cols, col_ok,
+                                                     ranks, row_begin + BLOCK_K, row_end, m, numel, r, PAD_ERROR,
+                                                     BLOCK_K)
     for k0 in loop_range(row_begin, row_end, BLOCK_K):
-        rows = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        row_ok = rows < row_end
-        lin = rows[:, None] * m + cols[None, :]
-        inside = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(buf_ptr + off + lin, mask=inside & (lin < numel), other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_M]
+        if PREFETCH >= 2:  # this step's tiles were loaded two steps ago; the one after next goes out now
+            x_raw, e_raw, p_raw = x_next, e_next, p_next
+            x_next, e_next, p_next = x_after, e_after, p_after
+            x_after, e_after, p_after = _project_t_loads(buf_ptr + off, e_ptr + e_off, p_ptr + p_off, cols, col_ok,
+                                                         ranks, k0 + 2 * BLOCK_K, row_end, m, numel, r, PAD_ERROR,
+                                                         BLOCK_K)
+        elif PREFETCH == 1:  # this step's tiles arrived during the last step; the next step's go out now
+            x_raw, e_raw, p_raw = x_next, e_next, p_next
+            x_next, e_next, p_next = _project_t_loads(buf_ptr + off, e_ptr + e_off, p_ptr + p_off, cols, col_ok,
+                                                      ranks, k0 + BLOCK_K, row_end, m, numel, r, PAD_ERROR, BLOCK_K)
+        else:
+            x_raw, e_raw, p_raw = _project_t_loads(buf_ptr + off, e_ptr + e_off, p_ptr + p_off, cols, col_ok, ranks,
+                                                   k0, row_end, m, numel, r, PAD_ERROR, BLOCK_K)
+        x = x_raw.to(tl.float32)  # [BLOCK_K, BLOCK_M]
         if PAD_ERROR:
-            x += tl.load(e_ptr + e_off + lin, mask=inside & (lin >= numel), other=0.0).to(tl.float32)
-        p_mask = row_ok[:, None] & (ranks[None, :] < r)
-        p = tl.load(p_ptr + p_off + rows[:, None] * r + ranks[None, :], mask=p_mask, other=0.0).to(tl.float32)
+            x += e_raw.to(tl.float32)
+        p = p_raw.to(tl.float32)
         if USE_DOT:
             acc += tl.dot(tl.trans(x), p, input_precision="ieee")
         else:
@@ -155,8 +220,10 @@ def _reduce_splits_kernel(
     HAS_Q2: tl.constexpr,
     R: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr = 1,  # partial sums loaded per step (all in flight at once), added by one tl.sum
 ):
-    """Q_i[cols] = sum over splits s (in order) of the partial sums of project_t: deterministic split-K."""
+    """Q_i[cols] = sum over splits s of the partial sums of project_t: deterministic split-K (SPLIT_BLOCK 1: in
+    order; else blocks of SPLIT_BLOCK splits in order, each summed by ``tl.sum``'s fixed tree)."""
     pid = tl.program_id(0)
     mat = tl.load(tiles_ptr + 4 * pid).to(tl.int64)
     col0 = tl.load(tiles_ptr + 4 * pid + 1).to(tl.int64)
@@ -168,8 +235,15 @@ def _reduce_splits_kernel(
     mask = (cols < m)[:, None] & (ranks[None, :] < r)
     local = cols[:, None] * r + ranks[None, :]
     acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-    for s in loop_range(0, nsplit):
-        acc += tl.load(ws_ptr + ws_off + s * m * r + local, mask=mask, other=0.0)
+    if SPLIT_BLOCK == 1:
+        for s in loop_range(0, nsplit):
+            acc += tl.load(ws_ptr + ws_off + s * m * r + local, mask=mask, other=0.0)
+    else:
+        splits = tl.arange(0, SPLIT_BLOCK).to(tl.int64)
+        for s0 in loop_range(0, nsplit, SPLIT_BLOCK):
+            s = s0 + splits
+            ptrs = ws_ptr + ws_off + s[:, None, None] * m * r + local[None, :, :]
+            acc += tl.sum(tl.load(ptrs, mask=(s < nsplit)[:, None, None] & mask[None, :, :], other=0.0), axis=0)
     tl.store(q_ptr + q_off + local, _cast_for_store(acc, q_ptr), mask=mask)
     if HAS_Q2:
         tl.store(q2_ptr + q_off + local, _cast_for_store(acc, q2_ptr), mask=mask)

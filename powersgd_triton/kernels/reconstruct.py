@@ -34,6 +34,35 @@ def _outer(a, b, USE_DOT: tl.constexpr):
 
 
 @triton.jit
+def _reconstruct_loads(m_ptr, e_ptr, q_ptr, lf_ptr, rows, row_ok, ranks, rank_ok, k0, c_end, m, numel, r,
+                       HAS_ERROR: tl.constexpr, PAD_ERROR: tl.constexpr, LOCAL_ERR: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """The tiles one reconstruct step reads at columns ``k0:k0 + BLOCK_K`` (masked past ``c_end``), as stored:
+    Q's ``[k, R]``, the local Q (``LOCAL_ERR == 2``), M's ``[rows, k]`` (``HAS_ERROR``) and the padding's error
+    (``PAD_ERROR``); zeros for the ones the variant does not read."""
+    cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+    col_ok = cols < c_end
+    q_mask = col_ok[:, None] & rank_ok[None, :]
+    q = tl.load(q_ptr + cols[:, None] * r + ranks[None, :], mask=q_mask, other=0.0)
+    if LOCAL_ERR == 2 and HAS_ERROR:
+        q_loc = tl.load(lf_ptr + cols[:, None] * r + ranks[None, :], mask=q_mask, other=0.0)
+    else:
+        q_loc = tl.zeros((1, 1), dtype=tl.float32)
+    if HAS_ERROR:
+        lin = rows[:, None] * m + cols[None, :]
+        inside = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(m_ptr + lin, mask=inside & (lin < numel), other=0.0)
+        if PAD_ERROR:
+            e = tl.load(e_ptr + lin, mask=inside & (lin >= numel), other=0.0)
+        else:
+            e = tl.zeros((1, 1), dtype=tl.float32)
+    else:
+        x = tl.zeros((1, 1), dtype=tl.float32)
+        e = tl.zeros((1, 1), dtype=tl.float32)
+    return q, q_loc, x, e
+
+
+@triton.jit
 def _reconstruct_kernel(
     buf_ptr,  # bucket buffer, M_i row-major n x m at buf_ptr + off (overwritten with the approximation)
     p_ptr,  # flat P (float32), P_i row-major n x r
@@ -56,6 +85,7 @@ def _reconstruct_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,  # 1: the next step's tiles are loaded before this step's arithmetic
 ):
     pid = tl.program_id(0)
     mat = tl.load(tiles_ptr + 4 * pid).to(tl.int64)
@@ -87,11 +117,24 @@ def _reconstruct_kernel(
         else:
             mine = fresh * (row0 == 0).to(tl.int32)
             commit_q = (tl.zeros((BLOCK_K, R), dtype=tl.int32) + mine) != 0
+    if PREFETCH:
+        q_next, ql_next, m_next, e_next = _reconstruct_loads(
+            buf_ptr + off, e_ptr + e_off, q_ptr + q_off, lf_ptr + q_off, rows, row_ok, ranks, rank_ok, c_begin, c_end,
+            m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
     for k0 in loop_range(c_begin, c_end, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         col_ok = cols < c_end
         q_mask = col_ok[:, None] & rank_ok[None, :]
-        q_raw = tl.load(q_ptr + q_off + cols[:, None] * r + ranks[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        if PREFETCH:  # this step's tiles arrived during the last step; the next step's go out now
+            q_in, ql_in, m_in, e_in = q_next, ql_next, m_next, e_next
+            q_next, ql_next, m_next, e_next = _reconstruct_loads(
+                buf_ptr + off, e_ptr + e_off, q_ptr + q_off, lf_ptr + q_off, rows, row_ok, ranks, rank_ok,
+                k0 + BLOCK_K, c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+        else:
+            q_in, ql_in, m_in, e_in = _reconstruct_loads(
+                buf_ptr + off, e_ptr + e_off, q_ptr + q_off, lf_ptr + q_off, rows, row_ok, ranks, rank_ok, k0, c_end,
+                m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+        q_raw = q_in.to(tl.float32)
         if COMMIT == 2:
             tl.store(kept_ptr + q_off + cols[:, None] * r + ranks[None, :], _cast_for_store(q_raw, kept_ptr),
                      mask=q_mask & commit_q)
@@ -100,17 +143,16 @@ def _reconstruct_kernel(
         inside = row_ok[:, None] & col_ok[None, :]
         mask = inside & (lin < numel)
         if HAS_ERROR:
-            before = tl.load(buf_ptr + off + lin, mask=mask, other=0.0).to(tl.float32)
+            before = m_in.to(tl.float32)
             if PAD_ERROR:  # the padding's M + E is its error memory (the bucket holds no padding)
-                before += tl.load(e_ptr + e_off + lin, mask=inside & (lin >= numel), other=0.0).to(tl.float32)
+                before += e_in.to(tl.float32)
                 e_mask = inside & keep
             else:
                 e_mask = mask & keep
             if LOCAL_ERR == 1:
                 approx_e = _outer(p_loc, q_raw, USE_DOT)
             elif LOCAL_ERR == 2:
-                q_loc = tl.load(lf_ptr + q_off + cols[:, None] * r + ranks[None, :], mask=q_mask, other=0.0)
-                approx_e = _outer(p, q_loc.to(tl.float32), USE_DOT)
+                approx_e = _outer(p, ql_in.to(tl.float32), USE_DOT)
             else:
                 approx_e = approx
             tl.store(e_ptr + e_off + lin, _cast_for_store(before - approx_e, e_ptr), mask=e_mask)

@@ -61,6 +61,13 @@ BROADCAST_ELEMENTS_PER_THREAD = 16
 TILE_ELEMENTS_PER_THREAD = 8
 # The tile plans aim at this many programs per SM (>= 2: while one program waits for memory another issues loads).
 PROGRAMS_PER_SM = 2
+# Columns per step of project (its programs walk whole rows: a long row is a long loop; 128 columns per step keeps
+# ResNet-50's 4608-column layers at 36 steps).
+PROJECT_BLOCK_K = 128
+# project_t's row splits aim at this many programs per SM: its tiles are small (the [rows, columns, R] accumulator
+# takes R registers per loaded element), so more of them must be resident to keep enough bytes in flight; each
+# split adds m x r float32 of workspace (written, then read by reduce_splits).
+PROJECT_T_PROGRAMS_PER_SM = 6
 # SM count used for plans when the device has none to ask (CPU, interpreter): 1 keeps interpreted grids small. The
 # GPU's own count is read from CUDA (132 on H100/H200).
 DEFAULT_NUM_SMS = 1
@@ -89,11 +96,15 @@ def _tile_key(kernel: str) -> str:
 
 # Candidate (tile, BLOCK_K) pairs of the broadcast path, filtered per rank by the register budget.
 _BROADCAST_TILES = {
-    "project": [(4, 64), (4, 128), (8, 16), (8, 32), (8, 64), (8, 128), (16, 16), (16, 32), (16, 64), (32, 32)],
+    "project": [(2, 128), (4, 64), (4, 128), (8, 16), (8, 32), (8, 64), (8, 128), (16, 16), (16, 32), (16, 64),
+                (32, 32)],
     "reconstruct": [(4, 64), (4, 128), (8, 16), (8, 32), (8, 64), (16, 16), (16, 32), (16, 64), (32, 32)],
     "project_t": [(32, 4), (32, 8), (32, 16), (64, 2), (64, 4), (64, 8), (64, 16), (128, 4), (128, 8)],
 }
 _DOT_TILES = [(16, 32), (16, 64), (32, 32), (64, 32)]
+# (num_stages, PREFETCH) of the broadcast candidates: Triton's pipeliner leaves these loops alone (it pipelines the
+# loads that feed tl.dot), so the loads of later steps are put in flight by the kernels' own register prefetch.
+_DEPTHS = [(1, 0), (2, 0), (3, 0), (1, 1), (1, 2)]
 
 
 def device_sms(device) -> int:
@@ -110,7 +121,9 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     Broadcast-multiply tiles are kept while ``tile * BLOCK_K * R <= 16 * 32 * num_warps`` (16 accumulator elements
     per thread) and ``tile * BLOCK_K <= 8 * 32 * num_warps``; ``tl.dot`` tiles are offered from
     rank 8 on (below that, padding r to 16 only multiplies the FMAs).
-    Every tile comes with ``num_stages`` 1, 2 and 3 (software pipelining of the loads of the next iterations).
+    Every broadcast tile comes with ``num_stages`` 1, 2 and 3, and with ``PREFETCH`` 1 and 2 (the kernel loads the
+    tiles of the next one or two loop steps before this step's arithmetic: 2 or 3 steps of loads in flight); every
+    ``tl.dot`` tile with ``num_stages`` 1, 2 and 3 (Triton's software pipelining of the loads feeding the dot).
     Orthogonalize: the heuristics of every rank at 8 and 4 warps whose float64 tile fits (:func:`_ortho_configs`).
     The row or column splits are not part of a config: they are planned per bucket from the GPU's SM count.
     Raises ``ValueError`` for an unknown kernel name.
@@ -122,10 +135,11 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     tile = _tile_key(kernel)
     out = []
     r = padded_rank(max_rank)
-    for (bt, bk), warps, stages in itertools.product(_BROADCAST_TILES[kernel], (4, 8), (1, 2, 3)):
+    for (bt, bk), warps, (stages, prefetch) in itertools.product(_BROADCAST_TILES[kernel], (4, 8), _DEPTHS):
         if bt * bk * r > BROADCAST_ELEMENTS_PER_THREAD * 32 * warps or bt * bk > TILE_ELEMENTS_PER_THREAD * 32 * warps:
             continue
-        out.append({tile: bt, "BLOCK_K": bk, "USE_DOT": False, "num_warps": warps, "num_stages": stages})
+        cfg = {tile: bt, "BLOCK_K": bk, "USE_DOT": False, "num_warps": warps, "num_stages": stages}
+        out.append(dict(cfg, PREFETCH=prefetch) if prefetch else cfg)
     if max_rank >= 8:
         for (bt, bk), stages in itertools.product(_DOT_TILES, (1, 2, 3)):
             if kernel == "project_t":
@@ -150,11 +164,14 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
                      num_sms: Optional[int] = None) -> dict:
     """Untuned default for ``kernel``: the interpreter config under TRITON_INTERPRET=1, else a GPU heuristic.
 
-    GPU heuristic: rank <= 8 broadcast multiply with 32 accumulator elements per thread (no spills, <= 128 registers
-    on sm_90), ``tl.dot`` tiles of 16 rows from rank 16 on, ``num_stages=2`` (the next tile's loads in flight).
-    ``project`` takes 16-row blocks, or 8 when that is what gives ``PROGRAMS_PER_SM`` programs per SM on ``layout``
-    (``num_sms``: the GPU's SM count; 132, an H100/H200, when not given); the other kernels' splits are planned at
-    launch from the SM count (:func:`split_rows`, :func:`split_cols`, :func:`plan`).
+    GPU heuristic (sized with :mod:`powersgd_triton.perfmodel` for an H100/H200): rank <= 8 broadcast multiply with
+    16 accumulator elements per thread (no spills, <= 128 registers on sm_90) and the kernels' register prefetch
+    (``PREFETCH`` 1, project_t 2 from rank 4 on, reconstruct none at rank 8: Triton does not pipeline these
+    loops); ``project`` walks whole
+    rows, so it takes ``PROJECT_BLOCK_K`` columns per step and as many rows as the budget allows (8 rows at rank
+    <= 2, 4 at rank 4, 2 at rank 8). ``tl.dot`` tiles from rank 16 on, software-pipelined (``num_stages`` 3;
+    project at rank 32: 32 columns, 2 stages, no spills). The row and column splits are planned at launch from the
+    SM count (:func:`split_rows`, :func:`split_cols`, :func:`plan`); ``num_sms`` is kept for the signature.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
@@ -166,22 +183,24 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
     r = padded_rank(max_rank)
     if r >= MIN_DOT_RANK:
         if kernel == "project_t":
-            return dict(BLOCK_M=32, BLOCK_K=16, USE_DOT=True, num_warps=4, num_stages=2)
+            return dict(BLOCK_M=32, BLOCK_K=32, USE_DOT=True, num_warps=4, num_stages=3)
+        if kernel == "project" and r <= 16:  # 64 columns per step: 188 registers, no spills (sm_90); 128 spill
+            return {"BLOCK_N": 16, "BLOCK_K": 64, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
         return {"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": True, "num_warps": 4, "num_stages": 2}
     budget = BROADCAST_ELEMENTS_PER_THREAD * 32 * 4  # accumulator / product elements per program (4 warps)
     tile_max = TILE_ELEMENTS_PER_THREAD * 32 * 4
     if kernel == "project_t":
         bk = max(2, min(tile_max // 64, budget // (64 * r)))
-        return dict(BLOCK_M=64, BLOCK_K=bk, USE_DOT=False, num_warps=4, num_stages=2)
-    if num_sms is None:
-        num_sms = 132
-    bn = 16
+        return dict(BLOCK_M=64, BLOCK_K=bk, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=1 if r <= 2 else 2)
     if kernel == "project":
-        rows = _rows_total(layout, kernel, 16)
-        if rows is not None and rows < PROGRAMS_PER_SM * num_sms:
-            bn = 8
+        bn = max(1, min(tile_max, budget // r) // PROJECT_BLOCK_K)
+        return {"BLOCK_N": bn, "BLOCK_K": PROJECT_BLOCK_K, "USE_DOT": False, "num_warps": 4, "num_stages": 1,
+                "PREFETCH": 1}
+    bn = 16
     bk = max(16, min(tile_max // bn, budget // (bn * r)))
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False, "num_warps": 4, "num_stages": 2}
+    if r >= 8:  # a prefetched 16 x 16 tile at rank 8 spills 8 bytes (sm_90): no prefetch there
+        return {"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False, "num_warps": 4, "num_stages": 1, "PREFETCH": 1}
 
 
 def _resolve(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional[dict]) -> dict:
@@ -210,7 +229,7 @@ def split_rows(layout: BucketLayout, cfg: dict, num_sms: int) -> int:
         return int(cfg["SPLIT_ROWS"])
     bm = cfg["BLOCK_M"]
     tiles = sum(-(-s.m // bm) for s in layout.matrices)
-    target = PROGRAMS_PER_SM * num_sms
+    target = PROJECT_T_PROGRAMS_PER_SM * num_sms
     work = sum(s.n * -(-s.m // bm) for s in layout.matrices)  # rows walked by all column tiles
     tallest = max(s.n for s in layout.matrices)
     if tiles >= target and tallest * tiles <= 2 * work:  # enough programs and no matrix much longer than the rest
@@ -230,6 +249,15 @@ def split_cols(layout: BucketLayout, cfg: dict, num_sms: int) -> int:
     if tiles >= target and widest * tiles <= 2 * work:
         return 0
     return _pow2_split(work / target, cfg["BLOCK_K"], widest)
+
+
+def reduce_split_block(block_m: int, R: int) -> int:
+    """Partial sums of project_t that ``reduce_splits`` loads per step (all in flight at once): 16 float32
+    elements per thread of 4 warps (``[SPLIT_BLOCK, BLOCK_M, R]``), at most 16, at least 1 (a power of two)."""
+    sb = 1
+    while sb < 16 and 2 * sb * block_m * R <= BROADCAST_ELEMENTS_PER_THREAD * 32 * 4:
+        sb *= 2
+    return sb
 
 
 def _factor_rank(layout: BucketLayout, cfg: dict) -> int:
@@ -266,8 +294,9 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         R = _factor_rank(layout, cfg)
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
         err = variant.get("HAS_ERROR", True)
-        programs = sum(-(-s.n // bn) for s in mats)
-        return [dict(base, kernel="project", programs=programs, iterations=max(-(-s.m // bk) for s in mats),
+        per = [-(-s.m // bk) for s in mats for _ in range(-(-s.n // bn))]  # tile-table order
+        programs = len(per)
+        return [dict(base, kernel="project", programs=programs, iterations=max(per), program_iterations=per,
                      bytes_read=mn * es + (4 * e_numel if err else 0) + q4,
                      bytes_written=(mn * es if err else 0) + p4 * (2 if variant.get("HAS_P2") else 1),
                      flops=2 * R * sum(s.n * s.m for s in mats),
@@ -276,22 +305,27 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         R = _factor_rank(layout, cfg)
         bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
         split = split_rows(layout, cfg, num_sms)
-        programs, iters, ws, red = 0, 0, 0, 0
-        for s in mats:
+        per, ws, red, red_per = [], 0, 0, []
+        for s in mats:  # column_tiles' order: per column tile, its row splits
             ns = -(-s.n // split) if split and s.n > split else 1
             ct = -(-s.m // bm)
-            programs += ct * ns
-            iters = max(iters, -(-min(s.n, split or s.n) // bk))
+            for _ in range(ct):
+                per += [-(-(min(s.n, (k + 1) * split) - k * split) // bk) for k in range(ns)] if ns > 1 else [
+                    -(-s.n // bk)]
             if ns > 1:
                 ws += ns * s.m * s.rank * 4
                 red += ct
-        out = [dict(base, kernel="project_t", programs=programs, iterations=iters,
+                red_per += [ns] * ct
+        programs, iters = len(per), max(per)
+        out = [dict(base, kernel="project_t", programs=programs, iterations=iters, program_iterations=per,
                     bytes_read=mn * es + p4, bytes_written=q4 + ws,
                     flops=2 * R * sum(s.n * s.m for s in mats),
                     l2_bytes=sum(-(-s.m // bm) * s.n * s.rank * 4 for s in mats), split_rows=split)]
         if red:
-            out.append(dict(base, kernel="reduce_splits", programs=red, iterations=max(
-                -(-s.n // split) for s in mats if split and s.n > split), bytes_read=ws, bytes_written=q4,
+            sb = reduce_split_block(bm, R)
+            red_per = [-(-ns // sb) for ns in red_per]
+            out.append(dict(base, kernel="reduce_splits", programs=red, iterations=max(red_per),
+                            program_iterations=red_per, bytes_read=ws, bytes_written=q4,
                 flops=0, l2_bytes=0))
         return out
     if kernel == "reconstruct":
@@ -299,11 +333,14 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
         split = split_cols(layout, cfg, num_sms)
         err = variant.get("HAS_ERROR", True)
-        programs = sum(-(-s.n // bn) * (-(-s.m // split) if split else 1) for s in mats)
-        iters = max(-(-min(s.m, split or s.m) // bk) for s in mats)
+        per = []
+        for s in mats:  # row_tiles' order: per row block, its column ranges
+            chunk = split if 0 < split < s.m else s.m
+            per += [-(-(min(s.m, c + chunk) - c) // bk) for c in range(0, s.m, chunk)] * -(-s.n // bn)
+        programs, iters = len(per), max(per)
         commit = {1: p4, 2: q4}.get(variant.get("COMMIT", 0), 0)
         local = {1: p4, 2: q4}.get(variant.get("LOCAL_ERR", 0), 0)
-        return [dict(base, kernel="reconstruct", programs=programs, iterations=iters,
+        return [dict(base, kernel="reconstruct", programs=programs, iterations=iters, program_iterations=per,
                      bytes_read=p4 + q4 + local + ((mn * es + (e_numel - mn) * 4) if err else 0),
                      bytes_written=mn * es + (4 * e_numel if err else 0) + commit,
                      flops=2 * R * sum(s.n * s.m for s in mats) * (2 if local else 1),
@@ -331,7 +368,8 @@ def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, config: 
     _project_kernel[(tiles.shape[0],)](
         buffer, q, p, p2 if p2 is not None else p, error if error is not None else p, layout.table, tiles,
         HAS_ERROR=error is not None, PAD_ERROR=layout.batched and error is not None, HAS_P2=p2 is not None,
-        R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"], **_launch_options(cfg),
+        R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0),
+        **_launch_options(cfg),
     )
 
 
@@ -348,12 +386,12 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, config
     _project_t_kernel[(tiles.shape[0],)](
         buffer, p, q, q2 if q2 is not None else q, error if pad else p, ws, layout.table, tiles,
         PAD_ERROR=pad, HAS_Q2=q2 is not None, R=R, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
-        USE_DOT=cfg["USE_DOT"], **_launch_options(cfg),
+        USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0), **_launch_options(cfg),
     )
     if reduce_tiles is not None:
         _reduce_splits_kernel[(reduce_tiles.shape[0],)](
             ws, q, q2 if q2 is not None else q, layout.table, reduce_tiles, HAS_Q2=q2 is not None, R=R,
-            BLOCK_M=cfg["BLOCK_M"], num_warps=4, num_stages=1,
+            BLOCK_M=cfg["BLOCK_M"], SPLIT_BLOCK=reduce_split_block(cfg["BLOCK_M"], R), num_warps=4, num_stages=1,
         )
 
 
@@ -617,7 +655,7 @@ def reconstruct(
         layout.table, tiles, n_flags, float(scale),
         HAS_ERROR=error is not None, HAS_FLAG=update_error is not None, LOCAL_ERR=local_err,
         PAD_ERROR=layout.batched and error is not None, COMMIT=commit_mode,
-        R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"],
+        R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0),
         **_launch_options(cfg),
     )
 
@@ -697,7 +735,8 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
         c.update(ROWS_COL=variant.get("ROWS_COL", 1), OFF_COL=variant.get("OFF_COL", 5))
         return c
     if kernel == "reduce_splits":
-        c.update(BLOCK_M=config["BLOCK_M"], HAS_Q2=variant.get("HAS_Q2", False))
+        c.update(BLOCK_M=config["BLOCK_M"], HAS_Q2=variant.get("HAS_Q2", False),
+                 SPLIT_BLOCK=reduce_split_block(config["BLOCK_M"], c["R"]))
         return c
     if kernel == "copy_segments":
         return {"BLOCK": SEGMENT_BLOCK}
@@ -706,6 +745,7 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
     if kernel == "commit_factor":
         return {"BLOCK": 256, "ROWS_COL": variant.get("ROWS_COL", 2), "OFF_COL": variant.get("OFF_COL", 6)}
     c.update({k: config[k] for k in (_tile_key(kernel), "BLOCK_K", "USE_DOT")})
+    c["PREFETCH"] = config.get("PREFETCH", 0)
     c["PAD_ERROR"] = variant.get("PAD_ERROR", False)
     if kernel == "project":
         c["HAS_ERROR"] = variant.get("HAS_ERROR", True)
