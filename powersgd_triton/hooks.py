@@ -64,6 +64,20 @@ def _allreduce_average(group, world_size: int, buffer: torch.Tensor) -> torch.fu
     return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+def _allreduce_factor(state: PowerSGDState, factor: torch.Tensor, buffer: torch.Tensor, group) -> torch.futures.Future:
+    """Sum-all-reduce of a packed factor (P or Q, the memory's float32), in ``state.communication_dtype`` (default:
+    the bucket's dtype): one cast of the whole packed buffer before the all-reduce, one copy back into ``factor``
+    after it (no per-matrix work). The cast rounds to nearest and overflows to inf, never to a finite wrong value:
+    such a step is non-finite (its memory is kept, GradScaler skips it). The future completes when ``factor`` holds
+    the sum."""
+    wire = state._wire_dtype(buffer, factor.dtype)
+    if wire is None:
+        return dist.all_reduce(factor, group=group, async_op=True).get_future()
+    sent = factor.to(wire)
+    fut = dist.all_reduce(sent, group=group, async_op=True).get_future()
+    return fut.then(lambda f: factor.copy_(f.value()[0]))
+
+
 class _Step:
     """One compressed step of one bucket; the methods are the pieces between two all-reduces.
 
@@ -75,7 +89,7 @@ class _Step:
     """
 
     __slots__ = ("state", "mem", "layout", "buffer", "group", "world_size", "unc", "packed", "unc_work", "backend",
-                 "eps")
+                 "eps", "loss_scale")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int):
         self.state = state
@@ -86,6 +100,8 @@ class _Step:
         self.world_size = world_size
         self.backend = mem.backend
         self.eps = float(state.orthogonalization_epsilon)
+        # error memory in unscaled units (state.grad_scaler): the scale of this step's gradients, a device tensor
+        self.loss_scale = state._loss_scale(buffer) if mem.error is not None else None
         self.unc = None
         self.packed = None
         self.unc_work = None
@@ -115,14 +131,16 @@ class _Step:
         ops.orthogonalize(
             mem.q, layout, "q", self.eps, out=mem.q_work, backend=self.backend, config=mem.config("orthogonalize")
         )
-        ops.project(self.buffer, layout, mem.q_work, mem.p, mem.error, backend=self.backend, config=mem.config("project"))
+        ops.project(self.buffer, layout, mem.q_work, mem.p, mem.error, loss_scale=self.loss_scale,
+                    backend=self.backend, config=mem.config("project"))
 
     def compute_q(self) -> None:
         """Orthogonalize the all-reduced P; ``Q = (M + E)ᵀ·P`` into ``q_work``."""
         mem, layout = self.mem, self.layout
         ops.orthogonalize(mem.p, layout, "p", self.eps, backend=self.backend, config=mem.config("orthogonalize"))
         ops.project_t(self.buffer, layout, mem.p, mem.q_work, error=mem.error if layout.batched else None,
-                      backend=self.backend, config=mem.config("project_t"))
+                      loss_scale=self.loss_scale if layout.batched else None, backend=self.backend,
+                      config=mem.config("project_t"))
 
     def finish(self) -> torch.Tensor:
         """Average, reconstruct, update the memory where the step is finite; the bucket buffer is the output."""
@@ -148,6 +166,7 @@ class _Step:
             flags if keep_memory else None,
             # keep Q per matrix where the step is finite and Q is not all zero
             commit=("q", mem.q) if state.warm_start else None,
+            loss_scale=self.loss_scale,
             backend=self.backend,
             config=mem.config("reconstruct"),
         )
@@ -271,14 +290,14 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
 
         def after_p(fut):
             step.compute_q()
-            return dist.all_reduce(mem.q_work, group=group, async_op=True).get_future().wait()[0]
+            return _allreduce_factor(state, mem.q_work, buffer, group).wait()
 
-        p_fut = dist.all_reduce(mem.p, group=group, async_op=True).get_future()
+        p_fut = _allreduce_factor(state, mem.p, buffer, group)
         return p_fut.then(after_p).then(lambda fut: finish())
 
-    dist.all_reduce(mem.p, group=group, async_op=True).wait()
+    _allreduce_factor(state, mem.p, buffer, group).wait()
     step.compute_q()
-    dist.all_reduce(mem.q_work, group=group, async_op=True).wait()
+    _allreduce_factor(state, mem.q_work, buffer, group).wait()
     return _completed(finish())
 
 

@@ -33,6 +33,7 @@ def _project_kernel(
     e_ptr,  # flat error memory (float32), E_i row-major n x m at e_ptr + e_off (unused unless HAS_ERROR)
     table_ptr,  # int64 [L, 8] layout table
     tiles_ptr,  # int32 [T, 2] (matrix, first row)
+    ls_ptr,  # float32 [1] loss scale s (LOSS_SCALE: the error memory is unscaled, M + s·E is used)
     HAS_ERROR: tl.constexpr,
     PAD_ERROR: tl.constexpr,  # batched view: the padding (flat index >= numel) has error memory too
     HAS_P2: tl.constexpr,
@@ -40,8 +41,10 @@ def _project_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
+    LOSS_SCALE: tl.constexpr = False,
 ):
-    """P_i[rows] = (M_i + E_i)[rows] · Q_i for one tile of BLOCK_N rows; writes M_i + E_i back if HAS_ERROR."""
+    """P_i[rows] = (M_i + E_i)[rows] · Q_i for one tile of BLOCK_N rows; writes M_i + E_i back if HAS_ERROR
+    (``M_i + s·E_i`` with LOSS_SCALE)."""
     pid = tl.program_id(0)
     mat = tl.load(tiles_ptr + 2 * pid).to(tl.int64)
     row0 = tl.load(tiles_ptr + 2 * pid + 1).to(tl.int64)
@@ -63,9 +66,12 @@ def _project_kernel(
         x = tl.load(buf_ptr + off + lin, mask=mask, other=0.0).to(tl.float32)
         if HAS_ERROR:
             if PAD_ERROR:
-                x += tl.load(e_ptr + e_off + lin, mask=inside, other=0.0).to(tl.float32)
+                e = tl.load(e_ptr + e_off + lin, mask=inside, other=0.0).to(tl.float32)
             else:
-                x += tl.load(e_ptr + e_off + lin, mask=mask, other=0.0).to(tl.float32)
+                e = tl.load(e_ptr + e_off + lin, mask=mask, other=0.0).to(tl.float32)
+            if LOSS_SCALE:
+                e = e * tl.load(ls_ptr)
+            x += e
             tl.store(buf_ptr + off + lin, _cast_for_store(x, buf_ptr), mask=mask)
         q_mask = col_ok[:, None] & (ranks[None, :] < r)
         q = tl.load(q_ptr + q_off + cols[:, None] * r + ranks[None, :], mask=q_mask, other=0.0).to(tl.float32)
@@ -92,12 +98,14 @@ def _project_t_kernel(
     ws_ptr,  # float32 workspace for partial sums of split matrices
     table_ptr,  # int64 [L, 8] layout table
     tiles_ptr,  # int32 [T, 5] (matrix, first column, first row, end row, workspace offset or -1: write Q)
+    ls_ptr,  # float32 [1] loss scale s (LOSS_SCALE: the padding's M + E is s·E)
     PAD_ERROR: tl.constexpr,
     HAS_Q2: tl.constexpr,
     R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
+    LOSS_SCALE: tl.constexpr = False,
 ):
     """Q_i[cols] = M_i[rows, cols]ᵀ · P_i[rows] for one tile of BLOCK_M columns and one row range.
 
@@ -126,7 +134,10 @@ def _project_t_kernel(
         inside = row_ok[:, None] & col_ok[None, :]
         x = tl.load(buf_ptr + off + lin, mask=inside & (lin < numel), other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_M]
         if PAD_ERROR:
-            x += tl.load(e_ptr + e_off + lin, mask=inside & (lin >= numel), other=0.0).to(tl.float32)
+            e = tl.load(e_ptr + e_off + lin, mask=inside & (lin >= numel), other=0.0).to(tl.float32)
+            if LOSS_SCALE:
+                e = e * tl.load(ls_ptr)
+            x += e
         p_mask = row_ok[:, None] & (ranks[None, :] < r)
         p = tl.load(p_ptr + p_off + rows[:, None] * r + ranks[None, :], mask=p_mask, other=0.0).to(tl.float32)
         if USE_DOT:

@@ -45,6 +45,7 @@ def _reconstruct_kernel(
     first_ptr,  # int32 [L + 1]: flags of matrix i are first[i]:first[i + 1] (COMMIT)
     table_ptr,  # int64 [L, 8] layout table
     tiles_ptr,  # int32 [T, 4] (matrix, first row, first column, end column)
+    ls_ptr,  # float32 [1] loss scale s (LOSS_SCALE: E is stored divided by s, the padding's M + E is s·E)
     n_flags,  # number of flags
     scale,  # float32 factor applied to Q (1 / world size, or 1 when Q was averaged already)
     HAS_ERROR: tl.constexpr,
@@ -56,6 +57,7 @@ def _reconstruct_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
+    LOSS_SCALE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     mat = tl.load(tiles_ptr + 4 * pid).to(tl.int64)
@@ -102,7 +104,10 @@ def _reconstruct_kernel(
         if HAS_ERROR:
             before = tl.load(buf_ptr + off + lin, mask=mask, other=0.0).to(tl.float32)
             if PAD_ERROR:  # the padding's M + E is its error memory (the bucket holds no padding)
-                before += tl.load(e_ptr + e_off + lin, mask=inside & (lin >= numel), other=0.0).to(tl.float32)
+                e_pad = tl.load(e_ptr + e_off + lin, mask=inside & (lin >= numel), other=0.0).to(tl.float32)
+                if LOSS_SCALE:
+                    e_pad = e_pad * tl.load(ls_ptr)
+                before += e_pad
                 e_mask = inside & keep
             else:
                 e_mask = mask & keep
@@ -113,5 +118,8 @@ def _reconstruct_kernel(
                 approx_e = _outer(p, q_loc.to(tl.float32), USE_DOT)
             else:
                 approx_e = approx
-            tl.store(e_ptr + e_off + lin, _cast_for_store(before - approx_e, e_ptr), mask=e_mask)
+            e_new = before - approx_e
+            if LOSS_SCALE:  # the error memory is kept in unscaled units
+                e_new = e_new / tl.load(ls_ptr)
+            tl.store(e_ptr + e_off + lin, _cast_for_store(e_new, e_ptr), mask=e_mask)
         tl.store(buf_ptr + off + lin, _cast_for_store(approx, buf_ptr), mask=mask)
