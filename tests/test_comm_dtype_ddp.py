@@ -60,7 +60,7 @@ def _batch(step, rank):
     return torch.randn(8, 64, generator=gen), torch.randint(0, 10, (8,), generator=gen)
 
 
-def _run_bytes(hook, state, steps=4):
+def _run_bytes(hook, state, steps=START + 1):
     """(bytes of the last compressed step, its averaged gradients)"""
     ddp = DDP(_mlp(0))
     ddp.register_comm_hook(state, hook)
@@ -78,7 +78,18 @@ def _run_bytes(hook, state, steps=4):
 
 
 def _bytes_worker(rank, world_size, backend):
+    """PyTorch's hook and ours, and the other hooks and communication dtypes (the torch backend; the Triton kernels
+    in the interpreter, slow, run only ours in the fp16 wrapper and with bfloat16 factors: the casts and all-reduces
+    are outside the kernels, the same code for both backends)."""
     out = {}
+    if backend == "triton":
+        for name, wrap, cd in (("fp16", default_hooks.fp16_compress_wrapper, None), ("none", lambda h: h, None),
+                               (str(torch.bfloat16), lambda h: h, torch.bfloat16)):
+            ours = PowerSGDState(None, matrix_approximation_rank=RANK, start_powerSGD_iter=START, backend=backend,
+                                 communication_dtype=cd)
+            out[("ours", name)] = _run_bytes(wrap(powerSGD_hook), ours)
+            out[("ours_layout", name)] = next(iter(ours.buckets.values())).layout
+        return out
     # PyTorch's bf16_compress_wrapper refuses gloo/CPU: ours (the same casts) wraps both hooks there
     wrappers = {"fp16": default_hooks.fp16_compress_wrapper, "bf16": bf16_compress_wrapper,
                 "none": lambda h: h}
@@ -107,6 +118,10 @@ def bytes_results(request, tmp_path_factory):
 
 def test_half_precision_wrappers_send_no_more_than_pytorch(bytes_results):
     res = bytes_results[0]
+    if ("torch", "fp16") not in res:
+        layout = res[("ours_layout", "fp16")]
+        assert res[("ours", "fp16")][0] == 2 * (layout.p_numel + layout.q_numel + layout.uncompressed_numel)
+        return
     layout = res[("ours_layout", "none")]
     unc = layout.uncompressed_numel
     factors = layout.p_numel + layout.q_numel
@@ -125,12 +140,16 @@ def test_communication_dtype_halves_the_factor_bytes_of_fp32_buckets(bytes_resul
     res = bytes_results[0]
     layout = res[("ours_layout", "none")]
     unc, factors = layout.uncompressed_numel, layout.p_numel + layout.q_numel
-    assert res[("torch", "none")][0] == 4 * (factors + unc)
     assert res[("ours", "none")][0] == 4 * (factors + unc)
     for cd in ("torch.bfloat16", "torch.float16"):
+        if ("ours", cd) not in res:  # triton: bfloat16 only
+            continue
         assert res[("ours", cd)][0] == 2 * factors + 4 * unc  # the uncompressed gradients stay in the bucket dtype
         g, g32 = res[("ours", cd)][1].double(), res[("ours", "none")][1].double()
         assert 0 < float((g - g32).norm() / g32.norm()) < 5e-2
+    if ("torch", "none") not in res:
+        return
+    assert res[("torch", "none")][0] == 4 * (factors + unc)
     # the alternating hook: one buffer [factor | uncompressed], all of it in the communication dtype
     assert res[("alternating_powerSGD_hook", "torch.bfloat16")][0] * 2 == res[("alternating_powerSGD_hook", "None")][0]
     # the batched hook: P and Q of the one square matrix in bfloat16
@@ -157,18 +176,18 @@ def _overflow_worker(rank, world_size, backend):
     return dict(finite=finite_out, error_kept=torch.equal(mem.error, error), q_kept=torch.equal(mem.q, q))
 
 
-@pytest.mark.parametrize("backend", backend_params())
-def test_fp16_wire_overflow_is_non_finite_and_keeps_memory(tmp_path, backend):
-    for r in run_ranks(_overflow_worker, 2, tmp_path, backend, timeout=230):
+def test_fp16_wire_overflow_is_non_finite_and_keeps_memory(tmp_path):
+    # the torch backend: the cast is outside the kernels; the non-finite-step flags are tested for both backends
+    for r in run_ranks(_overflow_worker, 2, tmp_path, "torch", timeout=230):
         assert r["finite"] == [True, True, True, False]
         assert r["error_kept"] and r["q_kept"]
 
 
 # ------------------------------------------------------------------------------------------------ loss scaling
-SCALE_STEPS = 10
+SCALE_STEPS = 8  # compressed from step 2; scale 1024 for steps 0-4, 512 from step 5
 
 
-def _scaled_run(make_state, hook, scaled):
+def _scaled_run(make_state, hook, scaled, steps=SCALE_STEPS):
     """Unscaled gradients per step: loss scale 1024 for 5 steps, then 512 (``scaled``), or no scaling."""
     rank = dist.get_rank()
     ddp = DDP(_mlp(0))
@@ -176,7 +195,7 @@ def _scaled_run(make_state, hook, scaled):
     state = make_state(scaler)
     ddp.register_comm_hook(state, hook)
     grads = []
-    for step in range(SCALE_STEPS):
+    for step in range(steps):
         ddp.zero_grad()
         x, y = _batch(step, rank)
         loss = nn.functional.cross_entropy(ddp(x), y)
@@ -205,9 +224,12 @@ def _scaler_worker(rank, world_size, backend):
     def rel(a, b):
         return [float((x.double() - y.double()).norm() / y.double().norm()) for x, y in zip(a, b)]
 
+    if backend == "triton":  # the interpreter is slow: the standard hook only, one step after the scale change
+        ref = _scaled_run(ours(False), powerSGD_hook, scaled=False, steps=6)
+        return {"ours": rel(_scaled_run(ours(True), powerSGD_hook, True, steps=6), ref)}
     ref = _scaled_run(ours(False), powerSGD_hook, scaled=False)
-    out = {"ours": rel(_scaled_run(ours(True), powerSGD_hook, True), ref),
-           "ours_without_scaler": rel(_scaled_run(ours(False), powerSGD_hook, True), ref)}
+    out = {"ours": rel(_scaled_run(ours(True), powerSGD_hook, True), ref)}
+    out["ours_without_scaler"] = rel(_scaled_run(ours(False), powerSGD_hook, True), ref)
     torch_ref = _scaled_run(theirs, torch_psgd.powerSGD_hook, scaled=False)
     out["torch"] = rel(_scaled_run(theirs, torch_psgd.powerSGD_hook, True), torch_ref)
     alt_ref = _scaled_run(ours(False), alternating_powerSGD_hook, scaled=False)
@@ -219,6 +241,8 @@ def _scaler_worker(rank, world_size, backend):
 def test_grad_scaler_keeps_error_feedback_in_unscaled_units(tmp_path, backend):
     for r in run_ranks(_scaler_worker, 2, tmp_path, backend, timeout=230):
         assert max(r["ours"]) <= 1e-4, r["ours"]
+        if backend == "triton":
+            continue
         assert max(r["alternating"]) <= 1e-4, r["alternating"]
         # without it the error carried over the scale change is off by the scale ratio: visibly wrong
         assert max(r["torch"][5:]) > 0.1, r["torch"]
