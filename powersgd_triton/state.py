@@ -505,7 +505,8 @@ class PowerSGDState:
         return {i: m.q for i, m in self.buckets.items() if m.q is not None}
 
     # PyTorch's state keeps these constructor arguments as attributes of the same names (not random_seed).
-    _TORCH_ARGUMENTS = tuple(h for h in _HYPERPARAMETERS if h not in ("random_seed", "backend", "autotune"))
+    _TORCH_ARGUMENTS = tuple(h for h in _HYPERPARAMETERS
+                             if h not in ("random_seed", "backend", "autotune", "communication_dtype"))
 
     @classmethod
     def from_torch(cls, torch_state, backend: str = "auto", autotune: bool = False) -> "PowerSGDState":

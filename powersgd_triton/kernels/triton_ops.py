@@ -761,17 +761,21 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
 def variants(kernel: str) -> Iterable[dict]:
     """The feature-flag combinations a kernel is launched with (all are compiled in the AOT test), largest first.
 
-    ``project``: error feedback or not, the alternating hook's second P output, the batched view's padding error.
+    ``project``: error feedback or not, the alternating hook's second P output, the batched view's padding error,
+    the loss scale of unscaled error memory (``LOSS_SCALE``, ``PowerSGDState(grad_scaler=)``; also in
+    ``reconstruct`` and, for the padding error, ``project_t``).
     ``project_t``: plain, with the reducer of split matrices (``split``), second Q output, padding error.
     ``reconstruct``: the standard hooks (error feedback and/or warm-start commit of Q, gated by the step flags), the
     alternating hook's P and Q steps (local error, commit of P or Q), the batched view's padding error.
     """
     if kernel == "project":
-        return [dict(HAS_ERROR=True, HAS_P2=True), dict(HAS_ERROR=True), dict(HAS_ERROR=False),
+        return [dict(HAS_ERROR=True, HAS_P2=True, LOSS_SCALE=True), dict(HAS_ERROR=True, HAS_P2=True),
+                dict(HAS_ERROR=True), dict(HAS_ERROR=False),
                 dict(HAS_ERROR=False, HAS_P2=True), dict(HAS_ERROR=True, PAD_ERROR=True),
                 dict(HAS_ERROR=True, PAD_ERROR=True, LOSS_SCALE=True)]
     if kernel == "reconstruct":
         return [
+            dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=2, COMMIT=2, LOSS_SCALE=True),
             dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=2, COMMIT=2),
             dict(HAS_ERROR=True, HAS_FLAG=True, COMMIT=2),
             dict(HAS_ERROR=True, HAS_FLAG=True),
