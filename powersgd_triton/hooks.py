@@ -12,6 +12,11 @@ A compressed step of one bucket (PowerSGD, Vogels et al. 2019, arXiv 1905.13727,
 3. ``P = (M + E)·Q``, all-reduce P;  4. orthogonalize P;  5. ``Q = (M + E)ᵀ·P``, all-reduce Q, ``Q /= world``;
 6. ``M <- P·Qᵀ`` and ``E <- (M + E) - P·Qᵀ`` in one pass; commit the warm-start Q.
 
+P and Q are all-reduced in ``state.communication_dtype`` (default: the bucket's dtype, as PyTorch's hook): one cast
+of the packed float32 factor before the all-reduce, one copy back after it (:func:`_allreduce_factor`). With
+``state.grad_scaler`` the error memory is unscaled: steps 3 and 6 use ``M + s·E`` and store ``E / s``, ``s`` read
+from the scaler's scale tensor on the device (see :class:`~powersgd_triton.PowerSGDState`).
+
 Step 6's memory updates only happen where the step is finite (all-reduced Q and uncompressed gradients: the step
 flags of :func:`powersgd_triton.ops.average`, device tensors), without any host synchronization: a non-finite step
 yields a non-finite output (GradScaler skips it) and leaves the error memory and the warm-start Q as they were.

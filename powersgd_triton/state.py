@@ -17,7 +17,8 @@ Per bucket index the state keeps a :class:`BucketMemory`:
   uncompressed gradient cancels in the average, PyTorch stores it anyway (a full copy of the bucket); float64 for a
   float64 bucket, like ``p`` and ``q`` (such a bucket is computed in float64, on the torch backend);
 * ``p``: float32 ``P`` (``layout.p_numel``), ``q``: float32 warm-start ``Q`` (``layout.q_numel``), stored as
-  ``Q / world_size`` like PyTorch's ``q_memory_dict``; ``q_work``: the Q of the step in flight, committed to ``q``
+  ``Q / world_size`` like PyTorch's ``q_memory_dict`` (all-reduced in ``communication_dtype``, default the
+  bucket's dtype, through a transient cast; the error is in unscaled units with a ``grad_scaler``); ``q_work``: the Q of the step in flight, committed to ``q``
   only when the step's all-reduced values are finite (no host sync);
 * for :func:`~powersgd_triton.alternating_powerSGD_hook`: ``p`` / ``q`` are the kept factors (the averaged P of
   the last P step, the averaged Q of the last Q step or the initial random Q), ``error`` the local residual, and
@@ -357,8 +358,8 @@ class PowerSGDState:
     as PyTorch draws it): our kernels always process a whole bucket per launch.
 
     Differences from PyTorch's state (all deliberate): error memory only for compressed gradients, in float32;
-    P and Q in float32 (float64 buckets: all three in float64, as PyTorch keeps them); a non-finite step leaves the
-    memory as it was; ``error_dict`` / ``p_memory_dict`` /
+    P and Q kept in float32 (float64 buckets: all three in float64, as PyTorch keeps them), all-reduced in
+    ``communication_dtype`` (default the bucket's dtype, PyTorch's); a non-finite step leaves the memory as it was; ``error_dict`` / ``p_memory_dict`` /
     ``q_memory_dict`` are read-only views of the flat per-bucket buffers.
     """
 
