@@ -90,7 +90,9 @@ class _Step:
     uncompressed gradients (none when they are one range of the bucket or none), 1 orthogonalize of Q, 1 project,
     1 orthogonalize of P, 1 project_t (2 when its plan splits a tall matrix over rows), 1 average (Q and the
     uncompressed gradients divided by the world size, unpacked, step flags) and 1 reconstruct (output, error
-    memory and warm-start Q where the step is finite): 6 to 8 launches whatever the number of matrices.
+    memory and warm-start Q where the step is finite): 6 to 8 launches whatever the number of matrices. When P and Q
+    travel in another dtype than the memory's (``communication_dtype``; by default fp16/bf16 buckets), one cast and
+    one copy back per factor (4 element-wise torch ops per bucket and step, whatever the number of matrices).
     """
 
     __slots__ = ("state", "mem", "layout", "buffer", "group", "world_size", "unc", "packed", "unc_work", "backend",
