@@ -222,6 +222,10 @@ def check_state_dict(state_dict: Any, version: int) -> Dict[str, Any]:
     if rank is not None:
         rank = _int(f"{where}: 'rank'", rank, 0, None if world is None else world - 1)
     out["world_size"], out["rank"] = world, rank
+    unscaled = state_dict.get("unscaled_error", False)  # absent in state dicts saved before grad_scaler existed
+    if not isinstance(unscaled, bool):
+        raise ValueError(f"{where}: 'unscaled_error' must be a bool, got {unscaled!r}")
+    out["unscaled_error"] = unscaled
     buckets = state_dict["buckets"]
     if not isinstance(buckets, dict):
         raise ValueError(f"{where}: 'buckets' must be a dict, got {type(buckets).__name__}")

@@ -23,9 +23,9 @@ in the same all-reduce as the factor: one float32 buffer per bucket, ``comm = [f
 is written straight into ``comm[:F]`` by the projection kernel, the uncompressed gradients into ``comm[F:]`` by one
 gather launch (:func:`powersgd_triton.ops.pack_uncompressed`), ``comm[:F + U]`` is all-reduced, then one launch
 (:func:`powersgd_triton.ops.average`) divides it by the world size and writes the averaged uncompressed gradients
-back. The uncompressed part therefore travels in float32 for float32, float16 and bfloat16 buckets (PyTorch's hook
-all-reduces it in the bucket dtype): twice its bytes for float16/bfloat16 buckets, in one collective instead of two.
-A float64 bucket is computed in float64 (``comm``, the kept factors and the error memory in float64, on the torch
+back. ``comm[:F + U]`` travels in ``state.communication_dtype`` (default: the bucket's dtype, so float16/bfloat16
+buckets send half-precision factors and their uncompressed gradients in their own dtype, as PyTorch's hook does):
+one cast of it before the all-reduce and one copy back after it when that dtype is not ``comm``'s. A float64 bucket is computed in float64 (``comm``, the kept factors and the error memory in float64, on the torch
 backend), so nothing is rounded.
 
 Order of the numeric work (the cheapest correct one found). The local factor is needed after the all-reduce for
@@ -104,6 +104,7 @@ import torch.distributed as dist
 from . import ops
 from .hooks import (
     _allreduce_average,
+    _allreduce_factor,
     _check_state,
     _checked_buffer,
     _completed,
@@ -119,7 +120,7 @@ class _HalfStep:
     """One compressed half-step of one bucket: the work before and after its all-reduce."""
 
     __slots__ = ("state", "mem", "layout", "buffer", "world_size", "backend", "eps", "phase", "factor", "unc", "sent",
-                 "local")
+                 "local", "loss_scale")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, world_size: int):
         layout = mem.layout
@@ -137,6 +138,8 @@ class _HalfStep:
         self.unc = mem.comm[f : f + u]
         self.sent = mem.comm[: f + u]
         self.local = mem.local[:f] if mem.local is not None else None
+        # error memory in unscaled units (state.grad_scaler): the scale of this step's gradients, a device tensor
+        self.loss_scale = state._loss_scale(buffer) if mem.error is not None else None
 
     def compute(self) -> None:
         """This rank's factor into ``comm[:F]`` (and ``local``), the uncompressed gradients into ``comm[F:]``."""
@@ -147,15 +150,15 @@ class _HalfStep:
             ops.orthogonalize(mem.q, layout, "q", self.eps, out=mem.q_work, backend=backend,
                               config=mem.config("orthogonalize"))
             # P_local = (M + E)·Q' into comm and local; the bucket now holds M + E.
-            ops.project(buffer, layout, mem.q_work, self.factor, mem.error, p2=self.local, backend=backend,
-                        config=mem.config("project"))
+            ops.project(buffer, layout, mem.q_work, self.factor, mem.error, p2=self.local,
+                        loss_scale=self.loss_scale, backend=backend, config=mem.config("project"))
         else:
             ops.orthogonalize(mem.p, layout, "p", self.eps, out=mem.p_work, backend=backend,
                               config=mem.config("orthogonalize"))
             if mem.error is not None:
                 # Fold E into the bucket (project_t has no error input); the P it computes is scratch.
-                ops.project(buffer, layout, mem.q, mem.local[: layout.p_numel], mem.error, backend=backend,
-                            config=mem.config("project"))
+                ops.project(buffer, layout, mem.q, mem.local[: layout.p_numel], mem.error,
+                            loss_scale=self.loss_scale, backend=backend, config=mem.config("project"))
             # Q_local = (M + E)ᵀ·P' into comm and local
             ops.project_t(buffer, layout, mem.p_work, self.factor, q2=self.local, backend=backend,
                           config=mem.config("project_t"))
@@ -173,10 +176,10 @@ class _HalfStep:
         kept = (self.phase, mem.p if self.phase == "p" else mem.q)
         if self.phase == "p":
             ops.reconstruct(buffer, layout, self.factor, mem.q_work, 1.0, error, flags, local_p=local, commit=kept,
-                            backend=backend, config=mem.config("reconstruct"))
+                            loss_scale=self.loss_scale, backend=backend, config=mem.config("reconstruct"))
         else:
             ops.reconstruct(buffer, layout, mem.p_work, self.factor, 1.0, error, flags, local_q=local, commit=kept,
-                            backend=backend, config=mem.config("reconstruct"))
+                            loss_scale=self.loss_scale, backend=backend, config=mem.config("reconstruct"))
         return buffer
 
 
@@ -241,8 +244,9 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
     mem.phase = "q" if step.phase == "p" else "p"
     state.maybe_increase_iter(bucket)
 
+    # in state.communication_dtype (default: the bucket's dtype), cast once and copied back once
     if _use_callback_chain(group, buffer):
-        fut = dist.all_reduce(step.sent, group=group, async_op=True).get_future()
+        fut = _allreduce_factor(state, step.sent, buffer, group)
         return fut.then(lambda _: step.finish())
-    dist.all_reduce(step.sent, group=group, async_op=True).wait()
+    _allreduce_factor(state, step.sent, buffer, group).wait()
     return _completed(step.finish())

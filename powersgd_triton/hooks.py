@@ -12,6 +12,11 @@ A compressed step of one bucket (PowerSGD, Vogels et al. 2019, arXiv 1905.13727,
 3. ``P = (M + E)·Q``, all-reduce P;  4. orthogonalize P;  5. ``Q = (M + E)ᵀ·P``, all-reduce Q, ``Q /= world``;
 6. ``M <- P·Qᵀ`` and ``E <- (M + E) - P·Qᵀ`` in one pass; commit the warm-start Q.
 
+P and Q are all-reduced in ``state.communication_dtype`` (default: the bucket's dtype, as PyTorch's hook): one cast
+of the packed float32 factor before the all-reduce, one copy back after it (:func:`_allreduce_factor`). With
+``state.grad_scaler`` the error memory is unscaled: steps 3 and 6 use ``M + s·E`` and store ``E / s``, ``s`` read
+from the scaler's scale tensor on the device (see :class:`~powersgd_triton.PowerSGDState`).
+
 Step 6's memory updates only happen where the step is finite (all-reduced Q and uncompressed gradients: the step
 flags of :func:`powersgd_triton.ops.average`, device tensors), without any host synchronization: a non-finite step
 yields a non-finite output (GradScaler skips it) and leaves the error memory and the warm-start Q as they were.
@@ -64,6 +69,20 @@ def _allreduce_average(group, world_size: int, buffer: torch.Tensor) -> torch.fu
     return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+def _allreduce_factor(state: PowerSGDState, factor: torch.Tensor, buffer: torch.Tensor, group) -> torch.futures.Future:
+    """Sum-all-reduce of a packed factor (P or Q, the memory's float32), in ``state.communication_dtype`` (default:
+    the bucket's dtype): one cast of the whole packed buffer before the all-reduce, one copy back into ``factor``
+    after it (no per-matrix work). The cast rounds to nearest and overflows to inf, never to a finite wrong value:
+    such a step is non-finite (its memory is kept, GradScaler skips it). The future completes when ``factor`` holds
+    the sum."""
+    wire = state._wire_dtype(buffer, factor.dtype)
+    if wire is None:
+        return dist.all_reduce(factor, group=group, async_op=True).get_future()
+    sent = factor.to(wire)
+    fut = dist.all_reduce(sent, group=group, async_op=True).get_future()
+    return fut.then(lambda f: factor.copy_(f.value()[0]))
+
+
 class _Step:
     """One compressed step of one bucket; the methods are the pieces between two all-reduces.
 
@@ -71,11 +90,13 @@ class _Step:
     uncompressed gradients (none when they are one range of the bucket or none), 1 orthogonalize of Q, 1 project,
     1 orthogonalize of P, 1 project_t (2 when its plan splits a tall matrix over rows), 1 average (Q and the
     uncompressed gradients divided by the world size, unpacked, step flags) and 1 reconstruct (output, error
-    memory and warm-start Q where the step is finite): 6 to 8 launches whatever the number of matrices.
+    memory and warm-start Q where the step is finite): 6 to 8 launches whatever the number of matrices. When P and Q
+    travel in another dtype than the memory's (``communication_dtype``; by default fp16/bf16 buckets), one cast and
+    one copy back per factor (4 element-wise torch ops per bucket and step, whatever the number of matrices).
     """
 
     __slots__ = ("state", "mem", "layout", "buffer", "group", "world_size", "unc", "packed", "unc_work", "backend",
-                 "eps")
+                 "eps", "loss_scale")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int):
         self.state = state
@@ -86,6 +107,8 @@ class _Step:
         self.world_size = world_size
         self.backend = mem.backend
         self.eps = float(state.orthogonalization_epsilon)
+        # error memory in unscaled units (state.grad_scaler): the scale of this step's gradients, a device tensor
+        self.loss_scale = state._loss_scale(buffer) if mem.error is not None else None
         self.unc = None
         self.packed = None
         self.unc_work = None
@@ -115,14 +138,16 @@ class _Step:
         ops.orthogonalize(
             mem.q, layout, "q", self.eps, out=mem.q_work, backend=self.backend, config=mem.config("orthogonalize")
         )
-        ops.project(self.buffer, layout, mem.q_work, mem.p, mem.error, backend=self.backend, config=mem.config("project"))
+        ops.project(self.buffer, layout, mem.q_work, mem.p, mem.error, loss_scale=self.loss_scale,
+                    backend=self.backend, config=mem.config("project"))
 
     def compute_q(self) -> None:
         """Orthogonalize the all-reduced P; ``Q = (M + E)ᵀ·P`` into ``q_work``."""
         mem, layout = self.mem, self.layout
         ops.orthogonalize(mem.p, layout, "p", self.eps, backend=self.backend, config=mem.config("orthogonalize"))
         ops.project_t(self.buffer, layout, mem.p, mem.q_work, error=mem.error if layout.batched else None,
-                      backend=self.backend, config=mem.config("project_t"))
+                      loss_scale=self.loss_scale if layout.batched else None, backend=self.backend,
+                      config=mem.config("project_t"))
 
     def finish(self) -> torch.Tensor:
         """Average, reconstruct, update the memory where the step is finite; the bucket buffer is the output."""
@@ -148,6 +173,7 @@ class _Step:
             flags if keep_memory else None,
             # keep Q per matrix where the step is finite and Q is not all zero
             commit=("q", mem.q) if state.warm_start else None,
+            loss_scale=self.loss_scale,
             backend=self.backend,
             config=mem.config("reconstruct"),
         )
@@ -271,14 +297,14 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
 
         def after_p(fut):
             step.compute_q()
-            return dist.all_reduce(mem.q_work, group=group, async_op=True).get_future().wait()[0]
+            return _allreduce_factor(state, mem.q_work, buffer, group).wait()
 
-        p_fut = dist.all_reduce(mem.p, group=group, async_op=True).get_future()
+        p_fut = _allreduce_factor(state, mem.p, buffer, group)
         return p_fut.then(after_p).then(lambda fut: finish())
 
-    dist.all_reduce(mem.p, group=group, async_op=True).wait()
+    _allreduce_factor(state, mem.p, buffer, group).wait()
     step.compute_q()
-    dist.all_reduce(mem.q_work, group=group, async_op=True).wait()
+    _allreduce_factor(state, mem.q_work, buffer, group).wait()
     return _completed(finish())
 
 

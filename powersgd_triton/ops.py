@@ -87,6 +87,17 @@ def _check(name: str, t: Optional[torch.Tensor], numel: int, device: torch.devic
         raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
+def _check_loss_scale(loss_scale: Optional[torch.Tensor], device: torch.device) -> None:
+    """None, or the loss scale of the step's gradients: a one-element float32 tensor on the bucket's device (a
+    ``GradScaler``'s scale tensor), read by the kernels (no host synchronization)."""
+    if loss_scale is None:
+        return
+    if not isinstance(loss_scale, torch.Tensor) or loss_scale.numel() != 1 or loss_scale.dtype != torch.float32:
+        raise ValueError("loss_scale must be a one-element float32 tensor (the GradScaler's scale)")
+    if loss_scale.device != device:
+        raise ValueError(f"loss_scale is on {loss_scale.device}, the bucket buffer on {device}")
+
+
 def _check_buffer(buffer: torch.Tensor, layout: BucketLayout) -> None:
     _check("buffer", buffer, layout.numel, buffer.device)
 
@@ -97,14 +108,20 @@ def _kernels():
     return triton_ops
 
 
-def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, backend: str = "auto", config=None) -> None:
+def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_scale=None, backend: str = "auto",
+            config=None) -> None:
     """Step 1: ``P_i = M_i · Q_i`` for every compressed matrix of the bucket (one launch).
 
     With ``error`` (error feedback, paper Alg. 2), ``M_i + E_i`` is used and written back into ``buffer`` in the same
     pass (for the batched view, the padding's ``M + E`` is its error memory). ``p2`` (flat like ``p``): a second copy
-    of P written by the same launch. ``config`` overrides the autotuned block sizes (Triton backend only).
+    of P written by the same launch. ``loss_scale`` (one-element float32 device tensor ``s``, with ``error``): the
+    error memory is in unscaled units and the gradients scaled by ``s``: ``M_i + s·E_i`` is used (and written back).
+    ``config`` overrides the autotuned block sizes (Triton backend only).
     """
     _check_buffer(buffer, layout)
+    _check_loss_scale(loss_scale, buffer.device)
+    if error is None:
+        loss_scale = None
     _check("q", q, layout.q_numel, buffer.device)
     _check("p", p, layout.p_numel, buffer.device)
     _check("p2", p2, layout.p_numel, buffer.device)
@@ -112,9 +129,9 @@ def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, backend:
     if layout.num_matrices == 0:
         return
     if resolve_backend(backend, buffer) == "triton":
-        _kernels().project(buffer, layout, q, p, error, p2=p2, config=config)
+        _kernels().project(buffer, layout, q, p, error, p2=p2, loss_scale=loss_scale, config=config)
     else:
-        reference.project(buffer, layout, q, p, error, compute_dtype=_compute_dtype(buffer))
+        reference.project(buffer, layout, q, p, error, compute_dtype=_compute_dtype(buffer), loss_scale=loss_scale)
         if p2 is not None:
             p2.copy_(p)
 
@@ -150,14 +167,19 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float = 0.0, out
     return out
 
 
-def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, backend: str = "auto", config=None) -> None:
+def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_scale=None, backend: str = "auto",
+              config=None) -> None:
     """Step 3: ``Q_i = M_iᵀ · P_i`` for every compressed matrix (one launch, two when the plan splits a tall matrix
     over rows; no atomics).
 
     ``error``: only read for the batched view, whose padding's ``M + E`` is its error memory (the bucket holds
-    ``M + E`` already after :func:`project` with the error). ``q2`` (flat like ``q``): a second copy of Q.
+    ``M + E`` already after :func:`project` with the error); ``loss_scale``: that padding's is ``s·E`` (see
+    :func:`project`). ``q2`` (flat like ``q``): a second copy of Q.
     """
     _check_buffer(buffer, layout)
+    _check_loss_scale(loss_scale, buffer.device)
+    if error is None or not layout.batched:
+        loss_scale = None
     _check("p", p, layout.p_numel, buffer.device)
     _check("q", q, layout.q_numel, buffer.device)
     _check("q2", q2, layout.q_numel, buffer.device)
@@ -165,9 +187,10 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, backen
     if layout.num_matrices == 0:
         return
     if resolve_backend(backend, buffer) == "triton":
-        _kernels().project_t(buffer, layout, p, q, error=error, q2=q2, config=config)
+        _kernels().project_t(buffer, layout, p, q, error=error, q2=q2, loss_scale=loss_scale, config=config)
     else:
-        reference.project_t(buffer, layout, p, q, error=error, compute_dtype=_compute_dtype(buffer))
+        reference.project_t(buffer, layout, p, q, error=error, compute_dtype=_compute_dtype(buffer),
+                            loss_scale=loss_scale)
         if q2 is not None:
             q2.copy_(q)
 
@@ -184,6 +207,7 @@ def reconstruct(
     local_p=None,
     local_q=None,
     commit=None,
+    loss_scale=None,
     backend: str = "auto",
     config=None,
 ) -> None:
@@ -197,9 +221,15 @@ def reconstruct(
     ``kept_i <- p_i`` (``which="p"``) or ``q_i`` (``"q"``) for every matrix whose factor is not all zero, where the
     step is finite; needs ``update_error`` from :func:`average` on the same factor (as :func:`commit_factor`, in
     the same launch). Deterministic (no atomics). Padding of the batched view is never stored in the bucket; its
-    error memory is updated like the rest (PyTorch's batched hook).
+    error memory is updated like the rest (PyTorch's batched hook). ``loss_scale`` (one-element float32 device
+    tensor ``s``, with ``error``): the error memory is in unscaled units, ``E_i ← (M_i(before) − P_i·(scale·Q_i)ᵀ)
+    / s`` (``M_i(before)`` holds ``M + s·E`` after :func:`project` with the same ``s``; the batched padding's is
+    ``s·E``); the output stays in the gradients' (scaled) units.
     """
     _check_buffer(buffer, layout)
+    _check_loss_scale(loss_scale, buffer.device)
+    if error is None:
+        loss_scale = None
     _check("p", p, layout.p_numel, buffer.device)
     _check("q", q, layout.q_numel, buffer.device)
     _check("error", error, layout.e_numel, buffer.device)
@@ -229,13 +259,13 @@ def reconstruct(
             flag_tensor, first = flags, None
         _kernels().reconstruct(
             buffer, layout, p, q, float(scale), error, flag_tensor, local_p=local_p, local_q=local_q,
-            commit=commit, first=first, config=config,
+            commit=commit, first=first, loss_scale=loss_scale, config=config,
         )
     else:
         ok = flags.ok if isinstance(flags, StepFlags) else flags
         reference.reconstruct(
             buffer, layout, p, q, float(scale), error, ok, local_p=local_p, local_q=local_q,
-            compute_dtype=_compute_dtype(buffer),
+            compute_dtype=_compute_dtype(buffer), loss_scale=loss_scale,
         )
         if commit is not None:
             which, kept = commit

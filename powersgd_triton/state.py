@@ -17,7 +17,8 @@ Per bucket index the state keeps a :class:`BucketMemory`:
   uncompressed gradient cancels in the average, PyTorch stores it anyway (a full copy of the bucket); float64 for a
   float64 bucket, like ``p`` and ``q`` (such a bucket is computed in float64, on the torch backend);
 * ``p``: float32 ``P`` (``layout.p_numel``), ``q``: float32 warm-start ``Q`` (``layout.q_numel``), stored as
-  ``Q / world_size`` like PyTorch's ``q_memory_dict``; ``q_work``: the Q of the step in flight, committed to ``q``
+  ``Q / world_size`` like PyTorch's ``q_memory_dict`` (all-reduced in ``communication_dtype``, default the
+  bucket's dtype, through a transient cast; the error is in unscaled units with a ``grad_scaler``); ``q_work``: the Q of the step in flight, committed to ``q``
   only when the step's all-reduced values are finite (no host sync);
 * for :func:`~powersgd_triton.alternating_powerSGD_hook`: ``p`` / ``q`` are the kept factors (the averaged P of
   the last P step, the averaged Q of the last Q step or the initial random Q), ``error`` the local residual, and
@@ -70,7 +71,11 @@ _HYPERPARAMETERS = (
     "batch_tensors_with_same_shape",
     "backend",
     "autotune",
+    "communication_dtype",
 )
+# dtypes P and Q may be all-reduced in (``communication_dtype``); saved by name in the state dict
+COMMUNICATION_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                        "float64": torch.float64}
 
 
 class BucketMemory:
@@ -142,6 +147,33 @@ def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
         raise ValueError(f"`{name}` must be {kind}, got {value!r}")
     if isinstance(value, (float, np.floating)) and not math.isfinite(value):
         raise ValueError(f"`{name}` must be a finite number, got {value!r}")
+
+
+def _check_communication_dtype(value: Any) -> Optional[torch.dtype]:
+    """None or one of :data:`COMMUNICATION_DTYPES` (a dtype, or its name: the state dict saves the name)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        name = value.replace("torch.", "")
+        if name in COMMUNICATION_DTYPES:
+            return COMMUNICATION_DTYPES[name]
+    elif value in COMMUNICATION_DTYPES.values():
+        return value
+    raise ValueError(
+        f"`communication_dtype` must be None (the bucket's dtype), torch.float32, torch.float16 or torch.bfloat16, "
+        f"got {value!r}"
+    )
+
+
+def _check_grad_scaler(scaler: Any) -> None:
+    """None or a ``torch.amp.GradScaler`` (``torch.cuda.amp.GradScaler`` is a subclass)."""
+    if scaler is None:
+        return
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(
+            f"`grad_scaler` must be None or a torch.amp.GradScaler, got "
+            f"{type(scaler).__module__}.{type(scaler).__qualname__}"
+        )
 
 
 def _check_flag(name: str, value: Any) -> None:
@@ -290,14 +322,34 @@ class PowerSGDState:
         autotune: time the kernels' candidate block sizes on this GPU the first time a bucket shape class is seen
             (seconds, once; cached per GPU model on disk) instead of using shipped/cached configs or the heuristic.
             Group rank 0 decides for every rank.
+        communication_dtype: the dtype P and Q are all-reduced in. ``None`` (default): the bucket's dtype, as
+            PyTorch's hook (an fp16/bf16 bucket under ``fp16_compress_wrapper`` / ``bf16_compress_wrapper`` sends
+            half-precision factors; an fp32 bucket fp32 ones). ``torch.float16`` or ``torch.bfloat16`` also for fp32
+            buckets: half the compressed bytes (accuracy cost: README, "Communication dtype"). ``torch.float32``:
+            always fp32 factors. The arithmetic stays float32 in the kernels and the memory (error, warm-start Q,
+            P) stays float32: the packed P (and Q) buffer is cast once before its all-reduce and copied back once
+            after it. The cast rounds to nearest; a value beyond the dtype's range becomes inf (never a finite
+            wrong value), so the step is non-finite and skipped by GradScaler, its memory kept. The uncompressed
+            gradients travel in the bucket's dtype (the alternating hook's single buffer: in this dtype too).
+        grad_scaler: a ``torch.amp.GradScaler`` (or None). With it, the error memory is kept in unscaled units: the
+            hook reads the loss scale ``s`` from the scaler's scale tensor (a one-element float32 device tensor; no
+            host synchronization), adds ``s·E`` to the (scaled) gradients and stores ``(M + s·E − P·Qᵀ) / s``, so a
+            change of the scale (GradScaler halves it after an overflow, doubles it after ``growth_interval`` clean
+            steps) does not mis-scale the carried-over error (PyTorch's hook, without it: off by the scale ratio
+            for the next steps). A disabled scaler, or one that has not scaled a loss yet, counts as scale 1. The
+            scaler itself is not saved by :meth:`state_dict` (checkpoint it yourself with ``scaler.state_dict()``);
+            the state dict records that the error memory is unscaled, and a state unpickled without its scaler
+            must get it back (``state.grad_scaler = scaler``, done by the Lightning and Accelerate integrations).
 
     Raises:
         ValueError: ``start_powerSGD_iter <= 1`` with error feedback or warm start (DDP rebuilds its buckets after
             the first iteration), ``matrix_approximation_rank < 1``, ``min_compression_rate <= 0``, negative
             ``orthogonalization_epsilon``, an unknown ``backend``; and a value of the wrong type: a number that is
             not one (``"4"``, ``True``) or not finite (NaN, +-inf), an integer argument given a float, a flag (``use_error_feedback``,
-            ``warm_start``, ``batch_tensors_with_same_shape``, ``autotune``) that is not a bool (or 0/1).
-        TypeError: ``process_group`` is neither None nor a ``torch.distributed.ProcessGroup``.
+            ``warm_start``, ``batch_tensors_with_same_shape``, ``autotune``) that is not a bool (or 0/1); a
+            ``communication_dtype`` other than None, float32, float16, bfloat16 (float64 also; for float64 models).
+        TypeError: ``process_group`` is neither None nor a ``torch.distributed.ProcessGroup``; ``grad_scaler`` is
+            neither None nor a ``torch.amp.GradScaler``.
         RuntimeError: ``backend="triton"`` where the Triton kernels cannot run on any device (Triton or the kernels
             not importable; no CUDA in this torch build and ``TRITON_INTERPRET`` unset). Where it depends on the
             bucket's device, the first hook call raises it (step 0, before anything is changed, also in warm-up).
@@ -306,8 +358,8 @@ class PowerSGDState:
     as PyTorch draws it): our kernels always process a whole bucket per launch.
 
     Differences from PyTorch's state (all deliberate): error memory only for compressed gradients, in float32;
-    P and Q in float32 (float64 buckets: all three in float64, as PyTorch keeps them); a non-finite step leaves the
-    memory as it was; ``error_dict`` / ``p_memory_dict`` /
+    P and Q kept in float32 (float64 buckets: all three in float64, as PyTorch keeps them), all-reduced in
+    ``communication_dtype`` (default the bucket's dtype, PyTorch's); a non-finite step leaves the memory as it was; ``error_dict`` / ``p_memory_dict`` /
     ``q_memory_dict`` are read-only views of the flat per-bucket buffers.
     """
 
@@ -325,7 +377,11 @@ class PowerSGDState:
         batch_tensors_with_same_shape: bool = False,
         backend: str = "auto",
         autotune: bool = False,
+        communication_dtype: Optional[torch.dtype] = None,
+        grad_scaler=None,
     ):
+        communication_dtype = _check_communication_dtype(communication_dtype)
+        _check_grad_scaler(grad_scaler)
         _check_number("matrix_approximation_rank", matrix_approximation_rank, integer=True)
         if matrix_approximation_rank < 1:
             raise ValueError(f"`matrix_approximation_rank` must be >= 1, got {matrix_approximation_rank}")
@@ -381,6 +437,8 @@ class PowerSGDState:
         self.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
         self.backend = backend
         self.autotune = bool(autotune)
+        self.communication_dtype = communication_dtype
+        self.grad_scaler = grad_scaler
         # Seeds of the random initial Qs: one draw per (re)initialization, in the same order on every rank.
         self.rng = np.random.RandomState(self.random_seed)
         self.iter = 0
@@ -448,7 +506,8 @@ class PowerSGDState:
         return {i: m.q for i, m in self.buckets.items() if m.q is not None}
 
     # PyTorch's state keeps these constructor arguments as attributes of the same names (not random_seed).
-    _TORCH_ARGUMENTS = tuple(h for h in _HYPERPARAMETERS if h not in ("random_seed", "backend", "autotune"))
+    _TORCH_ARGUMENTS = tuple(h for h in _HYPERPARAMETERS
+                             if h not in ("random_seed", "backend", "autotune", "communication_dtype"))
 
     @classmethod
     def from_torch(cls, torch_state, backend: str = "auto", autotune: bool = False) -> "PowerSGDState":
@@ -498,6 +557,26 @@ class PowerSGDState:
             return
         _resolve_backend("triton", buffer)
         self._backend_devices.add(buffer.device)
+
+    def _wire_dtype(self, buffer: torch.Tensor, factor_dtype: torch.dtype) -> Optional[torch.dtype]:
+        """The dtype P and Q of ``buffer``'s bucket are all-reduced in, when it is not ``factor_dtype`` (the
+        memory's); None when the factors are all-reduced as they are."""
+        wire = self.communication_dtype if self.communication_dtype is not None else buffer.dtype
+        return None if wire == factor_dtype else wire
+
+    def _loss_scale(self, buffer: torch.Tensor) -> Optional[torch.Tensor]:
+        """The grad scaler's current scale (one-element float32 tensor on ``buffer``'s device, read without a host
+        synchronization), or None: no scaler, a disabled one, or one that has not scaled a loss yet (scale 1)."""
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        _check_grad_scaler(scaler)  # the attribute may have been reassigned
+        scale = getattr(scaler, "_scale", None)
+        if scale is None:
+            return None
+        if scale.device != buffer.device:
+            scale = scale.to(buffer.device, non_blocking=True)
+        return scale.reshape(1)
 
     def _group(self):
         """The process group the hooks use: ``process_group``, or WORLD when it is None (resolved at call time)."""
@@ -967,7 +1046,11 @@ class PowerSGDState:
 
     # ------------------------------------------------------------------ persistence
     def _config(self) -> Dict[str, Any]:
-        return {name: getattr(self, name) for name in _HYPERPARAMETERS}
+        """The hyper-parameters as plain Python values (``communication_dtype`` by name, e.g. ``"bfloat16"``)."""
+        out = {name: getattr(self, name) for name in _HYPERPARAMETERS}
+        if out["communication_dtype"] is not None:
+            out["communication_dtype"] = str(out["communication_dtype"]).replace("torch.", "")
+        return out
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to resume exactly: iteration counter, statistics, RNG, per-bucket memory.
@@ -1023,6 +1106,8 @@ class PowerSGDState:
             # the process group the memory was built in (None before the first compressed step)
             "world_size": self._world_size if self._loaded_world_size is None else self._loaded_world_size,
             "rank": self._rank if self._loaded_rank is None else self._loaded_rank,
+            # error memory in unscaled units (a grad_scaler was given); the scaler itself is the user's to save
+            "unscaled_error": self.grad_scaler is not None,
             "rng": {
                 "name": str(name),
                 "keys": [int(k) for k in keys],
@@ -1049,11 +1134,15 @@ class PowerSGDState:
             ValueError: a state dict of another format version; a missing or malformed field; a bucket tensor of
                 the wrong shape or dtype, or holding NaN/inf (named: bucket index and key).
         """
+        self._load(state_dict, warn_units=True)
+
+    def _load(self, state_dict: Dict[str, Any], warn_units: bool) -> None:
         checked = _state_dict.check_state_dict(state_dict, _STATE_DICT_VERSION)
         saved = checked["config"]
+        mine = self._config()
         differing = sorted(
             k for k, v in saved.items()
-            if k in _HYPERPARAMETERS and getattr(self, k) != v
+            if k in _HYPERPARAMETERS and mine[k] != v
             and not (k == "random_seed" and None in (v, self.random_seed))  # from_torch: the RNG state is what counts
         )
         if differing:
@@ -1061,7 +1150,16 @@ class PowerSGDState:
                 "PowerSGDState.load_state_dict: hyper-parameters differ from the saved state "
                 f"({', '.join(differing)}); keeping this state's values",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
+            )
+        if warn_units and checked["unscaled_error"] != (self.grad_scaler is not None) and checked["buckets"]:
+            saved_units = "unscaled (saved with a grad_scaler)" if checked["unscaled_error"] else "loss-scaled"
+            warnings.warn(
+                f"PowerSGDState.load_state_dict: the saved error memory is {saved_units}, this state "
+                f"{'has a' if self.grad_scaler is not None else 'has no'} grad_scaler: the carried-over error is off by "
+                "the loss scale until it decays; give the state the same grad_scaler setting as the saved one",
+                RuntimeWarning,
+                stacklevel=3,
             )
         self.rng.set_state(checked["rng"])
         self.iter = checked["iter"]
@@ -1099,7 +1197,8 @@ class PowerSGDState:
         seed = config["random_seed"]  # None for a state made by from_torch: its RNG state comes with the state dict
         PowerSGDState.__init__(self, None, **{**config, "random_seed": 0 if seed is None else seed})
         self.random_seed = seed
-        self.load_state_dict(pickled["state"])
+        # the scaler is not pickled (it is the training loop's object): set state.grad_scaler again after unpickling
+        self._load(pickled["state"], warn_units=False)
         logger.info(
             "NOTE: Process group will be set to the default group (i.e. the world size) when the hook runs. "
             "If a different group is desired, please set `self.process_group` after PowerSGD state is loaded."

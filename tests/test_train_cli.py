@@ -283,3 +283,28 @@ def test_out_probe_keeps_an_existing_file_and_leaves_nothing(tmp_path, monkeypat
     assert main(["train", "--hook", "allreduce", "--world-size", "1", *SHORT, "--out", str(existing)]) == 0
     assert main(["train", "--hook", "allreduce", "--world-size", "1", *SHORT, "--out", str(tmp_path / "new.json")]) == 0
     assert existing.read_text() == '{"kept": true}\n' and os.listdir(tmp_path) == ["old.json"]
+
+
+def test_amp_fp16_and_bfloat16_factors_in_compare(tmp_path):
+    """``--amp fp16`` (autocast + GradScaler given to our state) and ``--communication-dtype bfloat16``: our row sends
+    the factors in bfloat16 (fewer bytes than PyTorch's hook, whose factors stay float32 on fp32 buckets), says so in
+    its label, and trains to a finite loss; the options are recorded in the metrics."""
+    out = tmp_path / "m.json"
+    proc = run_cli("train", "--compare", "powersgd,reference", "--steps", "6", "--start-iter", "3", "--amp", "fp16",
+                   "--communication-dtype", "bfloat16", "--kernels", "torch", "--no-progress", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    payload = json.loads(out.read_text())
+    assert payload["config"]["amp"] == "fp16" and payload["config"]["communication_dtype"] == "bfloat16"
+    ours, ref = payload["runs"]["powersgd"], payload["runs"]["reference"]
+    assert ours["allreduce_bytes_per_step"] < ref["allreduce_bytes_per_step"]
+    assert ours["allreduce_bytes_per_warmup_step"] == ref["allreduce_bytes_per_warmup_step"]
+    assert "bfloat16 factors" in proc.stdout and "AMP fp16 + GradScaler" in proc.stdout
+
+
+@pytest.mark.parametrize("argv", [["--amp", "fp8"], ["--communication-dtype", "int8"]])
+def test_bad_amp_or_communication_dtype_is_refused(argv, capsys):
+    from powersgd_triton.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", *argv])
+    assert "invalid choice" in capsys.readouterr().err

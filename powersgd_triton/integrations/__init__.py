@@ -12,7 +12,7 @@ This package imports neither framework: each submodule imports its framework whe
 
 import sys
 
-__all__ = ["register", "check_ddp_model"]
+__all__ = ["register", "check_ddp_model", "adopt_grad_scaler"]
 
 
 def _is_fsdp(model) -> bool:
@@ -53,6 +53,36 @@ def check_ddp_model(model) -> None:
             "(torch._dynamo.config.optimize_ddp='python_reducer'), which calls comm hooks once per parameter with a "
             "(grad, param) tuple; PowerSGD needs whole buckets. Use optimize_ddp='ddp_optimizer' (the default)"
         )
+
+
+def adopt_grad_scaler(state, scaler) -> bool:
+    """Give ``state`` (a :class:`powersgd_triton.PowerSGDState`) the framework's loss scaler, so that its error
+    memory is kept in unscaled units (``PowerSGDState(grad_scaler=...)``); used by the Lightning and Accelerate
+    integrations when they run AMP with fp16 (a ``torch.amp.GradScaler``). Nothing happens when ``scaler`` is not an
+    enabled GradScaler, or ``state`` is not ours; a scaler the user gave the state is kept (a different one is
+    named in a warning). Returns True when the state uses ``scaler`` afterwards."""
+    import warnings
+
+    import torch
+
+    from ..state import PowerSGDState
+
+    if not isinstance(state, PowerSGDState) or not isinstance(scaler, torch.amp.GradScaler):
+        return False
+    if not scaler.is_enabled():
+        return False
+    if state.grad_scaler is None:
+        state.grad_scaler = scaler
+        return True
+    if state.grad_scaler is not scaler:
+        warnings.warn(
+            "PowerSGD: the PowerSGDState has a grad_scaler that is not the one the training loop scales the loss "
+            "with; the error memory is unscaled with the state's: keeping it",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
 
 
 def register(model, state, hook=None):

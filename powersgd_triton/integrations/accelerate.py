@@ -51,6 +51,10 @@ def register_comm_hook(accelerator, model, state, hook=None, *, checkpoint: bool
             wrapped one (``powersgd_triton.wrappers.bf16_compress_wrapper(powerSGD_hook)``).
         checkpoint: also save/load every rank's hook state with ``accelerator.save_state`` / ``load_state``.
 
+    With ``mixed_precision="fp16"`` the accelerator's ``GradScaler`` becomes ``state.grad_scaler`` (unless the state
+    has one already): the error memory is kept in unscaled units (see :class:`~powersgd_triton.PowerSGDState`).
+    Accelerate saves the scaler itself in ``save_state``.
+
     Returns:
         True when the hook was registered; False for a single-process run (``prepare`` does not wrap the model in
         DDP then, and there is nothing to communicate).
@@ -59,7 +63,7 @@ def register_comm_hook(accelerator, model, state, hook=None, *, checkpoint: bool
         TypeError: Accelerate runs FSDP, DeepSpeed, Megatron-LM or XLA, or the model is not DDP in a multi-process
             run (see :func:`powersgd_triton.integrations.check_ddp_model`).
     """
-    from . import register
+    from . import adopt_grad_scaler, register
 
     mode = getattr(getattr(accelerator, "distributed_type", None), "name", str(accelerator.distributed_type))
     if mode in _UNSUPPORTED:
@@ -72,6 +76,8 @@ def register_comm_hook(accelerator, model, state, hook=None, *, checkpoint: bool
         log.info("PowerSGD: single process, nothing to communicate: no comm hook registered")
         return False
     register(ddp, state, hook)
+    # AMP with fp16 (mixed_precision="fp16"): the accelerator's GradScaler keeps the error memory unscaled
+    adopt_grad_scaler(state, getattr(accelerator, "scaler", None))
     if checkpoint:
         _checkpoint_with_accelerator(accelerator, ddp, state)
     return True

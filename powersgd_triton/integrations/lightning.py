@@ -80,7 +80,9 @@ def _make_class(package: str) -> type:
         """``DDPStrategy`` whose comm hook is registered on every device type, with per-rank hook-state checkpoints.
 
         Arguments: those of ``DDPStrategy``, plus ``save_hook_state`` (default True): write/read/remove
-        ``<checkpoint>.hook_state.rank{r}.pt`` with each Lightning checkpoint.
+        ``<checkpoint>.hook_state.rank{r}.pt`` with each Lightning checkpoint. With ``precision="16-mixed"``, the
+        precision plugin's ``GradScaler`` becomes the state's ``grad_scaler`` (error memory in unscaled units;
+        Lightning checkpoints the scaler itself).
         """
 
         def __init__(self, *args, save_hook_state: bool = True, **kwargs):
@@ -98,6 +100,10 @@ def _make_class(package: str) -> type:
             state = self._ddp_comm_state
             if isinstance(state, PowerSGDState):
                 state._bind_model(self.model)
+                # precision="16-mixed": Lightning's GradScaler keeps the error memory in unscaled units
+                from . import adopt_grad_scaler
+
+                adopt_grad_scaler(state, getattr(self.precision_plugin, "scaler", None))
             register_with_lightning(
                 model=self.model,
                 ddp_comm_state=state,

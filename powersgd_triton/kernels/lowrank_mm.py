@@ -56,6 +56,7 @@ def _project_kernel(
     e_ptr,  # flat error memory (float32), E_i row-major n x m at e_ptr + e_off (unused unless HAS_ERROR)
     table_ptr,  # int64 [L, 8] layout table
     tiles_ptr,  # int32 [T, 2] (matrix, first row)
+    ls_ptr,  # float32 [1] loss scale s (LOSS_SCALE: the error memory is unscaled, M + s·E is used)
     HAS_ERROR: tl.constexpr,
     PAD_ERROR: tl.constexpr,  # batched view: the padding (flat index >= numel) has error memory too
     HAS_P2: tl.constexpr,
@@ -64,8 +65,10 @@ def _project_kernel(
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     PREFETCH: tl.constexpr = 0,  # 1: the next step's tiles are loaded before this step's arithmetic
+    LOSS_SCALE: tl.constexpr = False,
 ):
-    """P_i[rows] = (M_i + E_i)[rows] · Q_i for one tile of BLOCK_N rows; writes M_i + E_i back if HAS_ERROR."""
+    """P_i[rows] = (M_i + E_i)[rows] · Q_i for one tile of BLOCK_N rows; writes M_i + E_i back if HAS_ERROR
+    (``M_i + s·E_i`` with LOSS_SCALE)."""
     pid = tl.program_id(0)
     mat = tl.load(tiles_ptr + 2 * pid).to(tl.int64)
     row0 = tl.load(tiles_ptr + 2 * pid + 1).to(tl.int64)
@@ -96,7 +99,10 @@ def _project_kernel(
                                                  k0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K)
         x = x_raw.to(tl.float32)
         if HAS_ERROR:
-            x += e_raw.to(tl.float32)
+            e = e_raw.to(tl.float32)
+            if LOSS_SCALE:
+                e = e * tl.load(ls_ptr)
+            x += e
             tl.store(buf_ptr + off + lin, _cast_for_store(x, buf_ptr), mask=mask)
         q = q_raw.to(tl.float32)
         if USE_DOT:
@@ -141,6 +147,7 @@ def _project_t_kernel(
     ws_ptr,  # float32 workspace for partial sums of split matrices
     table_ptr,  # int64 [L, 8] layout table
     tiles_ptr,  # int32 [T, 5] (matrix, first column, first row, end row, workspace offset or -1: write Q)
+    ls_ptr,  # float32 [1] loss scale s (LOSS_SCALE: the padding's M + E is s·E)
     PAD_ERROR: tl.constexpr,
     HAS_Q2: tl.constexpr,
     R: tl.constexpr,
@@ -148,6 +155,7 @@ def _project_t_kernel(
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     PREFETCH: tl.constexpr = 0,  # 1 (2): the next step's (and the one after's) tiles are in flight during this step
+    LOSS_SCALE: tl.constexpr = False,
 ):
     """Q_i[cols] = M_i[rows, cols]ᵀ · P_i[rows] for one tile of BLOCK_M columns and one row range.
 
@@ -192,7 +200,10 @@ def _project_t_kernel(
                                                    k0, row_end, m, numel, r, PAD_ERROR, BLOCK_K)
         x = x_raw.to(tl.float32)  # [BLOCK_K, BLOCK_M]
         if PAD_ERROR:
-            x += e_raw.to(tl.float32)
+            e = e_raw.to(tl.float32)
+            if LOSS_SCALE:
+                e = e * tl.load(ls_ptr)
+            x += e
         p = p_raw.to(tl.float32)
         if USE_DOT:
             acc += tl.dot(tl.trans(x), p, input_precision="ieee")

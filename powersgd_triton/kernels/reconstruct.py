@@ -74,6 +74,7 @@ def _reconstruct_kernel(
     first_ptr,  # int32 [L + 1]: flags of matrix i are first[i]:first[i + 1] (COMMIT)
     table_ptr,  # int64 [L, 8] layout table
     tiles_ptr,  # int32 [T, 4] (matrix, first row, first column, end column)
+    ls_ptr,  # float32 [1] loss scale s (LOSS_SCALE: E is stored divided by s, the padding's M + E is s·E)
     n_flags,  # number of flags
     scale,  # float32 factor applied to Q (1 / world size, or 1 when Q was averaged already)
     HAS_ERROR: tl.constexpr,
@@ -86,6 +87,7 @@ def _reconstruct_kernel(
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     PREFETCH: tl.constexpr = 0,  # 1: the next step's tiles are loaded before this step's arithmetic
+    LOSS_SCALE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     mat = tl.load(tiles_ptr + 4 * pid).to(tl.int64)
@@ -145,7 +147,10 @@ def _reconstruct_kernel(
         if HAS_ERROR:
             before = m_in.to(tl.float32)
             if PAD_ERROR:  # the padding's M + E is its error memory (the bucket holds no padding)
-                before += e_in.to(tl.float32)
+                e_pad = e_in.to(tl.float32)
+                if LOSS_SCALE:
+                    e_pad = e_pad * tl.load(ls_ptr)
+                before += e_pad
                 e_mask = inside & keep
             else:
                 e_mask = mask & keep
@@ -155,5 +160,8 @@ def _reconstruct_kernel(
                 approx_e = _outer(p, ql_in.to(tl.float32), USE_DOT)
             else:
                 approx_e = approx
-            tl.store(e_ptr + e_off + lin, _cast_for_store(before - approx_e, e_ptr), mask=e_mask)
+            e_new = before - approx_e
+            if LOSS_SCALE:  # the error memory is kept in unscaled units
+                e_new = e_new / tl.load(ls_ptr)
+            tl.store(e_ptr + e_off + lin, _cast_for_store(e_new, e_ptr), mask=e_mask)
         tl.store(buf_ptr + off + lin, _cast_for_store(approx, buf_ptr), mask=mask)

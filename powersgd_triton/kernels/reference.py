@@ -44,11 +44,19 @@ def _error(error: torch.Tensor, s: MatrixSpec) -> torch.Tensor:
     return error[s.e_offset : s.e_offset + (s.n * s.m if s.grad_index < 0 else s.numel)]
 
 
-def _with_padding_error(mat: torch.Tensor, error: Optional[torch.Tensor], s: MatrixSpec) -> torch.Tensor:
+def _scaled(e: torch.Tensor, loss_scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``loss_scale·e`` in ``dtype`` (``e`` when there is no loss scale): the error memory in the gradients' units."""
+    e = e.to(dtype)
+    return e if loss_scale is None else e * loss_scale.to(dtype)
+
+
+def _with_padding_error(mat: torch.Tensor, error: Optional[torch.Tensor], s: MatrixSpec,
+                        loss_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The batched view's ``M + E``: the bucket holds it for the first ``numel`` elements (after :func:`project`),
-    the padding's is its error memory. ``mat``: the zero-padded ``n x m`` copy from :func:`_matrix`."""
+    the padding's is its error memory (times ``loss_scale``). ``mat``: the zero-padded ``n x m`` copy from
+    :func:`_matrix`."""
     if error is not None and s.numel < s.n * s.m:
-        mat.view(-1)[s.numel :] = _error(error, s)[s.numel :].to(mat.dtype)
+        mat.view(-1)[s.numel :] = _scaled(_error(error, s)[s.numel :], loss_scale, mat.dtype)
     return mat
 
 
@@ -142,28 +150,35 @@ def project(
     p: torch.Tensor,
     error: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
+    loss_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """P_i = (M_i + E_i) · Q_i for every i; with ``error`` the sum M_i + E_i is also written back into ``buffer``.
 
+    ``loss_scale`` (one-element tensor ``s``): the error memory is unscaled, ``M_i + s·E_i`` is used instead.
     Grouped path: per run one ``add_`` (with ``error``) and one ``bmm``; else per matrix."""
     runs = _grouped(layout, compute_dtype, buffer, q, p, error)
     if runs is not None:
         for run in runs:
             mat = run.mat(buffer)
-            if error is not None:
-                mat.add_(run.err(error))  # in place: the bucket now holds M + E
+            if error is not None:  # in place: the bucket now holds M + E (M + s·E)
+                e = run.err(error)
+                mat.add_(e if loss_scale is None else e * loss_scale.to(compute_dtype))
             torch.bmm(mat, run.q(q), out=run.p(p))
         return
     for s in layout.matrices:
         dense = s.numel == s.n * s.m
         view = _matrix(buffer, s)
         if error is not None and dense and view.dtype == compute_dtype == error.dtype:
-            mat = view.add_(_error(error, s).view(s.n, s.m))  # in place: the bucket now holds M + E
+            e = _error(error, s).view(s.n, s.m)
+            if loss_scale is None:
+                mat = view.add_(e)  # in place: the bucket now holds M + E
+            else:
+                mat = view.add_(e * loss_scale.to(compute_dtype))
         else:
             mat = view.to(compute_dtype)
             if error is not None:
                 mat = mat.clone()
-                mat.view(-1).add_(_error(error, s).to(compute_dtype))
+                mat.view(-1).add_(_scaled(_error(error, s), loss_scale, compute_dtype))
                 _store_matrix(buffer, s, mat)
         qf = _factor(q, s.q_offset, s.m, s.rank).to(compute_dtype)
         # (Qᵀ·Mᵀ)ᵀ: the skinny product runs 3-10x faster this way round on CPU BLAS (bench/RESULTS.md §4)
@@ -177,6 +192,7 @@ def project_t(
     q: torch.Tensor,
     compute_dtype: torch.dtype = torch.float32,
     error: Optional[torch.Tensor] = None,
+    loss_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """Q_i = M_iᵀ · P_i for every i (``error``: the batched view's padding error, see :func:`_with_padding_error`).
 
@@ -187,7 +203,7 @@ def project_t(
             torch.bmm(run.mat(buffer).transpose(1, 2), run.p(p), out=run.q(q))
         return
     for s in layout.matrices:
-        mat = _with_padding_error(_matrix(buffer, s).to(compute_dtype), error, s)
+        mat = _with_padding_error(_matrix(buffer, s).to(compute_dtype), error, s, loss_scale)
         pf = _factor(p, s.p_offset, s.n, s.rank).to(compute_dtype)
         _factor(q, s.q_offset, s.m, s.rank).copy_(torch.mm(pf.t(), mat).t())  # (Pᵀ·M)ᵀ, as in project
 
@@ -469,11 +485,14 @@ def reconstruct(
     compute_dtype: torch.dtype = torch.float32,
     local_p: Optional[torch.Tensor] = None,
     local_q: Optional[torch.Tensor] = None,
+    loss_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """M_i ← P_i · (scale · Q_i)ᵀ; with ``error`` also E_i ← M_i(before) − P_i · (scale · Q_i)ᵀ.
 
     ``update_error`` (0-d bool tensor on the device) keeps the old E_i where it is False. With ``local_p``
     (``local_q``) the error is the local residual E_i ← M_i − P_local,i · Q_iᵀ (M_i − P_i · Q_local,iᵀ).
+    ``loss_scale`` (one-element tensor ``s``): the error is stored divided by ``s`` (unscaled units; the batched
+    padding's M(before) is ``s·E``).
     """
     if error is not None and update_error is not None and update_error.device.type == "cpu":
         # a CPU flag is read for free: skip the error update, or do it without torch.where
@@ -492,10 +511,13 @@ def reconstruct(
                 elif local_q is not None:
                     right = run.q(local_q)
                 e = run.err(error)
-                if update_error is None:
+                if update_error is None and loss_scale is None:
                     torch.baddbmm(mat, left, right.transpose(1, 2), alpha=-1.0, out=e)
                 else:
-                    torch.where(update_error, torch.baddbmm(mat, left, right.transpose(1, 2), alpha=-1.0), e, out=e)
+                    new = torch.baddbmm(mat, left, right.transpose(1, 2), alpha=-1.0)
+                    if loss_scale is not None:  # the error memory is kept in unscaled units
+                        new.div_(loss_scale.to(compute_dtype))
+                    torch.where(update_error, new, e, out=e) if update_error is not None else e.copy_(new)
             torch.bmm(pf, qs.transpose(1, 2), out=mat)
         return
     for s in layout.matrices:
@@ -516,15 +538,20 @@ def reconstruct(
                 e_view = e.view(s.n, s.m)
                 e_view.copy_(m_view)
                 e_view.addmm_(err_left, err_right.t(), alpha=-1.0)
+                if loss_scale is not None:
+                    e_view.div_(loss_scale.to(compute_dtype))
             torch.mm(pf, qs.t(), out=m_view)
             continue
         before = _matrix(buffer, s).to(compute_dtype)
         if e is not None and s.numel < s.n * s.m:
-            before = _with_padding_error(before.clone(), error, s)
+            before = _with_padding_error(before.clone(), error, s, loss_scale)
         approx = pf @ qs.t()
         if e is not None:
             approx_e = approx if err_left is pf and err_right is qs else err_left @ err_right.t()
-            new = (before - approx_e).reshape(-1)[: e.numel()].to(e.dtype)
+            diff = before - approx_e
+            if loss_scale is not None:
+                diff = diff / loss_scale.to(compute_dtype)
+            new = diff.reshape(-1)[: e.numel()].to(e.dtype)
             if update_error is not None:
                 new = torch.where(update_error, new, e)
             e.copy_(new)

@@ -359,21 +359,24 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
     raise ValueError(f"no plan for kernel {kernel!r}")
 
 
-def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, config: Optional[dict] = None) -> None:
-    """One launch: ``P_i = (M_i [+ E_i]) · Q_i`` for all i (see :func:`powersgd_triton.ops.project`); ``p2``: a
-    second copy of P written by the same launch."""
+def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_scale=None,
+            config: Optional[dict] = None) -> None:
+    """One launch: ``P_i = (M_i [+ s·E_i]) · Q_i`` for all i (see :func:`powersgd_triton.ops.project`); ``p2``: a
+    second copy of P written by the same launch; ``loss_scale``: the one-element float32 ``s`` (else ``s = 1``)."""
     cfg = _resolve("project", layout, buffer.dtype, config)
     tiles = layout.tiles("rows", cfg["BLOCK_N"])
     R = _factor_rank(layout, cfg)
     _project_kernel[(tiles.shape[0],)](
         buffer, q, p, p2 if p2 is not None else p, error if error is not None else p, layout.table, tiles,
+        loss_scale if loss_scale is not None else p,
         HAS_ERROR=error is not None, PAD_ERROR=layout.batched and error is not None, HAS_P2=p2 is not None,
         R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0),
-        **_launch_options(cfg),
+        LOSS_SCALE=loss_scale is not None and error is not None, **_launch_options(cfg),
     )
 
 
-def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, config: Optional[dict] = None) -> None:
+def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_scale=None,
+              config: Optional[dict] = None) -> None:
     """``Q_i = M_iᵀ · P_i`` for all i (see :func:`powersgd_triton.ops.project_t`): one launch, plus one for the
     fixed-order reduction when the plan splits a matrix over rows. ``error``: the batched view's error memory (its
     padding's part is the padding's M + E); ``q2``: a second copy of Q."""
@@ -385,8 +388,10 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, config
     pad = layout.batched and error is not None
     _project_t_kernel[(tiles.shape[0],)](
         buffer, p, q, q2 if q2 is not None else q, error if pad else p, ws, layout.table, tiles,
+        loss_scale if loss_scale is not None else p,
         PAD_ERROR=pad, HAS_Q2=q2 is not None, R=R, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
-        USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0), **_launch_options(cfg),
+        USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0), LOSS_SCALE=pad and loss_scale is not None,
+        **_launch_options(cfg),
     )
     if reduce_tiles is not None:
         _reduce_splits_kernel[(reduce_tiles.shape[0],)](
@@ -629,6 +634,7 @@ def reconstruct(
     local_q=None,
     commit=None,
     first=None,
+    loss_scale=None,
     config: Optional[dict] = None,
 ) -> None:
     """One launch: ``M_i ← P_i·(scale·Q_i)ᵀ`` and optionally ``E_i ← M_i − P_i·(scale·Q_i)ᵀ`` for all i.
@@ -637,6 +643,7 @@ def reconstruct(
     ``update_error``: uint8/bool device flags (all must have bit 0 set for the error update). ``commit``:
     ``(which, kept)``: also ``kept_i <- p_i`` (``"p"``) or ``q_i`` (``"q"``) where the step is finite and the
     matrix's flags (``first``, from :meth:`~powersgd_triton.layout.BucketLayout.average_tiles`) say non-zero.
+    ``loss_scale``: one-element float32 ``s``; the error is stored divided by it (unscaled units).
     """
     cfg = _resolve("reconstruct", layout, buffer.dtype, config)
     split = split_cols(layout, cfg, device_sms(layout.device))
@@ -652,10 +659,11 @@ def reconstruct(
         commit_mode = 1 if which == "p" else 2
     _reconstruct_kernel[(tiles.shape[0],)](
         buffer, p, q, local, error if error is not None else p, kept, flags, first if first is not None else tiles,
-        layout.table, tiles, n_flags, float(scale),
+        layout.table, tiles, loss_scale if loss_scale is not None else p, n_flags, float(scale),
         HAS_ERROR=error is not None, HAS_FLAG=update_error is not None, LOCAL_ERR=local_err,
         PAD_ERROR=layout.batched and error is not None, COMMIT=commit_mode,
         R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0),
+        LOSS_SCALE=loss_scale is not None and error is not None,
         **_launch_options(cfg),
     )
 
@@ -703,9 +711,9 @@ def _signature(kernel: str, grad_dtype: torch.dtype) -> Dict[str, str]:
     g = "*" + _TRITON_DTYPES[grad_dtype]
     f, i64, i32 = "*fp32", "*i64", "*i32"
     if kernel == "project":
-        return dict(buf_ptr=g, q_ptr=f, p_ptr=f, p2_ptr=f, e_ptr=f, table_ptr=i64, tiles_ptr=i32)
+        return dict(buf_ptr=g, q_ptr=f, p_ptr=f, p2_ptr=f, e_ptr=f, table_ptr=i64, tiles_ptr=i32, ls_ptr=f)
     if kernel == "project_t":
-        return dict(buf_ptr=g, p_ptr=f, q_ptr=f, q2_ptr=f, e_ptr=f, ws_ptr=f, table_ptr=i64, tiles_ptr=i32)
+        return dict(buf_ptr=g, p_ptr=f, q_ptr=f, q2_ptr=f, e_ptr=f, ws_ptr=f, table_ptr=i64, tiles_ptr=i32, ls_ptr=f)
     if kernel == "reduce_splits":
         return dict(ws_ptr=f, q_ptr=f, q2_ptr=f, table_ptr=i64, tiles_ptr=i32)
     if kernel == "copy_segments":
@@ -720,7 +728,7 @@ def _signature(kernel: str, grad_dtype: torch.dtype) -> Dict[str, str]:
         return dict(x_ptr=f, ws_ptr="*fp64", table_ptr=i64, tasks_ptr=i64)
     return dict(
         buf_ptr=g, p_ptr=f, q_ptr=f, lf_ptr=f, e_ptr=f, kept_ptr=f, flags_ptr="*u8", first_ptr=i32, table_ptr=i64,
-        tiles_ptr=i32, n_flags="i32", scale="fp32",
+        tiles_ptr=i32, ls_ptr=f, n_flags="i32", scale="fp32",
     )
 
 
@@ -747,6 +755,7 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
     c.update({k: config[k] for k in (_tile_key(kernel), "BLOCK_K", "USE_DOT")})
     c["PREFETCH"] = config.get("PREFETCH", 0)
     c["PAD_ERROR"] = variant.get("PAD_ERROR", False)
+    c["LOSS_SCALE"] = variant.get("LOSS_SCALE", False)
     if kernel == "project":
         c["HAS_ERROR"] = variant.get("HAS_ERROR", True)
         c["HAS_P2"] = variant.get("HAS_P2", False)
@@ -792,16 +801,21 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
 def variants(kernel: str) -> Iterable[dict]:
     """The feature-flag combinations a kernel is launched with (all are compiled in the AOT test), largest first.
 
-    ``project``: error feedback or not, the alternating hook's second P output, the batched view's padding error.
+    ``project``: error feedback or not, the alternating hook's second P output, the batched view's padding error,
+    the loss scale of unscaled error memory (``LOSS_SCALE``, ``PowerSGDState(grad_scaler=)``; also in
+    ``reconstruct`` and, for the padding error, ``project_t``).
     ``project_t``: plain, with the reducer of split matrices (``split``), second Q output, padding error.
     ``reconstruct``: the standard hooks (error feedback and/or warm-start commit of Q, gated by the step flags), the
     alternating hook's P and Q steps (local error, commit of P or Q), the batched view's padding error.
     """
     if kernel == "project":
-        return [dict(HAS_ERROR=True, HAS_P2=True), dict(HAS_ERROR=True), dict(HAS_ERROR=False),
-                dict(HAS_ERROR=False, HAS_P2=True), dict(HAS_ERROR=True, PAD_ERROR=True)]
+        return [dict(HAS_ERROR=True, HAS_P2=True, LOSS_SCALE=True), dict(HAS_ERROR=True, HAS_P2=True),
+                dict(HAS_ERROR=True), dict(HAS_ERROR=False),
+                dict(HAS_ERROR=False, HAS_P2=True), dict(HAS_ERROR=True, PAD_ERROR=True),
+                dict(HAS_ERROR=True, PAD_ERROR=True, LOSS_SCALE=True)]
     if kernel == "reconstruct":
         return [
+            dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=2, COMMIT=2, LOSS_SCALE=True),
             dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=2, COMMIT=2),
             dict(HAS_ERROR=True, HAS_FLAG=True, COMMIT=2),
             dict(HAS_ERROR=True, HAS_FLAG=True),
@@ -811,11 +825,14 @@ def variants(kernel: str) -> Iterable[dict]:
             dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=1, COMMIT=1),
             dict(HAS_ERROR=False, HAS_FLAG=True, COMMIT=1),
             dict(HAS_ERROR=True, HAS_FLAG=True, PAD_ERROR=True, COMMIT=2),
+            dict(HAS_ERROR=True, HAS_FLAG=True, PAD_ERROR=True, COMMIT=2, LOSS_SCALE=True),
+            dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=1, COMMIT=1, LOSS_SCALE=True),
         ]
     if kernel in ("orthogonalize", "orthogonalize_gram"):
         return [dict(ROWS_COL=1, OFF_COL=5), dict(ROWS_COL=2, OFF_COL=6)]
     if kernel == "project_t":
-        return [dict(split=True, HAS_Q2=True), dict(split=True), dict(), dict(PAD_ERROR=True)]
+        return [dict(split=True, HAS_Q2=True), dict(split=True), dict(), dict(PAD_ERROR=True),
+                dict(PAD_ERROR=True, LOSS_SCALE=True)]
     if kernel == "copy_segments":
         return [dict(to_packed=True), dict(to_packed=False)]
     if kernel in ("commit_factor",):

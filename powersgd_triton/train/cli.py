@@ -134,6 +134,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-error-feedback", dest="use_error_feedback", action="store_false",
                    help="turn off error feedback")
     p.add_argument("--no-warm-start", dest="warm_start", action="store_false", help="turn off warm start")
+    p.add_argument("--communication-dtype", choices=("bucket", "float32", "bfloat16", "float16"), default="bucket",
+                   help="dtype our hooks all-reduce P and Q in (PowerSGDState(communication_dtype=)): the bucket's "
+                        "(PyTorch's behaviour), or float32 / bfloat16 / float16 whatever the bucket dtype; "
+                        "PyTorch's hook (reference) always uses the bucket's")
+    p.add_argument("--amp", choices=("fp16", "bf16"), default=None,
+                   help="mixed precision: autocast the forward in float16 (with a GradScaler, given to our hooks' "
+                        "state as grad_scaler) or bfloat16 (no loss scaling); the gradients stay float32")
     p.add_argument("--out", default=None, metavar="metrics.json", help="write the metrics of every run as JSON")
     p.add_argument("--port", type=_port, default=0, help="rendezvous port on 127.0.0.1 (0: a free one)")
     p.add_argument("--timeout", type=positive(float), default=900.0,
@@ -169,6 +176,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         reference_bucket_cap_mb=args.reference_bucket_cap_mb,
         use_error_feedback=args.use_error_feedback,
         warm_start=args.warm_start,
+        communication_dtype=None if args.communication_dtype == "bucket" else args.communication_dtype,
+        amp=args.amp,
         progress=args.progress,
         timeout=args.timeout,
         port=args.port,
@@ -221,6 +230,8 @@ def format_table(result: Dict[str, Any]) -> str:
         label = (FSDP_LABELS if fsdp else HOOK_LABELS).get(name, name)
         if run.get("kernel_backend"):
             label += f" ({run['kernel_backend']} kernels)"
+        if cfg.get("communication_dtype") and name not in ("reference", "allreduce"):
+            label += f", {cfg['communication_dtype']} factors"
         row = [label, _buckets(run), f"{run['final_test_accuracy']:.4f}"]
         row.append(f"{run['final_test_bits_per_char']:.3f}" if charlm else f"{run['final_test_loss']:.4f}")
         row += [
@@ -240,6 +251,7 @@ def format_table(result: Dict[str, Any]) -> str:
         f"({cfg['backend']}, {cfg['device']}), matrix approximation rank "
         f"{cfg['matrix_approximation_rank']}, compression from step {cfg['start_iter']}, {any_run['steps']} steps, "
         f"batch {cfg['batch_size']}/rank, seed {cfg['seed']}"
+        + (f", AMP {cfg['amp']}" + (" + GradScaler" if cfg["amp"] == "fp16" else "") if cfg.get("amp") else "")
     )
     notes = [
         "bytes and calls: measured through dist.all_reduce, per rank, averaged over the compressed steps "

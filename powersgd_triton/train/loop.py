@@ -73,6 +73,10 @@ class TrainConfig:
     reference_bucket_cap_mb: float = REFERENCE_BUCKET_CAP_MB
     use_error_feedback: bool = True
     warm_start: bool = True
+    # our hooks' PowerSGDState(communication_dtype=): None (the bucket's dtype), "float32", "bfloat16", "float16"
+    communication_dtype: Optional[str] = None
+    # mixed precision: None, "fp16" (autocast float16 + GradScaler, passed to our hooks' state) or "bf16" (autocast)
+    amp: Optional[str] = None
     min_compression_rate: float = 2.0
     progress: bool = True
     timeout: float = 900.0  # whole launch, seconds
@@ -133,6 +137,11 @@ class TrainConfig:
             raise ValueError("--backend nccl needs --device cuda")
         if cfg.kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"--kernels must be auto, triton or torch, got {cfg.kernels!r}")
+        if cfg.communication_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError("--communication-dtype must be bucket, float32, bfloat16 or float16, got "
+                             f"{cfg.communication_dtype!r}")
+        if cfg.amp not in (None, "fp16", "bf16"):
+            raise ValueError(f"--amp must be fp16 or bf16, got {cfg.amp!r}")
         if cfg.optimizer not in ("sgd", "adam"):
             raise ValueError(f"optimizer must be sgd or adam, got {cfg.optimizer!r}")
         if cfg.fail_rank is not None and not 0 <= cfg.fail_rank < cfg.world_size:
@@ -234,9 +243,10 @@ def check_available(cfg: "TrainConfig") -> None:
     _plan(cfg)  # raises ValueError when a global batch is larger than the training set
 
 
-def make_hook(name: str, cfg: TrainConfig):
+def make_hook(name: str, cfg: TrainConfig, grad_scaler=None):
     """``(state, hook)`` for DDP's ``register_comm_hook`` (``hook`` is never ``None``: all-reduce goes through
-    PyTorch's Python ``allreduce_hook`` so that its bytes are counted the same way)."""
+    PyTorch's Python ``allreduce_hook`` so that its bytes are counted the same way). Our hooks get
+    ``cfg.communication_dtype`` and ``grad_scaler`` (``--amp fp16``); PyTorch's hook has neither."""
     if name == "allreduce":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -246,10 +256,13 @@ def make_hook(name: str, cfg: TrainConfig):
     from ..benchmarking import make_hook as make_powersgd_hook
 
     impl = {"reference": "pytorch", "powersgd": "ours", "batched": "ours"}.get(name, name)
+    extra = {}
+    if impl != "pytorch":
+        extra = dict(communication_dtype=cfg.communication_dtype, grad_scaler=grad_scaler)
     return make_powersgd_hook(impl, cfg.matrix_approximation_rank, batched=name == "batched", backend=cfg.kernels,
                               start_powerSGD_iter=cfg.start_iter, min_compression_rate=cfg.min_compression_rate,
                               use_error_feedback=cfg.use_error_feedback, warm_start=cfg.warm_start,
-                              random_seed=cfg.seed)
+                              random_seed=cfg.seed, **extra)
 
 
 HOOK_LABELS = {
@@ -359,6 +372,9 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.workload, data).to(device)
+    # --amp: autocast in the bucket's forward; fp16 also scales the loss (GradScaler), bf16 does not need to
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.amp or "")
+    scaler = torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     ddp_kwargs: Dict[str, Any] = {}
     counted_ranks = None  # every all-reduce counts (DDP)
@@ -380,7 +396,7 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
         if device.type == "cuda":
             ddp_kwargs["device_ids"] = [device.index]
         ddp = DDP(model, **ddp_kwargs)
-        state, hook = make_hook(hook_name, cfg)
+        state, hook = make_hook(hook_name, cfg, grad_scaler=scaler)
         ddp.register_comm_hook(state, hook)
     inner = model  # the module that evaluates (the DDP wrapper's module; the FSDP root itself)
 
@@ -418,11 +434,23 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
-                loss = _loss(cfg, ddp, x, y)
-                loss.backward()
-                if cfg.clip:
-                    torch.nn.utils.clip_grad_norm_(ddp.parameters(), cfg.clip)
-                opt.step()
+                if amp_dtype is not None:
+                    with torch.autocast(device.type, dtype=amp_dtype):
+                        loss = _loss(cfg, ddp, x, y)
+                else:
+                    loss = _loss(cfg, ddp, x, y)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    if cfg.clip:
+                        scaler.unscale_(opt)
+                        torch.nn.utils.clip_grad_norm_(ddp.parameters(), cfg.clip)
+                    scaler.step(opt)  # skipped when a gradient is not finite (then the scale is halved)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    if cfg.clip:
+                        torch.nn.utils.clip_grad_norm_(ddp.parameters(), cfg.clip)
+                    opt.step()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 step_seconds.append(time.perf_counter() - t0)
