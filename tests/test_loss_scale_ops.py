@@ -93,3 +93,23 @@ def test_bad_loss_scale_is_refused_and_changes_nothing(bad, rng):
     with pytest.raises(ValueError, match="loss_scale"):
         ops.reconstruct(buf, layout, p, q, 1.0, err, loss_scale=bad, backend="torch")
     assert torch.equal(buf, before) and torch.equal(err, err_before)
+
+
+def test_torch_backend_grouped_path_applies_the_loss_scale(rng):
+    """Same-shape float32 matrices take the torch backend's grouped (bmm) path: with ``loss_scale`` s and unscaled
+    E it equals the plain ops run on the scaled error s·E, and stores the new error divided by s."""
+    shapes = [(12, 10)] * 4 + [(6, 8)] * 3
+    buf, _, grads = make_bucket(shapes, torch.float32, rng)
+    layout = layerwise(buf, grads, 2)
+    q = torch.randn(layout.q_numel, generator=rng)
+    e = torch.randn(layout.e_numel, generator=rng)
+    assert reference._grouped(layout, torch.float32, buf, q, torch.zeros(layout.p_numel), e) is not None
+    s = torch.tensor([2.0 ** 10 * float(torch.rand((), generator=rng) + 0.5)])
+    b1, p1, e1 = buf.clone(), torch.zeros(layout.p_numel), e.clone()
+    b2, p2, e2 = buf.clone(), torch.zeros(layout.p_numel), e * s
+    reference.project(b1, layout, q, p1, e1, loss_scale=s)
+    reference.project(b2, layout, q, p2, e2)
+    assert rel_err(p1, p2) < 1e-6 and rel_err(b1, b2) < 1e-6
+    reference.reconstruct(b1, layout, p1, q, 0.5, e1, loss_scale=s)
+    reference.reconstruct(b2, layout, p2, q, 0.5, e2)
+    assert rel_err(b1, b2) < 1e-6 and rel_err(e1 * s, e2) < 1e-5
