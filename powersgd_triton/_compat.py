@@ -13,6 +13,7 @@ internals), not run by the suite here.
 | ``tl.dot(a, b, input_precision="ieee")`` (the kernels' fp32 products on FMA units) | triton 3.0 (before: ``allow_tf32=``) | a triton older than :data:`MIN_TRITON` is not used: ``backend="auto"`` runs the torch backend, ``"triton"`` raises naming the version (:func:`triton_too_old`) |
 | ``triton.compiler.ASTSource(fn, signature, constexprs=...)``, the signature keyed by argument name | triton 3.2 (3.0/3.1: ``constants=``, keyed by index) | :func:`ast_source` |
 | ``triton.backends.compiler.GPUTarget(backend, arch, warp_size)`` | triton 3.0 | :func:`gpu_target` |
+| smallest inner dimension ``K`` of ``tl.dot`` on NVIDIA (float64: 16 in triton 3.6, 4 in 3.9) | triton 3.7-3.9 | :func:`dot_min_k` (the orthogonalization kernel's float64 products broadcast below it) |
 | ``FSDPModule.set_all_reduce_hook`` (FSDP2 over the replicate group of HSDP) | torch 2.7 | :func:`fsdp_all_reduce_hook_missing` |
 """
 
@@ -113,3 +114,18 @@ def fsdp_all_reduce_hook_missing() -> Optional[str]:
         return (f"torch {torch.__version__}: FSDPModule has no set_all_reduce_hook (FSDP2 has it from torch 2.7); "
                 "PowerSGD over the replicate group needs a torch whose FSDP2 has it")
     return None
+
+
+def dot_min_k(bits: int) -> int:
+    """The smallest inner dimension ``K`` that this Triton's NVIDIA backend accepts in ``tl.dot`` for operands of
+    ``bits`` width (``min_dot_size``: 16 for every width but 8-bit in triton 3.6; 4 for float64 and 8 for float32 in
+    3.9). 16 when the backend cannot be asked (no NVIDIA backend, another API)."""
+    from types import SimpleNamespace
+
+    try:
+        from triton.backends.nvidia.compiler import min_dot_size
+
+        operand = SimpleNamespace(scalar=SimpleNamespace(primitive_bitwidth=int(bits)))
+        return int(min_dot_size(gpu_target(90))(operand, operand)[2])
+    except Exception:  # noqa: BLE001 - any other layout of the backend: the conservative bound
+        return 16

@@ -34,15 +34,19 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
+from .. import _compat
 from .common import loop_range
 from .reference import DEPENDENT_TOL
 
 _TAU = tl.constexpr(DEPENDENT_TOL)
+# tl.dot's smallest float64 inner dimension in this Triton (4 in 3.9, 16 in 3.6): below it, broadcast and sum
+_DOT64_K = tl.constexpr(_compat.dot_min_k(64))
+_DOT64_K8 = tl.constexpr(max(8, _compat.dot_min_k(64)))
 
 
 @triton.jit
 def _mm(a, b, USE_DOT: tl.constexpr):
-    """a · b in float64 (``tl.dot`` needs an inner dimension >= 4 for float64; below that, broadcast and sum)."""
+    """a · b in float64 (``tl.dot`` needs an inner dimension >= ``_DOT64_K``; below that, broadcast and sum)."""
     if USE_DOT:
         return tl.dot(a, b)
     else:
@@ -116,7 +120,7 @@ def _completions(Zx, dep, Gwx, Gww, eps, R: tl.constexpr):
     idx = tl.arange(0, R)
     Zw = tl.zeros((R, R), dtype=tl.float64)
     wdiag = tl.sum(tl.where(ia == ib, Gww, 0.0), axis=1)
-    OT = _mm(Gwx, Zx, R >= 8)  # OT[c, i] = w_cᵀ q_i (dependent columns still zero), updated per completed column
+    OT = _mm(Gwx, Zx, R >= _DOT64_K8)  # OT[c, i] = w_cᵀ q_i (dependent columns still zero), updated per completed column
     for j in range(R):
         if tl.sum(tl.where(idx == j, dep, 0.0), axis=0) > 0.0:
             res = tl.where(wdiag > 0.0, wdiag - tl.sum(OT * OT, axis=1), -1.0)  # ||w_c||² - Σ_i (w_cᵀ q_i)²
@@ -142,7 +146,7 @@ def _head_gram(x_ptr, base, n, r, rm, enabled, R: tl.constexpr):
     mask = (hrows < n)[:, None] & (ranks < r)[None, :] & ((hrows[:, None] * 0 + enabled) > 0)
     xh = tl.load(x_ptr + base + hrows[:, None] * r + ranks[None, :], mask=mask, other=0.0).to(tl.float64)
     w = _walsh(hrows, ranks, n, rm)
-    return _mm(tl.trans(w), xh, R >= 4)
+    return _mm(tl.trans(w), xh, R >= _DOT64_K)
 
 
 @triton.jit
@@ -256,7 +260,7 @@ def _orthogonalize_kernel(
         gwx = _head_gram(x_ptr, base, n, r, rm, is_short.to(tl.int64), R)
         gwx += tl.load(ws_ptr + head * (R * R) + rr, mask=(rr * 0 + head) >= 0, other=0.0)
         w = _walsh(ranks, ranks, n, rm)
-        Zx, Zw = _completions(Zx, dep, gwx, _mm(tl.trans(w), w, R >= 4), eps64, R)
+        Zx, Zw = _completions(Zx, dep, gwx, _mm(tl.trans(w), w, R >= _DOT64_K), eps64, R)
 
     for c in range(APPLY_CHUNKS):
         first = row0 + c * (CHUNK_TILES * BLOCK)
@@ -266,12 +270,12 @@ def _orthogonalize_kernel(
                 mask = (rows < row_end)[:, None] & col_ok[None, :]
                 ptrs = base + rows[:, None] * r + ranks[None, :]
                 x = tl.load(x_ptr + ptrs, mask=mask, other=0.0).to(tl.float64)
-                if R >= 4:
+                if R >= _DOT64_K:
                     q = tl.dot(x, Zx)
                 else:
                     q = tl.sum(x[:, :, None] * Zx[None, :, :], axis=1)
                 if use_w:
-                    q += _mm(_walsh(rows, ranks, n, rm), Zw, R >= 4)
+                    q += _mm(_walsh(rows, ranks, n, rm), Zw, R >= _DOT64_K)
                 tl.store(out_ptr + ptrs, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
