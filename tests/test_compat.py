@@ -135,3 +135,20 @@ def test_allocations_in_tests_are_poisoned():
 @pytest.mark.no_poison
 def test_no_poison_marker_turns_it_off():
     assert torch.empty.__name__ == "empty" and torch.Tensor.new_empty.__name__ == "new_empty"  # torch's own
+
+
+def test_dot_min_k_follows_the_installed_triton():
+    """tl.dot's smallest inner dimension from this Triton's NVIDIA backend: the float64 products of the
+    orthogonalization kernel use tl.dot only from there (triton 3.6 refused K = 4 for float64 on the GPU image)."""
+    pytest.importorskip("triton")
+    import triton
+
+    from powersgd_triton.kernels import orthogonalize as O
+
+    k64, k32 = _compat.dot_min_k(64), _compat.dot_min_k(32)
+    version = _compat.version_tuple(triton.__version__)[:2]
+    if version >= (3, 9):
+        assert (k64, k32) == (4, 8)
+    elif version == (3, 6):
+        assert (k64, k32) == (16, 16)
+    assert int(O._DOT64_K) == k64 and int(O._DOT64_K8) == max(8, k64)
