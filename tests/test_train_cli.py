@@ -219,7 +219,7 @@ def test_help_shows_defaults_once(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: None)" not in text and "(default: True)" not in text and "(default: False)" not in text
     assert "per workload) (default" not in text
-    assert "PowerSGD matrix approximation rank (default: 4)" in text
+    assert "PowerSGD's matrix approximation rank r" in text and "not the process rank (default: 4)" in text
 
 
 def test_taken_port_gives_a_clear_message():
