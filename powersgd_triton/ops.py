@@ -355,13 +355,7 @@ def unpack_uncompressed(src, layout: BucketLayout, buffer, scale: float = 1.0, *
     if resolve_backend(backend, buffer) == "triton":
         _kernels().copy_segments(src, buffer, layout, to_packed=False, scale=scale)
     else:
-        values = src * scale if scale != 1.0 else src
-        index = layout.uncompressed_index()
-        if index is None:
-            o, n = layout.uncompressed[0]
-            buffer[o : o + n].copy_(values)
-        else:
-            buffer.index_copy_(0, index, values.to(buffer.dtype))
+        reference.unpack_uncompressed(buffer, layout, src * scale if scale != 1.0 else src)
 
 
 def commit_factor(new, kept, layout: BucketLayout, which: str, ok, *, backend: str = "auto") -> None:

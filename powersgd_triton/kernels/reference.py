@@ -576,6 +576,17 @@ def all_finite(*tensors: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.eq(total.mul_(0), 0)
 
 
+def unpack_uncompressed(buffer: torch.Tensor, layout: BucketLayout, values: torch.Tensor) -> None:
+    """Write the packed uncompressed gradients ``values`` back into ``buffer``: one copy when they are one range,
+    else one ``index_copy_`` over :meth:`BucketLayout.uncompressed_index`."""
+    index = layout.uncompressed_index()
+    if index is None:
+        o, n = layout.uncompressed[0]
+        buffer[o : o + n].copy_(values)
+    else:
+        buffer.index_copy_(0, index, values.to(buffer.dtype))
+
+
 def average(
     factor: torch.Tensor,
     layout: BucketLayout,
@@ -591,12 +602,7 @@ def average(
     if unc is not None:
         if world_size != 1:
             unc.div_(world_size)
-        index = layout.uncompressed_index()
-        if index is None:
-            o, n = layout.uncompressed[0]
-            buffer[o : o + n].copy_(unc)
-        else:
-            buffer.index_copy_(0, index, unc.to(buffer.dtype))
+        unpack_uncompressed(buffer, layout, unc)
     elif layout.uncompressed:
         o, n = layout.uncompressed[0]
         part = buffer[o : o + n]
