@@ -1,7 +1,12 @@
-"""Small multi-rank harness for the hook tests: gloo ranks on 127.0.0.1, forked from the pytest process.
+"""Small multi-rank harness for the hook tests: gloo ranks on 127.0.0.1, started through a fork server.
 
-``run_ranks(fn, world_size, tmp_path)`` forks ``world_size`` children; each sets ``torch.set_num_threads(1)``
-(forked OpenMP pools deadlock otherwise), joins a gloo group through a FileStore in ``tmp_path``, runs
+``run_ranks(fn, world_size, tmp_path)`` starts ``world_size`` children from multiprocessing's fork server (a
+single-threaded process that imported torch and powersgd_triton once, so starting a rank is a cheap fork). Not a
+plain fork of the pytest process: under pytest-xdist that process has an I/O thread (execnet), and a test may have
+left gloo or OpenMP threads behind; a fork copies the locks those threads hold, and the ranks hung or aborted
+intermittently in CI (3 runs out of ~10). Each child takes the parent's environment and, when the test has them, its
+poisoned allocations (``_poison``), sets ``torch.set_num_threads(1)``, joins a gloo group through a FileStore in
+``tmp_path``, runs
 ``fn(rank, world_size, *args, **kwargs)``, sends its (picklable) result back, then barriers and destroys the group
 (ending without that intermittently aborts a rank). The parent joins with a timeout and kills the children on
 expiry or as soon as one rank fails, and re-raises the child's traceback. pytest-timeout is the backstop.
@@ -28,10 +33,27 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import _poison
 
-def _child(fn, rank, world_size, store_path, timeout, q, args, kwargs):
+# Imported once by the fork server, before it forks any rank (missing ones are skipped by multiprocessing).
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "triton", "powersgd_triton", "_dist"]
+
+
+def start_context():
+    """multiprocessing's fork-server context, its preload list set (the server starts on the first ``Process.start``,
+    with the environment and ``sys.path`` of that moment; each rank then takes the launching test's environment)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _child(fn, rank, world_size, store_path, timeout, q, args, kwargs, env, poison):
     code = 0
     try:
+        os.environ.clear()
+        os.environ.update(env)
+        if poison:
+            _poison.install()
         torch.set_num_threads(1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         store = dist.FileStore(store_path, world_size)
@@ -60,16 +82,19 @@ def _child(fn, rank, world_size, store_path, timeout, q, args, kwargs):
 
 
 def run_ranks(fn: Callable, world_size: int, tmp_path, *args, timeout: float = 90.0, **kwargs) -> List:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked gloo ranks; results by rank.
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; results by rank. ``fn`` and the
+    arguments are pickled (``fn`` a module-level function).
 
     ``timeout`` (seconds, a hang detector sized for a quiet machine) is multiplied by ``POWERSGD_TEST_TIMEOUT_SCALE``
     (tests/conftest.py: 2 under pytest-xdist)."""
     timeout = timeout * float(os.environ.get("POWERSGD_TEST_TIMEOUT_SCALE") or 1)
-    ctx = mp.get_context("fork")
+    ctx = start_context()
     q = ctx.Queue()
     store_path = os.path.join(str(tmp_path), f"store-{uuid.uuid4().hex}")
+    env, poison = dict(os.environ), _poison.is_poisoned()
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, store_path, timeout, q, args, kwargs), daemon=True)
+        ctx.Process(target=_child, args=(fn, r, world_size, store_path, timeout, q, args, kwargs, env, poison),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

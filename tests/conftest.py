@@ -13,24 +13,7 @@ torch.set_num_threads(1)
 
 
 # ------------------------------------------------------------------------------------------ poisoned allocations
-_FACTORIES = (("torch", "empty"), ("torch", "empty_like"), ("torch", "empty_strided"), ("Tensor", "new_empty"),
-              ("Tensor", "new_empty_strided"))
-
-
-def poison_(t: torch.Tensor) -> torch.Tensor:
-    """Fill ``t`` with what no kernel writes by accident: NaN (floating and complex dtypes), the dtype's largest value
-    (integers); bool and meta tensors are left alone. Runs outside any dispatch mode (op and launch counters do not
-    see it) and outside autograd."""
-    if t.device.type == "meta" or t.numel() == 0 or t.dtype == torch.bool:
-        return t
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), torch.no_grad():
-        if t.is_floating_point() or t.is_complex():
-            t.fill_(float("nan"))
-        else:
-            t.fill_(torch.iinfo(t.dtype).max)
-    return t
+from _poison import poison_, poisoned_factories  # noqa: E402,F401
 
 
 @pytest.fixture(autouse=True)
@@ -38,17 +21,11 @@ def _poisoned_empty(request, monkeypatch):
     """Every ``torch.empty``/``empty_like``/``empty_strided`` and ``Tensor.new_empty(_strided)`` called from Python while
     a test runs (ours and torch's Python code alike: workspaces, ``q_work``/``p_work``, packed buffers, kernel outputs)
     returns a poisoned tensor (:func:`poison_`), so an element a kernel or hook fails to write shows as NaN instead of
-    whatever memory held. Ranks forked by a test inherit it. ``@pytest.mark.no_poison`` turns it off for a test."""
+    whatever memory held. The ranks of ``_dist.run_ranks`` get it too. ``@pytest.mark.no_poison`` turns it off for a test."""
     if request.node.get_closest_marker("no_poison"):
         yield
         return
-    for owner_name, name in _FACTORIES:
-        owner = torch if owner_name == "torch" else torch.Tensor
-        original = getattr(owner, name)
-
-        def poisoned(*args, __original=original, **kwargs):
-            return poison_(__original(*args, **kwargs))
-
+    for owner, name, poisoned in poisoned_factories():
         monkeypatch.setattr(owner, name, poisoned)
     yield
 

@@ -5,7 +5,6 @@ own cache folder (``POWERSGD_TRITON_CACHE_DIR``), so the user's cache is never t
 """
 
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -25,8 +24,11 @@ from powersgd_triton.autotune.keys import DeviceKey, ShapeClass, device_key, nor
 from powersgd_triton.autotune.tuner import KERNELS, AutotuneWarning, Tuner, candidates
 from powersgd_triton.layout import BucketLayout
 
+from _dist import run_ranks, start_context
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FORK = multiprocessing.get_context("fork")
+# Started from the fork server, as the multi-rank harness's ranks are (tests/_dist.py says why not a plain fork).
+SPAWN = start_context()
 
 
 @pytest.fixture(autouse=True)
@@ -214,6 +216,8 @@ from powersgd_triton.autotune.cache import ConfigCache
 from powersgd_triton.autotune.keys import DeviceKey
 from powersgd_triton.autotune.tuner import Tuner
 from powersgd_triton.layout import BucketLayout
+
+from _dist import run_ranks, start_context
 shapes = ((64, 32), (32,), (128, 64), (16, 16, 3, 3))
 total = sum(torch.Size(s).numel() for s in shapes)
 buf = torch.zeros(total)
@@ -331,7 +335,13 @@ def test_unusable_cache_folder_does_not_crash(tmp_path):
     assert tuner.choose("project", make_layout(), torch.float32).config == c.config
 
 
-def _writer(folder, wid, count, start):
+def _writer(folder, wid, count, start, lock):
+    if lock == "flock":  # without the filelock package: the fcntl fallback
+        from powersgd_triton import _env
+
+        real = _env.optional_import
+        _env.optional_import = lambda name: None if name == "filelock" else real(name)
+        assert type(_env.file_lock(os.path.join(folder + "-probe.lock"), 1.0)).__name__ == "_FlockLock"
     start.wait(30)
     cache = ConfigCache(folder)
     dk = DeviceKey("fake_gpu", "sm90", "3.9.0")
@@ -341,17 +351,11 @@ def _writer(folder, wid, count, start):
 
 
 @pytest.mark.parametrize("lock", ["filelock", "flock"])
-def test_concurrent_writers_keep_every_entry(tmp_path, monkeypatch, lock):
+def test_concurrent_writers_keep_every_entry(tmp_path, lock):
     """4 processes x 12 writes at once; ``flock``: without the filelock package (the fcntl fallback)."""
-    from powersgd_triton import _env
-
-    if lock == "flock":
-        real = _env.optional_import
-        monkeypatch.setattr(_env, "optional_import", lambda name: None if name == "filelock" else real(name))
-        assert type(_env.file_lock(str(tmp_path / "x.lock"), 1.0)).__name__ == "_FlockLock"
     folder = str(tmp_path / "c")
-    start = FORK.Event()
-    procs = [FORK.Process(target=_writer, args=(folder, w, 12, start)) for w in range(4)]
+    start = SPAWN.Event()
+    procs = [SPAWN.Process(target=_writer, args=(folder, w, 12, start, lock)) for w in range(4)]
     for p in procs:
         p.start()
     start.set()
@@ -365,52 +369,25 @@ def test_concurrent_writers_keep_every_entry(tmp_path, monkeypatch, lock):
 
 
 # -------------------------------------------------------------------------------------------------- distributed
-def _rank_main(rank, store_path, out_dir, prefer_name):
-    try:
-        import torch.distributed as dist
+def _rank_tuner(rank, world_size, out_dir):
+    """Rank 0's fake timings prefer BLOCK 64 / 8 warps, rank 1's BLOCK 128 / 4 warps."""
+    import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        store = dist.FileStore(store_path, 2)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-        prefer = {"64_w8": prefer_64_w8, "128_w4": prefer_128_w4}[prefer_name]
-        timer = FakeTimer(prefer)
-        tuner = Tuner(cache=ConfigCache(os.path.join(out_dir, f"cache{rank}")), timer=timer, device=fake_device())
-        lay = make_layout()
-        first = tuner.configs_for_layout(lay, torch.bfloat16, autotune=True)
-        again = tuner.configs_for_layout(make_layout(), torch.bfloat16, autotune=True)  # same classes
-        other = tuner.configs_for_layout(make_layout(rank=16), torch.bfloat16, autotune=True)
-        # the public entry point, through the process-wide tuner, on the default group
-        autotune.set_tuner(tuner)
-        public = autotune.configs_for_layout(lay, torch.bfloat16, torch.device("cpu"), process_group=dist.group.WORLD)
-        result = dict(first=first, again=again, other=other, public=public, timer_calls=len(timer.calls),
-                      broadcasts=tuner.stats["broadcasts"])
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
-        dist.destroy_process_group()
-        os._exit(0)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        os._exit(1)
+    timer = FakeTimer(prefer_64_w8 if rank == 0 else prefer_128_w4)
+    tuner = Tuner(cache=ConfigCache(os.path.join(out_dir, f"cache{rank}")), timer=timer, device=fake_device())
+    lay = make_layout()
+    first = tuner.configs_for_layout(lay, torch.bfloat16, autotune=True)
+    again = tuner.configs_for_layout(make_layout(), torch.bfloat16, autotune=True)  # same classes
+    other = tuner.configs_for_layout(make_layout(rank=16), torch.bfloat16, autotune=True)
+    # the public entry point, through the process-wide tuner, on the default group
+    autotune.set_tuner(tuner)
+    public = autotune.configs_for_layout(lay, torch.bfloat16, torch.device("cpu"), process_group=dist.group.WORLD)
+    return dict(first=first, again=again, other=other, public=public, timer_calls=len(timer.calls),
+                broadcasts=tuner.stats["broadcasts"])
 
 
 def test_gloo_ranks_use_rank0_choice(tmp_path):
-    procs = [
-        FORK.Process(target=_rank_main, args=(r, str(tmp_path / "store"), str(tmp_path), name))
-        for r, name in ((0, "64_w8"), (1, "128_w4"))
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(90)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-        assert p.exitcode == 0
-    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    r0, r1 = run_ranks(_rank_tuner, 2, tmp_path, str(tmp_path))
     for k in KERNELS:
         assert prefer_64_w8(k, r0["first"][k])  # rank 0 tuned with its own timings
     for key in ("first", "again", "other", "public"):

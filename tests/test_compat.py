@@ -137,6 +137,22 @@ def test_no_poison_marker_turns_it_off():
     assert torch.empty.__name__ == "empty" and torch.Tensor.new_empty.__name__ == "new_empty"  # torch's own
 
 
+def _harness_rank(rank, world_size):
+    return {"nan": bool(torch.empty(3).isnan().all()), "env": os.environ.get("POWERSGD_HARNESS_PROBE"),
+            "threads": torch.get_num_threads(), "world": torch.distributed.get_world_size()}
+
+
+@pytest.mark.parametrize("poisoned", [True, pytest.param(False, marks=pytest.mark.no_poison)])
+def test_harness_ranks_take_the_tests_environment_and_poisoning(tmp_path, monkeypatch, poisoned):
+    """``_dist.run_ranks`` starts its ranks from a fork server: they must still see what the launching test set up."""
+    from _dist import run_ranks
+
+    probe = os.urandom(4).hex()
+    monkeypatch.setenv("POWERSGD_HARNESS_PROBE", probe)
+    for r in run_ranks(_harness_rank, 2, tmp_path):
+        assert r == {"nan": poisoned, "env": probe, "threads": 1, "world": 2}
+
+
 def test_dot_min_k_follows_the_installed_triton():
     """tl.dot's smallest inner dimension from this Triton's NVIDIA backend: the float64 products of the
     orthogonalization kernel use tl.dot only from there (triton 3.6 refused K = 4 for float64 on the GPU image)."""
