@@ -216,8 +216,6 @@ from powersgd_triton.autotune.cache import ConfigCache
 from powersgd_triton.autotune.keys import DeviceKey
 from powersgd_triton.autotune.tuner import Tuner
 from powersgd_triton.layout import BucketLayout
-
-from _dist import run_ranks, start_context
 shapes = ((64, 32), (32,), (128, 64), (16, 16, 3, 3))
 total = sum(torch.Size(s).numel() for s in shapes)
 buf = torch.zeros(total)

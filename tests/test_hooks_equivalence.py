@@ -157,10 +157,11 @@ MERGED_BUCKET = [(0, True, BUCKETS[1][2] + BUCKETS[2][2])]
 CORE_CONFIGS = CONFIGS[:16]
 BATCHED_CORE_CONFIGS = BATCHED_CONFIGS[:16]
 
-# The Triton kernels run in Triton's interpreter here (0.1-0.5 s per step and bucket). They get the full product on
-# world size 1 and, on world sizes 2 and 4, four configurations that cover every rank and both settings of error
-# feedback and warm start, all on one bucket with every kind of gradient (the torch backend runs everything above;
-# the hook code is the same for both backends, only the four bucket steps differ).
+# The Triton kernels run in Triton's interpreter here (0.1-0.5 s per step and bucket). They get, on one bucket with
+# every kind of gradient, four configurations per world size that cover every rank and both settings of error
+# feedback and warm start: TRITON_COVER on world sizes 2 and 4, its complement (the other setting of both flags at
+# each rank) on world size 1, so the eight cases of rank x flags between them. The torch backend runs everything
+# above; the hook code is the same for both backends, only the four bucket steps differ.
 TRITON_BUCKET = [(0, True, [(40, 48), (12,), (16, 8, 3, 3), (40, 48), (64, 36), (5,)])]
 TRITON_COVER = [
     dict(matrix_approximation_rank=1, use_error_feedback=True, warm_start=True),
@@ -168,11 +169,13 @@ TRITON_COVER = [
     dict(matrix_approximation_rank=4, use_error_feedback=True, warm_start=False),
     dict(matrix_approximation_rank=8, use_error_feedback=False, warm_start=False),
 ]
+TRITON_COVER_WORLD1 = [dict(c, use_error_feedback=not c["use_error_feedback"], warm_start=not c["warm_start"])
+                       for c in TRITON_COVER]
 
 
 def _worker_args(world_size, backend, full_buckets, full_configs, core_configs):
     if backend == "triton":
-        return TRITON_BUCKET, (core_configs if world_size == 1 else TRITON_COVER)
+        return TRITON_BUCKET, (TRITON_COVER_WORLD1 if world_size == 1 else TRITON_COVER)
     if world_size >= 4:
         return MERGED_BUCKET, core_configs
     return full_buckets, full_configs
