@@ -8,7 +8,8 @@ modules group them by concern:
   ``gradients()``, ``index()``, ``is_last()``, ``parameters()``, ``set_buffer()``) over one flat buffer whose
   gradients are views; :func:`model_buckets`: the DDP-like buckets of a real model's gradient shapes
   (:mod:`powersgd_triton.shapes`), filled with random numbers (never zeros: zeros hide unwritten outputs and can run
-  faster than real data); :func:`bucket_layout`.
+  faster than real data); :func:`bucket_layout`, :func:`model_bucket_layouts` (the layouts of those buckets, what
+  the autotuner tunes).
 * :mod:`.hooks`: :func:`ensure_process_group` (an in-process world of size 1, gloo, or nccl on a GPU, over a
   ``HashStore``); :func:`make_hook`; :class:`HookStep`: one step of a hook over every bucket of a model, PyTorch's
   ``powerSGD_hook`` (``impl="pytorch"``) or ours (``impl="ours"``), created with the same arguments; the hook is
@@ -36,6 +37,7 @@ from .buckets import (
     FakeGradBucket,
     _dtype,
     bucket_layout,
+    model_bucket_layouts,
     model_bucket_shapes,
     model_buckets,
     random_buffer,
@@ -58,7 +60,7 @@ __all__ = [
     "AGREEMENT_TOL", "ALL_IMPLS", "CollectiveRecord", "DDP_FIRST_BUCKET_MB", "DTYPES", "FakeGradBucket", "HookStep",
     "IMPLS", "KERNELS", "KernelBench", "OpCounter", "StepCounts", "bucket_layout", "check_against_pytorch",
     "compare_hooks", "count_cuda_kernels", "count_step", "count_triton_launches", "ensure_process_group",
-    "environment", "fmt_bytes", "held_bytes", "kernel_bytes", "make_hook", "markdown_table", "model_bucket_shapes",
-    "model_buckets", "numel", "peak_extra_bytes", "quiet_profiler", "random_buffer", "shrink_shapes",
+    "environment", "fmt_bytes", "held_bytes", "kernel_bytes", "make_hook", "markdown_table", "model_bucket_layouts",
+    "model_bucket_shapes", "model_buckets", "numel", "peak_extra_bytes", "quiet_profiler", "random_buffer", "shrink_shapes",
     "synchronous_collectives", "time_cpu", "time_interleaved",
 ]

@@ -138,3 +138,26 @@ def model_buckets(model: str, dtype=torch.float32, device="cpu", bucket_cap_mb: 
 def bucket_layout(bucket: FakeGradBucket, rank: int, min_compression_rate: float = 2.0) -> BucketLayout:
     """The layer-wise :class:`BucketLayout` of a bucket, with the hooks' default ``min_compression_rate``."""
     return BucketLayout.from_gradients(bucket.buffer(), bucket.gradients(), rank, min_compression_rate)
+
+
+def model_bucket_layouts(model: str, rank: int, dtype=torch.float32, device="cpu", *, batched: bool = False,
+                         bucket_cap_mb: float = 25.0, first_bucket_mb: float = DDP_FIRST_BUCKET_MB,
+                         min_compression_rate: float = 2.0, shrink: int = 1) -> List[BucketLayout]:
+    """The :class:`BucketLayout` of each of ``model``'s DDP-like buckets (:func:`model_bucket_shapes`), bucket 0 first.
+
+    ``batched=True``: ``batched_powerSGD_hook``'s layout (the whole bucket as one square-ish matrix); else the
+    layer-wise hooks' (:func:`bucket_layout` of a :class:`FakeGradBucket` whose buffer is allocated on ``device`` but
+    never written: only the gradients' offsets and shapes matter). Raises ``ValueError`` for an unknown model
+    (:func:`~powersgd_triton.shapes.model_shapes`), ``KeyError`` for an unknown dtype name (:data:`DTYPES`).
+    """
+    dtype = _dtype(dtype)
+    groups = model_bucket_shapes(model, dtype, bucket_cap_mb, first_bucket_mb, shrink)
+    layouts = []
+    for i, shapes in enumerate(groups):
+        total = sum(numel(s) for s in shapes)
+        if batched:
+            layouts.append(BucketLayout.batched(total, rank, device, dtype))
+            continue
+        bucket = FakeGradBucket(torch.empty(total, dtype=dtype, device=device), shapes, index=i, num_buckets=len(groups))
+        layouts.append(bucket_layout(bucket, rank, min_compression_rate))
+    return layouts
