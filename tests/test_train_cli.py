@@ -341,7 +341,8 @@ def test_configuration_is_checked_once(monkeypatch, capsys):
     assert "no ranks in this test" in capsys.readouterr().err
     assert calls == {"resolved": 1, "check_available": 1}
     (world, cfg), = launched
-    assert world == 3 and cfg.batch_size == 7 and cfg.backend == "gloo" and cfg.lr == loop.WORKLOAD_DEFAULTS["digits"]["lr"]
+    assert world == 3 and cfg.batch_size == 7 and cfg.backend == "gloo"
+    assert cfg.lr == loop.WORKLOAD_DEFAULTS["digits"]["lr"]  # resolved: the workload's default filled in
 
     for config, expected in ((loop.TrainConfig(hooks=("allreduce",), world_size=3), 1), (cfg, 0)):
         calls.update(resolved=0, check_available=0)

@@ -158,6 +158,7 @@ def model_bucket_layouts(model: str, rank: int, dtype=torch.float32, device="cpu
         if batched:
             layouts.append(BucketLayout.batched(total, rank, device, dtype))
             continue
-        bucket = FakeGradBucket(torch.empty(total, dtype=dtype, device=device), shapes, index=i, num_buckets=len(groups))
+        buffer = torch.empty(total, dtype=dtype, device=device)
+        bucket = FakeGradBucket(buffer, shapes, index=i, num_buckets=len(groups))
         layouts.append(bucket_layout(bucket, rank, min_compression_rate))
     return layouts

@@ -277,7 +277,8 @@ def validate(config: TrainConfig, torchrun: Any = ...) -> TrainConfig:
     if cfg.kernels == "triton":
         device = torch.device(cfg.device)
         if not _env.triton_can_run(device):
-            raise ValueError(f"--kernels triton cannot run on {cfg.device} here: {_env.triton_unavailable_reason(device)}")
+            reason = _env.triton_unavailable_reason(device)
+            raise ValueError(f"--kernels triton cannot run on {cfg.device} here: {reason}")
     cfg.__dict__[_VALIDATED] = astuple(cfg)
     return cfg
 
