@@ -45,6 +45,27 @@ def test_model_buckets_cover_the_model_in_reverse_order(rng):
     assert len(bf16) < len(B.model_bucket_shapes("gpt2"))  # 25 MB of 2-byte elements hold twice as many
 
 
+def test_model_bucket_layouts_are_the_layouts_of_the_model_buckets(rng):
+    """What the autotuner tunes (``autotune.cli.model_layouts`` builds them with this) is the layout of each bucket
+    of :func:`model_buckets`: the same matrices and device table, layer-wise; one matrix of the whole bucket,
+    batched."""
+    from powersgd_triton.autotune.cli import model_layouts
+
+    kw = dict(bucket_cap_mb=0.2, first_bucket_mb=0.05)
+    buckets = B.model_buckets("gpt2", "bf16", shrink=8, generator=rng, **kw)
+    layer = B.model_bucket_layouts("gpt2", 3, "bf16", shrink=8, min_compression_rate=20, **kw)
+    batched = B.model_bucket_layouts("gpt2", 3, torch.bfloat16, batched=True, shrink=8, **kw)
+    assert len(layer) == len(batched) == len(buckets) > 2
+    for bucket, lay, bat in zip(buckets, layer, batched):
+        want = B.bucket_layout(bucket, 3, min_compression_rate=20)
+        assert lay.num_matrices > 0 and lay.matrices == want.matrices and lay.uncompressed == want.uncompressed
+        assert torch.equal(lay.table, want.table) and lay.numel == bucket.buffer().numel() and not lay.batched
+        assert bat.batched and bat.numel == bucket.buffer().numel() and bat.num_matrices == 1
+    full = model_layouts("resnet50", 4, torch.float32, "layerwise", "cpu")
+    assert [lay.numel for lay in full] == [sum(numel(s) for s in g) for g in B.model_bucket_shapes("resnet50")]
+    assert [repr(a) for a in full] == [repr(b) for b in B.model_bucket_layouts("resnet50", 4)]
+
+
 def test_kernel_bytes_model(rng):
     shapes = [(8, 6), (5,), (16, 12)]
     buf = B.random_buffer(sum(numel(s) for s in shapes), torch.float32, "cpu", rng)

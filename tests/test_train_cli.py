@@ -308,3 +308,48 @@ def test_bad_amp_or_communication_dtype_is_refused(argv, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", *argv])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_configuration_is_checked_once(monkeypatch, capsys):
+    """``train`` checks its configuration in one place (``loop.validate``), once: the CLI before it prints anything,
+    and ``run_training`` takes what ``validate`` returned as it is; a configuration changed after ``validate``, or
+    one from Python that never went through it, is checked again (with the same messages)."""
+    from powersgd_triton.cli import main
+    from powersgd_triton.train import launch, loop
+
+    calls = {"resolved": 0, "check_available": 0}
+    resolved, check_available = loop.TrainConfig.resolved, loop.check_available
+
+    def counting_resolved(self):
+        calls["resolved"] += 1
+        return resolved(self)
+
+    def counting_check_available(cfg):
+        calls["check_available"] += 1
+        return check_available(cfg)
+
+    launched = []
+
+    def fake_launch(fn, world_size, args=(), **kwargs):
+        launched.append((world_size, args[0]))
+        raise launch.LaunchError("no ranks in this test")
+
+    monkeypatch.setattr(loop.TrainConfig, "resolved", counting_resolved)
+    monkeypatch.setattr(loop, "check_available", counting_check_available)
+    monkeypatch.setattr(launch, "launch", fake_launch)
+    assert main(["train", "--hook", "allreduce", "--world-size", "3", "--batch-size", "7", *SHORT]) == 1
+    assert "no ranks in this test" in capsys.readouterr().err
+    assert calls == {"resolved": 1, "check_available": 1}
+    (world, cfg), = launched
+    assert world == 3 and cfg.batch_size == 7 and cfg.backend == "gloo"
+    assert cfg.lr == loop.WORKLOAD_DEFAULTS["digits"]["lr"]  # resolved: the workload's default filled in
+
+    for config, expected in ((loop.TrainConfig(hooks=("allreduce",), world_size=3), 1), (cfg, 0)):
+        calls.update(resolved=0, check_available=0)
+        with pytest.raises(launch.LaunchError):
+            loop.run_training(config)
+        assert calls == {"resolved": expected, "check_available": expected}
+    cfg.batch_size = 0  # changed after validate: checked again
+    with pytest.raises(ValueError, match="--batch-size must be at least 1, got 0"):
+        loop.run_training(cfg)
+    assert len(launched) == 3

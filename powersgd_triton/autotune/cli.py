@@ -27,7 +27,7 @@ import torch
 from .. import _env
 from ..cli import RANK_HELP, add_rank_option, positive, text_table
 from ..layout import BucketLayout
-from ..shapes import MODELS, ddp_buckets, model_shapes, numel
+from ..shapes import MODELS
 from .cache import ConfigCache, export_device_file
 from .keys import DTYPE_NAMES, ShapeClass, parse_dtype, shape_class
 from .tuner import KERNELS, Choice, Tuner
@@ -77,23 +77,12 @@ def model_layouts(
     min_compression_rate: float = 2.0,
     first_bucket_mb: float = 1.0,
 ) -> List[BucketLayout]:
-    """Bucket layouts of ``model``'s gradients as DDP would bucket them (``hook``: layerwise or batched)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    layouts = []
-    buckets = ddp_buckets(model_shapes(model), bucket_cap_mb=bucket_cap_mb, element_size=elem,
-                          first_bucket_mb=first_bucket_mb)
-    for shapes in buckets:
-        total = sum(numel(s) for s in shapes)
-        if hook == "batched":
-            layouts.append(BucketLayout.batched(total, rank, device, dtype))
-            continue
-        buf = torch.empty(total, dtype=dtype, device=device)  # never written: only the views' offsets matter
-        grads, off = [], 0
-        for s in shapes:
-            grads.append(buf[off : off + numel(s)].view(s))
-            off += numel(s)
-        layouts.append(BucketLayout.from_gradients(buf, grads, rank, min_compression_rate))
-    return layouts
+    """Bucket layouts of ``model``'s gradients as DDP would bucket them (``hook``: layerwise or batched); see
+    :func:`powersgd_triton.benchmarking.model_bucket_layouts`, which builds them."""
+    from ..benchmarking import model_bucket_layouts  # imported when used, like bench_cli: keeps the CLI's start light
+
+    return model_bucket_layouts(model, rank, dtype, device, batched=hook == "batched", bucket_cap_mb=bucket_cap_mb,
+                                first_bucket_mb=first_bucket_mb, min_compression_rate=min_compression_rate)
 
 
 def format_config(cfg: dict) -> str:

@@ -279,35 +279,16 @@ def run(args: argparse.Namespace) -> int:
     from ..autotune.cache import atomic_write_json
     from . import launch
     from .data import DataUnavailable
-    from .loop import check_available, run_training
+    from .loop import run_training, validate
 
     try:
         tr = launch.torchrun_env()
     except launch.LaunchError as exc:
         return _error(str(exc), 2)
-    if tr is None and args.world_size < 1:
-        return _error(f"--world-size must be at least 1, got {args.world_size}", 2)
     try:
-        cfg = config_from_args(args)
-        if tr is not None:
-            cfg.world_size = tr.world_size
-        resolved = cfg.resolved()  # validate before starting anything
-        if tr is not None and resolved.world_size != tr.world_size:
-            raise ValueError(f"--fsdp {args.fsdp[0]}x{args.fsdp[1]} needs {resolved.world_size} ranks; torchrun "
-                             f"started {tr.world_size}")
+        resolved = validate(config_from_args(args), tr)  # every check of the configuration, before starting anything
         if args.out and (tr is None or tr.rank == 0):  # only rank 0 writes it (the directory may be on its node only)
             _check_out_path(args.out)
-        check_available(resolved)
-        if args.kernels == "triton":
-            import torch
-
-            from .. import _env
-
-            device = torch.device(resolved.device)
-            if not _env.triton_can_run(device):
-                raise ValueError(
-                    f"--kernels triton cannot run on {resolved.device} here: {_env.triton_unavailable_reason(device)}"
-                )
     except (ValueError, DataUnavailable) as exc:
         return _error(str(exc), 2)
     if tr is None or tr.rank == 0:
@@ -319,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     try:
-        result = run_training(cfg)
+        result = run_training(resolved)  # validated above: not checked again
     except launch.PortInUse as exc:
         return _error(str(exc), 2)
     except launch.LaunchError as exc:

@@ -16,7 +16,7 @@ import math
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass, replace
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -87,7 +87,10 @@ class TrainConfig:
     fail_step: int = 0
 
     def resolved(self) -> "TrainConfig":
-        """A copy with the workload defaults filled in (raises ``ValueError`` on a bad field)."""
+        """A copy with the workload defaults filled in (raises ``ValueError`` on a bad field).
+
+        The field checks only; :func:`validate` adds what depends on the machine (torchrun's world, data, devices).
+        """
         if self.workload not in WORKLOAD_DEFAULTS:
             raise ValueError(f"unknown workload {self.workload!r}; expected one of {tuple(WORKLOAD_DEFAULTS)}")
         bad = [h for h in self.hooks if h not in HOOKS]
@@ -102,12 +105,12 @@ class TrainConfig:
             if values.get(key) is None:
                 values[key] = default
         cfg = TrainConfig(**values)
+        if cfg.world_size < 1:  # before --fsdp R x S replaces it: the option is refused, not silently ignored
+            raise ValueError(f"--world-size must be at least 1, got {cfg.world_size}")
         if cfg.fsdp is not None:
             from .fsdp import check_fsdp_config
 
             check_fsdp_config(cfg)  # sets world_size = R * S
-        if cfg.world_size < 1:
-            raise ValueError(f"world size must be at least 1, got {cfg.world_size}")
         if cfg.matrix_approximation_rank < 1:
             raise ValueError("--matrix-approximation-rank must be at least 1, got "
                              f"{cfg.matrix_approximation_rank}")
@@ -241,6 +244,48 @@ def check_available(cfg: "TrainConfig") -> None:
         if launch.torchrun_env() is None and cfg.world_size > n:
             raise ValueError(f"--device cuda uses one GPU per rank: --world-size {cfg.world_size} > {n} GPUs")
     _plan(cfg)  # raises ValueError when a global batch is larger than the training set
+
+
+_VALIDATED = "_validated_fields"  # set by validate() on its result (not a dataclass field: to_json leaves it out)
+
+
+def validate(config: TrainConfig, torchrun: Any = ...) -> TrainConfig:
+    """The configuration a run uses, checked: the one place ``powersgd-triton train`` and :func:`run_training` check it.
+
+    In order: under torchrun (``torchrun``: a :class:`~powersgd_triton.train.launch.TorchrunEnv`, ``None`` when not
+    under one; by default read from the environment) its world size replaces ``config.world_size``;
+    :meth:`TrainConfig.resolved` (workload defaults, field checks, ``--fsdp``); torchrun's world size against the
+    ``R x S`` of ``--fsdp``; :func:`check_available` (data package, GPUs, batch against the training set); with
+    ``kernels="triton"``, whether Triton can run on the device here. ``config`` is not changed.
+
+    Returns a resolved copy that :func:`run_training` takes as it is (unless a field was changed since). Raises
+    ``ValueError`` (messages name the command-line option) or
+    :class:`~powersgd_triton.train.data.DataUnavailable`; :class:`~powersgd_triton.train.launch.LaunchError` when
+    the torchrun environment is incomplete.
+    """
+    if torchrun is ...:
+        from . import launch
+
+        torchrun = launch.torchrun_env()
+    if torchrun is not None:
+        config = replace(config, world_size=torchrun.world_size)
+    cfg = config.resolved()
+    if torchrun is not None and cfg.world_size != torchrun.world_size:  # --fsdp R x S sets it
+        raise ValueError(f"--fsdp {cfg.fsdp[0]}x{cfg.fsdp[1]} needs {cfg.world_size} ranks; torchrun started "
+                         f"{torchrun.world_size}")
+    check_available(cfg)
+    if cfg.kernels == "triton":
+        device = torch.device(cfg.device)
+        if not _env.triton_can_run(device):
+            reason = _env.triton_unavailable_reason(device)
+            raise ValueError(f"--kernels triton cannot run on {cfg.device} here: {reason}")
+    cfg.__dict__[_VALIDATED] = astuple(cfg)
+    return cfg
+
+
+def _is_validated(cfg: TrainConfig) -> bool:
+    """``cfg`` came from :func:`validate` and no field changed since."""
+    return cfg.__dict__.get(_VALIDATED) == astuple(cfg)
 
 
 def make_hook(name: str, cfg: TrainConfig, grad_scaler=None):
@@ -612,20 +657,15 @@ def run_training(config: TrainConfig) -> Dict[str, Any]:
     """Train every hook of ``config.hooks`` on ``config.world_size`` local ranks (or in this torchrun rank).
 
     Returns ``{"runs": {hook: metrics}, "config": {...}}`` on rank 0 (and ``None`` on other torchrun ranks).
+    ``config`` is checked by :func:`validate` (once: a configuration :func:`validate` returned is used as it is).
     Raises :class:`~powersgd_triton.train.launch.LaunchError` subclasses when a rank fails or times out, and
     ``ValueError`` for a bad configuration.
     """
     from . import launch
 
-    cfg = config.resolved()
-    check_available(cfg)
     env = launch.torchrun_env()
+    cfg = config if _is_validated(config) else validate(config, env)
     if env is not None:
-        cfg.world_size = env.world_size
-        cfg = cfg.resolved()
-        if cfg.world_size != env.world_size:  # --fsdp R x S sets it
-            raise ValueError(f"--fsdp {cfg.fsdp[0]}x{cfg.fsdp[1]} needs {cfg.world_size} ranks; torchrun started "
-                             f"{env.world_size}")
         runs = rank_main(env.rank, env.world_size, None, cfg, local_rank=env.local_rank)
         if env.rank != 0:
             return None
