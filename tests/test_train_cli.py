@@ -53,18 +53,23 @@ def check_schema(payload, hooks, steps):
     "hook", ["allreduce", "reference", "powersgd", "batched"]
 )
 def test_short_run_of_each_hook(hook, tmp_path):
+    """``powersgd`` on ``--kernels auto`` (the Triton kernels here, in the interpreter), ``batched`` on
+    ``--kernels torch`` (what a CPU user gets from auto; the interpreter is slow)."""
     out = tmp_path / "m.json"
-    proc = run_cli("train", "--hook", hook, *SHORT, "--out", str(out))
+    kernels = ["--kernels", "torch"] if hook == "batched" else []
+    proc = run_cli("train", "--hook", hook, *SHORT, *kernels, "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "final test acc" in proc.stdout
     payload = json.loads(out.read_text())
     check_schema(payload, [hook], steps=4)
     run = payload["runs"][hook]
     assert run["compressed_steps"] == 2
-    if hook in ("powersgd", "batched"):
+    if hook == "powersgd":
         # tests run under TRITON_INTERPRET=1 (conftest), so "auto" picks the Triton kernels on CPU tensors
         expected = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "torch"
         assert run["kernel_backend"] == expected
+    elif hook == "batched":
+        assert run["kernel_backend"] == "torch"
     else:
         assert run["kernel_backend"] is None
     if hook == "allreduce":
@@ -103,10 +108,11 @@ def test_compare_is_deterministic_across_hooks_and_counts_bytes(tmp_path):
 @pytest.mark.slow
 def test_ours_tracks_pytorchs_hook(tmp_path):
     """Digits fits one DDP bucket, so ours (default buckets) and PyTorch's hook see the same bucket: same seed,
-    same losses step by step (up to float rounding), same bytes and calls."""
+    same losses step by step (up to float rounding), same bytes and calls. Ours on the torch backend, as on a CPU
+    without the interpreter (the Triton kernels' steps against PyTorch's hook: test_hooks_equivalence)."""
     out = tmp_path / "m.json"
     proc = run_cli("train", "--compare", "powersgd,reference", "--steps", "12", "--start-iter", "4", "--no-progress",
-                   "--out", str(out))
+                   "--kernels", "torch", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     runs = json.loads(out.read_text())["runs"]
     ours, ref = runs["powersgd"], runs["reference"]
