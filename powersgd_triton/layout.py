@@ -15,11 +15,12 @@ grouped by shape in order of first appearance (``shape_to_tensors`` in ``powerSG
 same numbers in the same places as PyTorch's ``p_memory_dict`` / ``q_memory_dict``.
 
 The kernels read one small ``int64`` device table (:attr:`BucketLayout.table`, one row of :data:`TABLE_COLUMNS` per
-matrix) and ``int32`` tile tables ``(matrix, start)`` made per block size (:meth:`BucketLayout.tiles`), both built
-once and cached. The batched view (``batched_powerSGD_hook``) is a layout with a single virtual ``s x s`` matrix,
-``s = ceil(sqrt(N))``, whose elements past ``N`` are masked (``NUMEL`` column), so the bucket is never resized. As in
-PyTorch's batched hook, the error memory covers the whole padded matrix (``s * s`` floats, at most ``2s - 1`` more
-than the bucket): the padding's ``M + E`` is its error memory.
+matrix) and, per launch, a tile table with one row per program (``*_TILE_COLUMNS`` below: :meth:`BucketLayout.tiles`,
+:meth:`~BucketLayout.project_t_tiles`, :meth:`~BucketLayout.reconstruct_tiles`, :meth:`~BucketLayout.average_tiles`),
+all built once and cached. The batched view (``batched_powerSGD_hook``) is a layout with a single virtual ``s x s``
+matrix, ``s = ceil(sqrt(N))``, whose elements past ``N`` are masked (``NUMEL`` column), so the bucket is never
+resized. As in PyTorch's batched hook, the error memory covers the whole padded matrix (``s * s`` floats, at most
+``2s - 1`` more than the bucket): the padding's ``M + E`` is its error memory.
 """
 
 import math
@@ -33,6 +34,29 @@ import torch
 OFF, ROWS, COLS, NUMEL, RANK, P_OFF, Q_OFF, E_OFF = range(8)
 TABLE_COLUMNS = ("offset", "n", "m", "numel", "rank", "p_offset", "q_offset", "e_offset")
 TABLE_WIDTH = len(TABLE_COLUMNS)
+
+# Columns of the tile tables: one row per program of a launch, built (and cached) by the BucketLayout method named.
+# The kernels read them through the constexprs of powersgd_triton.kernels.common; each table has its own names.
+# project: tiles("rows", BLOCK_N), int32 (T, 2).
+TILE_COLUMNS = ("matrix", "first")  # first row ("rows") or column ("cols") of the tile
+TILE_MAT, TILE_FIRST = range(2)
+TILE_WIDTH = len(TILE_COLUMNS)
+# project_t: project_t_tiles(...)[0], int32 (T, 5); workspace offset -1: the program writes Q itself.
+PROJECT_T_TILE_COLUMNS = ("matrix", "first_col", "first_row", "end_row", "ws_offset")
+PROJECT_T_MAT, PROJECT_T_COL0, PROJECT_T_ROW0, PROJECT_T_ROW_END, PROJECT_T_WS_OFF = range(5)
+PROJECT_T_TILE_WIDTH = len(PROJECT_T_TILE_COLUMNS)
+# reduce_splits (the second launch of project_t for split matrices): project_t_tiles(...)[1], int32 (T, 4).
+REDUCE_TILE_COLUMNS = ("matrix", "first_col", "ws_offset", "splits")
+REDUCE_MAT, REDUCE_COL0, REDUCE_WS_OFF, REDUCE_SPLITS = range(4)
+REDUCE_TILE_WIDTH = len(REDUCE_TILE_COLUMNS)
+# reconstruct: reconstruct_tiles(...), int32 (T, 4).
+RECON_TILE_COLUMNS = ("matrix", "first_row", "first_col", "end_col")
+RECON_MAT, RECON_ROW0, RECON_COL0, RECON_COL_END = range(4)
+RECON_TILE_WIDTH = len(RECON_TILE_COLUMNS)
+# average: average_tiles(...)[0], int64 (T, 4); matrix -1: an uncompressed chunk.
+AVERAGE_TILE_COLUMNS = ("matrix", "src_offset", "dst_offset", "count")
+AVERAGE_MAT, AVERAGE_SRC, AVERAGE_DST, AVERAGE_COUNT = range(4)
+AVERAGE_TILE_WIDTH = len(AVERAGE_TILE_COLUMNS)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The bucket kernels that take a block-size config (tuned per shape class; the other launches are fixed).
@@ -173,7 +197,11 @@ class BucketLayout:
         self.uncompressed_numel = sum(length for _, length in self.uncompressed)
         self.max_rank = max((s.rank for s in matrices), default=0)
         self.groups = _shape_groups(matrices)
-        rows = [[s.offset, s.n, s.m, s.numel, s.rank, s.p_offset, s.q_offset, s.e_offset] for s in matrices]
+        rows = [
+            _table_row(TABLE_WIDTH, {OFF: s.offset, ROWS: s.n, COLS: s.m, NUMEL: s.numel, RANK: s.rank,
+                                     P_OFF: s.p_offset, Q_OFF: s.q_offset, E_OFF: s.e_offset})
+            for s in matrices
+        ]
         self.table = torch.tensor(rows, dtype=torch.int64).reshape(-1, TABLE_WIDTH).to(self.device)
         self._tiles: Dict[tuple, object] = {}
         self._uncompressed_index: Optional[torch.Tensor] = None
@@ -305,7 +333,8 @@ class BucketLayout:
         return len(self.matrices)
 
     def tiles(self, kind: str, block: int) -> torch.Tensor:
-        """Device ``int32`` table of shape ``(T, 2)``: ``(matrix index, first row or column)`` of each tile.
+        """Device ``int32`` table of shape ``(T, 2)``: ``(matrix index, first row or column)`` of each tile
+        (:data:`TILE_COLUMNS`).
 
         ``kind="rows"`` tiles every M_i into blocks of ``block`` rows (project, reconstruct); ``kind="cols"`` into
         blocks of ``block`` columns (project_t). Cached per (kind, block).
@@ -322,37 +351,48 @@ class BucketLayout:
                 mats.append(np.full(count, i, dtype=np.int32))
                 starts.append(np.arange(count, dtype=np.int64) * block)
             if mats:
-                arr = np.stack([np.concatenate(mats), np.concatenate(starts).astype(np.int32)], axis=1)
+                arr = np.zeros((sum(len(x) for x in mats), TILE_WIDTH), dtype=np.int32)
+                arr[:, TILE_MAT] = np.concatenate(mats)
+                arr[:, TILE_FIRST] = np.concatenate(starts)
             else:
-                arr = np.zeros((0, 2), dtype=np.int32)
+                arr = np.zeros((0, TILE_WIDTH), dtype=np.int32)
             t = torch.from_numpy(np.ascontiguousarray(arr)).to(self.device)
             self._tiles[key] = t
         return t
 
-    def column_tiles(self, block: int, split_rows: int = 0):
+    def project_t_tiles(self, block: int, split_rows: int = 0):
         """Tile tables of project_t for ``block`` columns per tile and at most ``split_rows`` rows per program.
 
         Returns ``(tiles, reduce_tiles, workspace_numel)``: ``tiles`` is a device ``int32 (T, 5)`` table
-        ``(matrix, first column, first row, end row, workspace offset or -1)``; matrices with ``n > split_rows`` (when
-        ``split_rows > 0``) are split over rows and write partial sums to a float32 workspace of
-        ``workspace_numel`` elements, which ``reduce_tiles`` (``int32 (T2, 4)``: matrix, first column, workspace
-        offset, number of splits; None when nothing is split) sums in a fixed order. Cached per arguments.
+        (:data:`PROJECT_T_TILE_COLUMNS`: matrix, first column, first row, end row, workspace offset or -1);
+        matrices with ``n > split_rows`` (when ``split_rows > 0``) are split over rows and write partial sums to a
+        float32 workspace of ``workspace_numel`` elements, which the reduce_splits launch sums in a fixed order from
+        ``reduce_tiles`` (``int32 (T2, 4)``, :data:`REDUCE_TILE_COLUMNS`: matrix, first column, workspace offset,
+        number of splits; None when nothing is split). Cached per arguments. Raises ``ValueError`` when the
+        workspace would exceed int32 offsets.
         """
         key = ("cols5", int(block), int(split_rows))
         cached = self._tiles.get(key)
         if cached is None:
             tiles, reduce_tiles = [], []
             ws = 0
+
+            def tile(mat, col0, row0, row_end, ws_off):
+                return _table_row(PROJECT_T_TILE_WIDTH, {PROJECT_T_MAT: mat, PROJECT_T_COL0: col0,
+                                                         PROJECT_T_ROW0: row0, PROJECT_T_ROW_END: row_end,
+                                                         PROJECT_T_WS_OFF: ws_off})
+
             for i, s in enumerate(self.matrices):
                 nsplit = -(-s.n // split_rows) if split_rows > 0 and s.n > split_rows else 1
                 for c in range(0, s.m, block):
                     if nsplit == 1:
-                        tiles.append((i, c, 0, s.n, -1))
+                        tiles.append(tile(i, c, 0, s.n, -1))
                     else:
                         for k in range(nsplit):
                             end = min(s.n, (k + 1) * split_rows)
-                            tiles.append((i, c, k * split_rows, end, ws + k * s.m * s.rank))
-                        reduce_tiles.append((i, c, ws, nsplit))
+                            tiles.append(tile(i, c, k * split_rows, end, ws + k * s.m * s.rank))
+                        reduce_tiles.append(_table_row(REDUCE_TILE_WIDTH, {REDUCE_MAT: i, REDUCE_COL0: c,
+                                                                           REDUCE_WS_OFF: ws, REDUCE_SPLITS: nsplit}))
                 if nsplit > 1:
                     ws += nsplit * s.m * s.rank
             if ws >= 2**31:
@@ -361,13 +401,15 @@ class BucketLayout:
             def dev(rows, width):
                 return torch.tensor(rows, dtype=torch.int32).reshape(-1, width).to(self.device)
 
-            cached = (dev(tiles, 5), dev(reduce_tiles, 4) if reduce_tiles else None, ws)
+            cached = (dev(tiles, PROJECT_T_TILE_WIDTH), dev(reduce_tiles, REDUCE_TILE_WIDTH) if reduce_tiles else None,
+                      ws)
             self._tiles[key] = cached
         return cached
 
-    def row_tiles(self, block: int, split_cols: int = 0) -> torch.Tensor:
-        """Tile table of reconstruct: device ``int32 (T, 4)`` ``(matrix, first row, first column, end column)``,
-        ``block`` rows per tile and at most ``split_cols`` columns per program (0: whole rows). Cached."""
+    def reconstruct_tiles(self, block: int, split_cols: int = 0) -> torch.Tensor:
+        """Tile table of reconstruct: device ``int32 (T, 4)`` (:data:`RECON_TILE_COLUMNS`: matrix, first row, first
+        column, end column), ``block`` rows per tile and at most ``split_cols`` columns per program (0: whole
+        rows). Cached."""
         key = ("rows4", int(block), int(split_cols))
         t = self._tiles.get(key)
         if t is None:
@@ -376,15 +418,17 @@ class BucketLayout:
                 chunk = split_cols if 0 < split_cols < s.m else s.m
                 for r0 in range(0, s.n, block):
                     for c in range(0, s.m, chunk):
-                        rows.append((i, r0, c, min(s.m, c + chunk)))
-            t = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(self.device)
+                        rows.append(_table_row(RECON_TILE_WIDTH, {RECON_MAT: i, RECON_ROW0: r0, RECON_COL0: c,
+                                                                  RECON_COL_END: min(s.m, c + chunk)}))
+            t = torch.tensor(rows, dtype=torch.int32).reshape(-1, RECON_TILE_WIDTH).to(self.device)
             self._tiles[key] = t
         return t
 
     def average_tiles(self, which: str, packed: bool, block: int):
         """Tile tables of the average launch: ``(tiles, first)``.
 
-        ``tiles``: device ``int64 (T, 4)`` ``(matrix or -1, source offset, destination offset, count <= block)``:
+        ``tiles``: device ``int64 (T, 4)`` (:data:`AVERAGE_TILE_COLUMNS`: matrix or -1, source offset, destination
+        offset, count <= block):
         first the factor (``which`` = "p" or "q") of every matrix in chunks of ``block`` (source = destination, in
         place), then the uncompressed gradients: from a packed buffer (``packed``) into their bucket positions, or in
         place in the bucket (one range or none). ``first``: device ``int32 (L + 1,)``, the factor chunks of matrix i
@@ -402,15 +446,19 @@ class BucketLayout:
                 start = s.p_offset if which == "p" else s.q_offset
                 count = (s.n if which == "p" else s.m) * s.rank
                 for c in range(0, count, block):
-                    rows.append((i, start + c, start + c, min(block, count - c)))
+                    rows.append(_table_row(AVERAGE_TILE_WIDTH, {AVERAGE_MAT: i, AVERAGE_SRC: start + c,
+                                                                AVERAGE_DST: start + c,
+                                                                AVERAGE_COUNT: min(block, count - c)}))
                 first.append(len(rows))
             pos = 0
             for off, n in self.uncompressed:
                 for c in range(0, n, block):
-                    rows.append((-1, (pos if packed else off) + c, off + c, min(block, n - c)))
+                    src = (pos if packed else off) + c
+                    rows.append(_table_row(AVERAGE_TILE_WIDTH, {AVERAGE_MAT: -1, AVERAGE_SRC: src, AVERAGE_DST: off + c,
+                                                                AVERAGE_COUNT: min(block, n - c)}))
                 pos += n
             cached = (
-                torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).to(self.device),
+                torch.tensor(rows, dtype=torch.int64).reshape(-1, AVERAGE_TILE_WIDTH).to(self.device),
                 torch.tensor(first, dtype=torch.int32).to(self.device),
             )
             self._tiles[key] = cached
@@ -490,6 +538,16 @@ class BucketLayout:
             f"BucketLayout({kind}, numel={self.numel}, compressed={self.num_matrices}, "
             f"uncompressed_numel={self.uncompressed_numel}, P={self.p_numel}, Q={self.q_numel})"
         )
+
+
+def _table_row(width: int, values: Dict[int, int]) -> List[int]:
+    """One row of a kernel table from ``{column index: value}`` naming each of its ``width`` columns once."""
+    if sorted(values) != list(range(width)):
+        raise ValueError(f"a table row needs columns 0..{width - 1} each once, got {sorted(values)}")
+    row = [0] * width
+    for col, value in values.items():
+        row[col] = value
+    return row
 
 
 def _merge_segments(segments: List[Tuple[int, int]]) -> List[Tuple[int, int]]:

@@ -133,10 +133,10 @@ def test_plan_program_iterations_follow_the_tile_tables(dtype, monkeypatch):
             tiles = layout.tiles("rows", cfg["BLOCK_N"]).tolist()
             want = [-(-layout.matrices[i].m // bk) for i, _ in tiles]
         elif kernel == "reconstruct":
-            tiles = layout.row_tiles(cfg["BLOCK_N"], main["split_cols"]).tolist()
+            tiles = layout.reconstruct_tiles(cfg["BLOCK_N"], main["split_cols"]).tolist()
             want = [-(-(c1 - c0) // bk) for _, _, c0, c1 in tiles]
         else:
-            tiles, reduce_tiles, _ = layout.column_tiles(cfg["BLOCK_M"], main["split_rows"])
+            tiles, reduce_tiles, _ = layout.project_t_tiles(cfg["BLOCK_M"], main["split_rows"])
             want = [-(-(r1 - r0) // bk) for _, _, r0, r1, _ in tiles.tolist()]
             sb = T.reduce_split_block(cfg["BLOCK_M"], T.padded_rank(layout.max_rank))
             assert launches[1]["program_iterations"] == [-(-ns // sb) for *_, ns in reduce_tiles.tolist()]

@@ -1,4 +1,9 @@
-"""Helpers shared by the bucket kernels: table reads, loop bounds read from device tables, rounding stores.
+"""Helpers shared by the bucket kernels: table columns and reads, M tiles, loop bounds read from device tables,
+rounding stores.
+
+The columns of the layout table and of the tile tables are named once, in :mod:`powersgd_triton.layout`; the kernels
+use them as the module-level ``tl.constexpr`` globals below (same names: ``RANK``, ``TABLE_WIDTH``, ``RECON_ROW0``,
+...), which Triton folds at compile time exactly like literals, and which its interpreter reads as Python ints.
 
 ``loop_range``: the iterator of every loop whose bound is read from a device table (``for k0 in loop_range(0, m,
 BLOCK_K)``). Compiled, it is ``tl.range`` (a loop the software pipeliner sees, ``num_stages``). Under Triton's
@@ -10,6 +15,48 @@ from how ``triton.jit`` wrapped a probe function here (the same test Triton make
 
 import triton
 import triton.language as tl
+
+from .. import layout as _layout
+
+# The layout table (int64 [L, TABLE_WIDTH], layout.TABLE_COLUMNS).
+TABLE_WIDTH = tl.constexpr(_layout.TABLE_WIDTH)
+OFF = tl.constexpr(_layout.OFF)
+ROWS = tl.constexpr(_layout.ROWS)
+COLS = tl.constexpr(_layout.COLS)
+NUMEL = tl.constexpr(_layout.NUMEL)
+RANK = tl.constexpr(_layout.RANK)
+P_OFF = tl.constexpr(_layout.P_OFF)
+Q_OFF = tl.constexpr(_layout.Q_OFF)
+E_OFF = tl.constexpr(_layout.E_OFF)
+# project's tiles (int32 [T, TILE_WIDTH], layout.TILE_COLUMNS).
+TILE_WIDTH = tl.constexpr(_layout.TILE_WIDTH)
+TILE_MAT = tl.constexpr(_layout.TILE_MAT)
+TILE_FIRST = tl.constexpr(_layout.TILE_FIRST)
+# project_t's tiles (int32 [T, PROJECT_T_TILE_WIDTH], layout.PROJECT_T_TILE_COLUMNS).
+PROJECT_T_TILE_WIDTH = tl.constexpr(_layout.PROJECT_T_TILE_WIDTH)
+PROJECT_T_MAT = tl.constexpr(_layout.PROJECT_T_MAT)
+PROJECT_T_COL0 = tl.constexpr(_layout.PROJECT_T_COL0)
+PROJECT_T_ROW0 = tl.constexpr(_layout.PROJECT_T_ROW0)
+PROJECT_T_ROW_END = tl.constexpr(_layout.PROJECT_T_ROW_END)
+PROJECT_T_WS_OFF = tl.constexpr(_layout.PROJECT_T_WS_OFF)
+# reduce_splits' tiles (int32 [T, REDUCE_TILE_WIDTH], layout.REDUCE_TILE_COLUMNS).
+REDUCE_TILE_WIDTH = tl.constexpr(_layout.REDUCE_TILE_WIDTH)
+REDUCE_MAT = tl.constexpr(_layout.REDUCE_MAT)
+REDUCE_COL0 = tl.constexpr(_layout.REDUCE_COL0)
+REDUCE_WS_OFF = tl.constexpr(_layout.REDUCE_WS_OFF)
+REDUCE_SPLITS = tl.constexpr(_layout.REDUCE_SPLITS)
+# reconstruct's tiles (int32 [T, RECON_TILE_WIDTH], layout.RECON_TILE_COLUMNS).
+RECON_TILE_WIDTH = tl.constexpr(_layout.RECON_TILE_WIDTH)
+RECON_MAT = tl.constexpr(_layout.RECON_MAT)
+RECON_ROW0 = tl.constexpr(_layout.RECON_ROW0)
+RECON_COL0 = tl.constexpr(_layout.RECON_COL0)
+RECON_COL_END = tl.constexpr(_layout.RECON_COL_END)
+# average's tiles (int64 [T, AVERAGE_TILE_WIDTH], layout.AVERAGE_TILE_COLUMNS).
+AVERAGE_TILE_WIDTH = tl.constexpr(_layout.AVERAGE_TILE_WIDTH)
+AVERAGE_MAT = tl.constexpr(_layout.AVERAGE_MAT)
+AVERAGE_SRC = tl.constexpr(_layout.AVERAGE_SRC)
+AVERAGE_DST = tl.constexpr(_layout.AVERAGE_DST)
+AVERAGE_COUNT = tl.constexpr(_layout.AVERAGE_COUNT)
 
 
 @triton.jit
@@ -41,16 +88,34 @@ else:
 @triton.jit
 def _load_matrix_row(table_ptr, mat):
     """The row of matrix ``mat`` of the int64 layout table (``layout.TABLE_COLUMNS``)."""
-    row = table_ptr + mat * 8
-    off = tl.load(row + 0)
-    n = tl.load(row + 1)
-    m = tl.load(row + 2)
-    numel = tl.load(row + 3)
-    r = tl.load(row + 4)
-    p_off = tl.load(row + 5)
-    q_off = tl.load(row + 6)
-    e_off = tl.load(row + 7)
+    row = table_ptr + mat * TABLE_WIDTH
+    off = tl.load(row + OFF)
+    n = tl.load(row + ROWS)
+    m = tl.load(row + COLS)
+    numel = tl.load(row + NUMEL)
+    r = tl.load(row + RANK)
+    p_off = tl.load(row + P_OFF)
+    q_off = tl.load(row + Q_OFF)
+    e_off = tl.load(row + E_OFF)
     return off, n, m, numel, r, p_off, q_off, e_off
+
+
+@triton.jit
+def _load_m_and_pad_error(m_ptr, e_ptr, rows, row_ok, cols, col_ok, m, numel, PAD_ERROR: tl.constexpr):
+    """The ``[rows, cols]`` tile of a row-major ``n x m`` matrix M with ``numel`` valid elements (masked where
+    ``row_ok``/``col_ok`` are false and at flat indices ``>= numel``), and, with ``PAD_ERROR`` (the batched view),
+    the error memory of its padding: E at the flat indices ``>= numel`` inside the tile, zeros elsewhere (else one
+    ``[1, 1]`` zero). As stored (not upcast). Used by project_t and reconstruct, for which the padding's ``M + E``
+    is its error memory; project reads the error of the whole matrix instead
+    (:func:`powersgd_triton.kernels.lowrank_mm._project_loads`)."""
+    lin = rows[:, None] * m + cols[None, :]
+    inside = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(m_ptr + lin, mask=inside & (lin < numel), other=0.0)
+    if PAD_ERROR:
+        e = tl.load(e_ptr + lin, mask=inside & (lin >= numel), other=0.0)
+    else:
+        e = tl.zeros((1, 1), dtype=tl.float32)
+    return x, e
 
 
 @triton.jit

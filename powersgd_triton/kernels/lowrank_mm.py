@@ -21,7 +21,26 @@ partial sums to a float32 workspace, summed in a fixed order by :func:`_reduce_s
 import triton
 import triton.language as tl
 
-from .common import _cast_for_store, _load_matrix_row, loop_range  # noqa: F401 - re-exported
+from .common import (  # noqa: F401 - re-exported
+    PROJECT_T_COL0,
+    PROJECT_T_MAT,
+    PROJECT_T_ROW0,
+    PROJECT_T_ROW_END,
+    PROJECT_T_TILE_WIDTH,
+    PROJECT_T_WS_OFF,
+    REDUCE_COL0,
+    REDUCE_MAT,
+    REDUCE_SPLITS,
+    REDUCE_TILE_WIDTH,
+    REDUCE_WS_OFF,
+    TILE_FIRST,
+    TILE_MAT,
+    TILE_WIDTH,
+    _cast_for_store,
+    _load_m_and_pad_error,
+    _load_matrix_row,
+    loop_range,
+)
 
 
 @triton.jit
@@ -54,8 +73,8 @@ def _project_kernel(
     p_ptr,  # flat P output, P_i row-major n x r at p_ptr + p_off
     p2_ptr,  # second P output (HAS_P2: the alternating hook's local copy), same layout
     e_ptr,  # flat error memory (float32), E_i row-major n x m at e_ptr + e_off (unused unless HAS_ERROR)
-    table_ptr,  # int64 [L, 8] layout table
-    tiles_ptr,  # int32 [T, 2] (matrix, first row)
+    table_ptr,  # int64 [L, TABLE_WIDTH] layout table
+    tiles_ptr,  # int32 [T, TILE_WIDTH] (TILE_MAT: matrix, TILE_FIRST: first row)
     ls_ptr,  # float32 [1] loss scale s (LOSS_SCALE: the error memory is unscaled, M + s·E is used)
     HAS_ERROR: tl.constexpr,
     PAD_ERROR: tl.constexpr,  # batched view: the padding (flat index >= numel) has error memory too
@@ -70,8 +89,8 @@ def _project_kernel(
     """P_i[rows] = (M_i + E_i)[rows] · Q_i for one tile of BLOCK_N rows; writes M_i + E_i back if HAS_ERROR
     (``M_i + s·E_i`` with LOSS_SCALE)."""
     pid = tl.program_id(0)
-    mat = tl.load(tiles_ptr + 2 * pid).to(tl.int64)
-    row0 = tl.load(tiles_ptr + 2 * pid + 1).to(tl.int64)
+    mat = tl.load(tiles_ptr + TILE_WIDTH * pid + TILE_MAT).to(tl.int64)
+    row0 = tl.load(tiles_ptr + TILE_WIDTH * pid + TILE_FIRST).to(tl.int64)
     off, n, m, numel, r, p_off, q_off, e_off = _load_matrix_row(table_ptr, mat)
 
     rows = row0 + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -125,13 +144,7 @@ def _project_t_loads(m_ptr, e_ptr, p_ptr, cols, col_ok, ranks, k0, row_end, m, n
     the padding's error (``PAD_ERROR``, else zeros) and P's ``[k, R]``; as stored."""
     rows = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
     row_ok = rows < row_end
-    lin = rows[:, None] * m + cols[None, :]
-    inside = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(m_ptr + lin, mask=inside & (lin < numel), other=0.0)
-    if PAD_ERROR:
-        e = tl.load(e_ptr + lin, mask=inside & (lin >= numel), other=0.0)
-    else:
-        e = tl.zeros((1, 1), dtype=tl.float32)
+    x, e = _load_m_and_pad_error(m_ptr, e_ptr, rows, row_ok, cols, col_ok, m, numel, PAD_ERROR)
     p_mask = row_ok[:, None] & (ranks[None, :] < r)
     p = tl.load(p_ptr + rows[:, None] * r + ranks[None, :], mask=p_mask, other=0.0)
     return x, e, p
@@ -145,8 +158,8 @@ def _project_t_kernel(
     q2_ptr,  # second Q output (HAS_Q2: the alternating hook's local copy)
     e_ptr,  # flat error memory (PAD_ERROR only: the padding's error of the batched view)
     ws_ptr,  # float32 workspace for partial sums of split matrices
-    table_ptr,  # int64 [L, 8] layout table
-    tiles_ptr,  # int32 [T, 5] (matrix, first column, first row, end row, workspace offset or -1: write Q)
+    table_ptr,  # int64 [L, TABLE_WIDTH] layout table
+    tiles_ptr,  # int32 [T, PROJECT_T_TILE_WIDTH] (matrix, first column, first row, end row, workspace offset or -1)
     ls_ptr,  # float32 [1] loss scale s (LOSS_SCALE: the padding's M + E is s·E)
     PAD_ERROR: tl.constexpr,
     HAS_Q2: tl.constexpr,
@@ -163,11 +176,11 @@ def _project_t_kernel(
     :func:`_reduce_splits_kernel` adds them up in a fixed order (no atomics).
     """
     pid = tl.program_id(0)
-    mat = tl.load(tiles_ptr + 5 * pid).to(tl.int64)
-    col0 = tl.load(tiles_ptr + 5 * pid + 1).to(tl.int64)
-    row_begin = tl.load(tiles_ptr + 5 * pid + 2).to(tl.int64)
-    row_end = tl.load(tiles_ptr + 5 * pid + 3).to(tl.int64)
-    ws_off = tl.load(tiles_ptr + 5 * pid + 4).to(tl.int64)
+    mat = tl.load(tiles_ptr + PROJECT_T_TILE_WIDTH * pid + PROJECT_T_MAT).to(tl.int64)
+    col0 = tl.load(tiles_ptr + PROJECT_T_TILE_WIDTH * pid + PROJECT_T_COL0).to(tl.int64)
+    row_begin = tl.load(tiles_ptr + PROJECT_T_TILE_WIDTH * pid + PROJECT_T_ROW0).to(tl.int64)
+    row_end = tl.load(tiles_ptr + PROJECT_T_TILE_WIDTH * pid + PROJECT_T_ROW_END).to(tl.int64)
+    ws_off = tl.load(tiles_ptr + PROJECT_T_TILE_WIDTH * pid + PROJECT_T_WS_OFF).to(tl.int64)
     off, n, m, numel, r, p_off, q_off, e_off = _load_matrix_row(table_ptr, mat)
 
     cols = col0 + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -226,8 +239,8 @@ def _reduce_splits_kernel(
     ws_ptr,  # float32 workspace: for matrix i, nsplit_i consecutive m_i x r_i partial sums
     q_ptr,  # flat Q output
     q2_ptr,  # second Q output (HAS_Q2)
-    table_ptr,  # int64 [L, 8] layout table
-    tiles_ptr,  # int32 [T, 4] (matrix, first column, workspace offset of split 0, number of splits)
+    table_ptr,  # int64 [L, TABLE_WIDTH] layout table
+    reduce_tiles_ptr,  # int32 [T, REDUCE_TILE_WIDTH] (matrix, first column, workspace offset of split 0, splits)
     HAS_Q2: tl.constexpr,
     R: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -236,10 +249,10 @@ def _reduce_splits_kernel(
     """Q_i[cols] = sum over splits s of the partial sums of project_t: deterministic split-K (SPLIT_BLOCK 1: in
     order; else blocks of SPLIT_BLOCK splits in order, each summed by ``tl.sum``'s fixed tree)."""
     pid = tl.program_id(0)
-    mat = tl.load(tiles_ptr + 4 * pid).to(tl.int64)
-    col0 = tl.load(tiles_ptr + 4 * pid + 1).to(tl.int64)
-    ws_off = tl.load(tiles_ptr + 4 * pid + 2).to(tl.int64)
-    nsplit = tl.load(tiles_ptr + 4 * pid + 3)
+    mat = tl.load(reduce_tiles_ptr + REDUCE_TILE_WIDTH * pid + REDUCE_MAT).to(tl.int64)
+    col0 = tl.load(reduce_tiles_ptr + REDUCE_TILE_WIDTH * pid + REDUCE_COL0).to(tl.int64)
+    ws_off = tl.load(reduce_tiles_ptr + REDUCE_TILE_WIDTH * pid + REDUCE_WS_OFF).to(tl.int64)
+    nsplit = tl.load(reduce_tiles_ptr + REDUCE_TILE_WIDTH * pid + REDUCE_SPLITS)
     off, n, m, numel, r, p_off, q_off, e_off = _load_matrix_row(table_ptr, mat)
     cols = col0 + tl.arange(0, BLOCK_M).to(tl.int64)
     ranks = tl.arange(0, R)

@@ -35,7 +35,7 @@ import triton.language as tl
 from triton.language.standard import _sum_combine
 
 from .. import _compat
-from .common import loop_range
+from .common import RANK, TABLE_WIDTH, loop_range
 from .reference import DEPENDENT_TOL
 
 _TAU = tl.constexpr(DEPENDENT_TOL)
@@ -153,10 +153,10 @@ def _head_gram(x_ptr, base, n, r, rm, enabled, R: tl.constexpr):
 def _ortho_gram_kernel(
     x_ptr,  # flat factor input (float32), matrix i row-major rows_i x r_i at x_ptr + offset_i
     ws_ptr,  # float64 workspace of [R, R] slots
-    table_ptr,  # int64 [L, 8] layout table
+    table_ptr,  # int64 [L, TABLE_WIDTH] layout table
     tasks_ptr,  # int64 [T, 5]: matrix, first row, Gram slot, head slot (-1: none), completion vectors rm
-    ROWS_COL: tl.constexpr,  # table column holding the row count (1: n for P, 2: m for Q)
-    OFF_COL: tl.constexpr,  # table column holding the factor offset (5: P, 6: Q)
+    ROWS_COL: tl.constexpr,  # layout-table column of the factor's row count (ROWS: n for P, COLS: m for Q)
+    OFF_COL: tl.constexpr,  # layout-table column of the factor's offset (P_OFF, Q_OFF)
     R: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUP_TILES: tl.constexpr,  # tiles of BLOCK rows per Gram slot (GRAM_ROWS / BLOCK)
@@ -170,9 +170,9 @@ def _ortho_gram_kernel(
     slot = tl.load(task + 2)
     head = tl.load(task + 3)
     rm = tl.load(task + 4)
-    row = table_ptr + mat * 8
+    row = table_ptr + mat * TABLE_WIDTH
     n = tl.load(row + ROWS_COL)
-    r = tl.load(row + 4)
+    r = tl.load(row + RANK)
     base = tl.load(row + OFF_COL)
     ranks = tl.arange(0, R)
     col_ok = ranks < r
@@ -194,7 +194,7 @@ def _orthogonalize_kernel(
     x_ptr,  # flat factor input (float32)
     out_ptr,  # flat factor output (float32; may alias x_ptr)
     ws_ptr,  # float64 workspace written by _ortho_gram_kernel (unused when nothing is split)
-    table_ptr,  # int64 [L, 8] layout table
+    table_ptr,  # int64 [L, TABLE_WIDTH] layout table
     tasks_ptr,  # int64 [T, 7]: matrix, first row, end row, first Gram slot, Gram slots (0: short), head slot, rm
     eps,  # float32 epsilon added to each norm
     ROWS_COL: tl.constexpr,
@@ -222,9 +222,9 @@ def _orthogonalize_kernel(
     nparts = tl.load(task + 4)
     head = tl.load(task + 5)
     rm = tl.load(task + 6)  # completion vectors: the smallest power of two >= r
-    row = table_ptr + mat * 8
+    row = table_ptr + mat * TABLE_WIDTH
     n = tl.load(row + ROWS_COL)
-    r = tl.load(row + 4)
+    r = tl.load(row + RANK)
     base = tl.load(row + OFF_COL)
     ranks = tl.arange(0, R)
     col_ok = ranks < r
@@ -284,9 +284,9 @@ def _commit_factor_kernel(
     new_ptr,  # flat factor of this step (float32)
     kept_ptr,  # flat factor kept between steps (float32), updated in place
     flag_ptr,  # uint8 flag: the step is finite (0: keep everything)
-    table_ptr,  # int64 [L, 8] layout table
-    ROWS_COL: tl.constexpr,  # 1: P (n rows), 2: Q (m rows)
-    OFF_COL: tl.constexpr,  # 5: P offsets, 6: Q offsets
+    table_ptr,  # int64 [L, TABLE_WIDTH] layout table
+    ROWS_COL: tl.constexpr,  # layout-table column of the factor's row count (ROWS: n for P, COLS: m for Q)
+    OFF_COL: tl.constexpr,  # layout-table column of the factor's offset (P_OFF, Q_OFF)
     BLOCK: tl.constexpr,
 ):
     """kept_i <- new_i for every matrix i whose new factor is not all zero, where the step is finite.
@@ -295,8 +295,8 @@ def _commit_factor_kernel(
     zero (the layer had no gradient on any rank) is not kept: orth(0) = 0 and M·0 = 0 would zero it for good.
     """
     mat = tl.program_id(0).to(tl.int64)
-    row = table_ptr + mat * 8
-    count = tl.load(row + ROWS_COL) * tl.load(row + 4)
+    row = table_ptr + mat * TABLE_WIDTH
+    count = tl.load(row + ROWS_COL) * tl.load(row + RANK)
     base = tl.load(row + OFF_COL)
     offs = tl.arange(0, BLOCK).to(tl.int64)
     peak = tl.zeros((BLOCK,), dtype=tl.float32)

@@ -21,7 +21,19 @@ so results are bitwise reproducible.
 import triton
 import triton.language as tl
 
-from .common import _cast_for_store, _flags_all, _flags_any_nonzero, _load_matrix_row, loop_range
+from .common import (
+    RECON_COL0,
+    RECON_COL_END,
+    RECON_MAT,
+    RECON_ROW0,
+    RECON_TILE_WIDTH,
+    _cast_for_store,
+    _flags_all,
+    _flags_any_nonzero,
+    _load_m_and_pad_error,
+    _load_matrix_row,
+    loop_range,
+)
 
 
 @triton.jit
@@ -49,13 +61,7 @@ def _reconstruct_loads(m_ptr, e_ptr, q_ptr, lf_ptr, rows, row_ok, ranks, rank_ok
     else:
         q_loc = tl.zeros((1, 1), dtype=tl.float32)
     if HAS_ERROR:
-        lin = rows[:, None] * m + cols[None, :]
-        inside = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(m_ptr + lin, mask=inside & (lin < numel), other=0.0)
-        if PAD_ERROR:
-            e = tl.load(e_ptr + lin, mask=inside & (lin >= numel), other=0.0)
-        else:
-            e = tl.zeros((1, 1), dtype=tl.float32)
+        x, e = _load_m_and_pad_error(m_ptr, e_ptr, rows, row_ok, cols, col_ok, m, numel, PAD_ERROR)
     else:
         x = tl.zeros((1, 1), dtype=tl.float32)
         e = tl.zeros((1, 1), dtype=tl.float32)
@@ -72,8 +78,8 @@ def _reconstruct_kernel(
     kept_ptr,  # warm-start factor memory (COMMIT 1: like p_ptr, 2: like q_ptr)
     flags_ptr,  # uint8 step flags: bit 0 finite, bit 1 non-zero (HAS_FLAG / COMMIT)
     first_ptr,  # int32 [L + 1]: flags of matrix i are first[i]:first[i + 1] (COMMIT)
-    table_ptr,  # int64 [L, 8] layout table
-    tiles_ptr,  # int32 [T, 4] (matrix, first row, first column, end column)
+    table_ptr,  # int64 [L, TABLE_WIDTH] layout table
+    tiles_ptr,  # int32 [T, RECON_TILE_WIDTH] (matrix, first row, first column, end column)
     ls_ptr,  # float32 [1] loss scale s (LOSS_SCALE: E is stored divided by s, the padding's M + E is s·E)
     n_flags,  # number of flags
     scale,  # float32 factor applied to Q (1 / world size, or 1 when Q was averaged already)
@@ -90,10 +96,10 @@ def _reconstruct_kernel(
     LOSS_SCALE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    mat = tl.load(tiles_ptr + 4 * pid).to(tl.int64)
-    row0 = tl.load(tiles_ptr + 4 * pid + 1).to(tl.int64)
-    c_begin = tl.load(tiles_ptr + 4 * pid + 2).to(tl.int64)
-    c_end = tl.load(tiles_ptr + 4 * pid + 3).to(tl.int64)
+    mat = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_MAT).to(tl.int64)
+    row0 = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_ROW0).to(tl.int64)
+    c_begin = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_COL0).to(tl.int64)
+    c_end = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_COL_END).to(tl.int64)
     off, n, m, numel, r, p_off, q_off, e_off = _load_matrix_row(table_ptr, mat)
 
     rows = row0 + tl.arange(0, BLOCK_N).to(tl.int64)

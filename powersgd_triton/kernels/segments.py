@@ -16,7 +16,7 @@ synchronization), and commits a matrix's factor only when one of that matrix's f
 import triton
 import triton.language as tl
 
-from .common import _cast_for_store
+from .common import AVERAGE_COUNT, AVERAGE_DST, AVERAGE_MAT, AVERAGE_SRC, AVERAGE_TILE_WIDTH, _cast_for_store
 
 
 @triton.jit
@@ -43,15 +43,15 @@ def _average_kernel(
     src_ptr,  # all-reduced uncompressed gradients (packed buffer, or the bucket itself)
     dst_ptr,  # the bucket buffer
     flags_ptr,  # uint8 [T] output flags
-    tiles_ptr,  # int64 [T, 4] (matrix or -1 for uncompressed, source offset, destination offset, count <= BLOCK)
+    tiles_ptr,  # int64 [T, AVERAGE_TILE_WIDTH] (matrix or -1: uncompressed, source offset, destination offset, count)
     world,  # float32 world size
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    mat = tl.load(tiles_ptr + 4 * pid)
-    src0 = tl.load(tiles_ptr + 4 * pid + 1)
-    dst0 = tl.load(tiles_ptr + 4 * pid + 2)
-    count = tl.load(tiles_ptr + 4 * pid + 3)
+    mat = tl.load(tiles_ptr + AVERAGE_TILE_WIDTH * pid + AVERAGE_MAT)
+    src0 = tl.load(tiles_ptr + AVERAGE_TILE_WIDTH * pid + AVERAGE_SRC)
+    dst0 = tl.load(tiles_ptr + AVERAGE_TILE_WIDTH * pid + AVERAGE_DST)
+    count = tl.load(tiles_ptr + AVERAGE_TILE_WIDTH * pid + AVERAGE_COUNT)
     offs = tl.arange(0, BLOCK).to(tl.int64)
     mask = offs < count
     if mat >= 0:

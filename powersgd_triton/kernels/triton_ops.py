@@ -33,6 +33,7 @@ import triton
 
 from .. import _env
 from ..layout import KERNELS, MIN_DOT_RANK, BucketLayout, padded_rank  # noqa: F401 - re-exported
+from ..layout import COLS, P_OFF, Q_OFF, ROWS, TABLE_WIDTH
 from .lowrank_mm import _project_kernel, _project_t_kernel, _reduce_splits_kernel
 from .orthogonalize import _commit_factor_kernel, _ortho_gram_kernel, _orthogonalize_kernel
 from .reconstruct import _reconstruct_kernel
@@ -260,6 +261,17 @@ def reduce_split_block(block_m: int, R: int) -> int:
     return sb
 
 
+def factor_columns(which: str) -> dict:
+    """The layout-table columns of factor ``which`` ("p" or "q") as the constexprs of the orthogonalize and
+    commit_factor kernels: ``ROWS_COL`` (its row count: ``ROWS`` n for P, ``COLS`` m for Q) and ``OFF_COL`` (its
+    offset in the flat factor: ``P_OFF``, ``Q_OFF``). Raises ``ValueError`` for another ``which``."""
+    if which == "p":
+        return dict(ROWS_COL=ROWS, OFF_COL=P_OFF)
+    if which == "q":
+        return dict(ROWS_COL=COLS, OFF_COL=Q_OFF)
+    raise ValueError(f"which must be 'p' or 'q', got {which!r}")
+
+
 def _factor_rank(layout: BucketLayout, cfg: dict) -> int:
     return padded_rank(layout.max_rank, cfg.get("USE_DOT", False))
 
@@ -306,7 +318,7 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
         split = split_rows(layout, cfg, num_sms)
         per, ws, red, red_per = [], 0, 0, []
-        for s in mats:  # column_tiles' order: per column tile, its row splits
+        for s in mats:  # project_t_tiles' order: per column tile, its row splits
             ns = -(-s.n // split) if split and s.n > split else 1
             ct = -(-s.m // bm)
             for _ in range(ct):
@@ -334,7 +346,7 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         split = split_cols(layout, cfg, num_sms)
         err = variant.get("HAS_ERROR", True)
         per = []
-        for s in mats:  # row_tiles' order: per row block, its column ranges
+        for s in mats:  # reconstruct_tiles' order: per row block, its column ranges
             chunk = split if 0 < split < s.m else s.m
             per += [-(-(min(s.m, c + chunk) - c) // bk) for c in range(0, s.m, chunk)] * -(-s.n // bn)
         programs, iters = len(per), max(per)
@@ -382,7 +394,7 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_s
     padding's part is the padding's M + E); ``q2``: a second copy of Q."""
     cfg = _resolve("project_t", layout, buffer.dtype, config)
     split = split_rows(layout, cfg, device_sms(layout.device))
-    tiles, reduce_tiles, ws_numel = layout.column_tiles(cfg["BLOCK_M"], split)
+    tiles, reduce_tiles, ws_numel = layout.project_t_tiles(cfg["BLOCK_M"], split)
     R = _factor_rank(layout, cfg)
     ws = layout.workspace(ws_numel) if reduce_tiles is not None else p
     pad = layout.batched and error is not None
@@ -552,13 +564,13 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, c
     """Orthogonalize every P_i (``which="p"``) or Q_i (``"q"``): ONE launch when every factor has at most
     ``SHORT_ROWS`` rows, else two (float64 Gram slots of the split factors, then the rest); see
     :mod:`powersgd_triton.kernels.orthogonalize`. Raises ``ValueError`` for a malformed config."""
+    columns = factor_columns(which)
     cfg = _resolve("orthogonalize", layout, x.dtype, config)
     plan = _ortho_plan(layout, which, cfg)
-    rows_col, off_col = (1, 5) if which == "p" else (2, 6)
     gram_tasks, tasks = plan.device_tables(x.device)
     ws = _ortho_workspace(layout, plan.slots, plan.R)  # float64 even when unused: one compiled signature
     c = plan.consts
-    common = dict(ROWS_COL=rows_col, OFF_COL=off_col, R=plan.R, BLOCK=c["BLOCK"])
+    common = dict(columns, R=plan.R, BLOCK=c["BLOCK"])
     if gram_tasks is not None:
         _ortho_gram_kernel[(gram_tasks.shape[0],)](
             x, ws, layout.table, gram_tasks, GROUP_TILES=c["GROUP_TILES"], **common, **_launch_options(cfg)
@@ -589,8 +601,8 @@ def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] 
         return []
     plan = _ortho_plan(layout, which, cfg)
     R = plan.R
-    variant = dict(ROWS_COL=1, OFF_COL=5) if which == "p" else dict(ROWS_COL=2, OFF_COL=6)
-    table_bytes = 8 * 8  # one layout-table row per program
+    variant = factor_columns(which)
+    table_bytes = 8 * TABLE_WIDTH  # one int64 layout-table row per program
     slot_bytes = R * R * 8
     out = []
     if plan.gram_tasks:
@@ -647,7 +659,7 @@ def reconstruct(
     """
     cfg = _resolve("reconstruct", layout, buffer.dtype, config)
     split = split_cols(layout, cfg, device_sms(layout.device))
-    tiles = layout.row_tiles(cfg["BLOCK_N"], split)
+    tiles = layout.reconstruct_tiles(cfg["BLOCK_N"], split)
     R = _factor_rank(layout, cfg)
     flags = _flag_bytes(update_error.reshape(-1)) if update_error is not None else p
     n_flags = update_error.numel() if update_error is not None else 0
@@ -694,12 +706,12 @@ def average(factor, layout: BucketLayout, which: str, buffer, unc, world_size: i
 
 def commit_factor(new, kept, layout: BucketLayout, which: str, ok) -> None:
     """One launch: ``kept_i <- new_i`` for every matrix whose new factor is not all zero, if ``ok`` (device flag)."""
-    rows_col, off_col = (1, 5) if which == "p" else (2, 6)
+    columns = factor_columns(which)
     flag = ok.reshape(1)
     if flag.dtype == torch.bool:
         flag = flag.view(torch.uint8)
     _commit_factor_kernel[(layout.num_matrices,)](
-        new, kept, flag, layout.table, ROWS_COL=rows_col, OFF_COL=off_col, BLOCK=256, num_warps=4
+        new, kept, flag, layout.table, **columns, BLOCK=256, num_warps=4
     )
 
 
@@ -715,7 +727,7 @@ def _signature(kernel: str, grad_dtype: torch.dtype) -> Dict[str, str]:
     if kernel == "project_t":
         return dict(buf_ptr=g, p_ptr=f, q_ptr=f, q2_ptr=f, e_ptr=f, ws_ptr=f, table_ptr=i64, tiles_ptr=i32, ls_ptr=f)
     if kernel == "reduce_splits":
-        return dict(ws_ptr=f, q_ptr=f, q2_ptr=f, table_ptr=i64, tiles_ptr=i32)
+        return dict(ws_ptr=f, q_ptr=f, q2_ptr=f, table_ptr=i64, reduce_tiles_ptr=i32)
     if kernel == "copy_segments":
         return dict(src_ptr=g, dst_ptr=f, tiles_ptr=i64, scale="fp32")
     if kernel == "average":
@@ -740,7 +752,7 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
         keys = ("BLOCK", "GROUP_TILES") if kernel == "orthogonalize_gram" else (
             "BLOCK", "CHUNK_TILES", "SHORT_CHUNKS", "APPLY_CHUNKS", "SLOT_BLOCK")
         c.update({k: oc[k] for k in keys})
-        c.update(ROWS_COL=variant.get("ROWS_COL", 1), OFF_COL=variant.get("OFF_COL", 5))
+        c.update(ROWS_COL=variant.get("ROWS_COL", ROWS), OFF_COL=variant.get("OFF_COL", P_OFF))
         return c
     if kernel == "reduce_splits":
         c.update(BLOCK_M=config["BLOCK_M"], HAS_Q2=variant.get("HAS_Q2", False),
@@ -751,7 +763,7 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
     if kernel == "average":
         return {"BLOCK": AVERAGE_BLOCK}
     if kernel == "commit_factor":
-        return {"BLOCK": 256, "ROWS_COL": variant.get("ROWS_COL", 2), "OFF_COL": variant.get("OFF_COL", 6)}
+        return {"BLOCK": 256, "ROWS_COL": variant.get("ROWS_COL", COLS), "OFF_COL": variant.get("OFF_COL", Q_OFF)}
     c.update({k: config[k] for k in (_tile_key(kernel), "BLOCK_K", "USE_DOT")})
     c["PREFETCH"] = config.get("PREFETCH", 0)
     c["PAD_ERROR"] = variant.get("PAD_ERROR", False)
@@ -828,15 +840,13 @@ def variants(kernel: str) -> Iterable[dict]:
             dict(HAS_ERROR=True, HAS_FLAG=True, PAD_ERROR=True, COMMIT=2, LOSS_SCALE=True),
             dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=1, COMMIT=1, LOSS_SCALE=True),
         ]
-    if kernel in ("orthogonalize", "orthogonalize_gram"):
-        return [dict(ROWS_COL=1, OFF_COL=5), dict(ROWS_COL=2, OFF_COL=6)]
+    if kernel in ("orthogonalize", "orthogonalize_gram", "commit_factor"):
+        return [factor_columns("p"), factor_columns("q")]
     if kernel == "project_t":
         return [dict(split=True, HAS_Q2=True), dict(split=True), dict(), dict(PAD_ERROR=True),
                 dict(PAD_ERROR=True, LOSS_SCALE=True)]
     if kernel == "copy_segments":
         return [dict(to_packed=True), dict(to_packed=False)]
-    if kernel in ("commit_factor",):
-        return [dict(ROWS_COL=1, OFF_COL=5), dict(ROWS_COL=2, OFF_COL=6)]
     if kernel == "reduce_splits":
         return [dict(HAS_Q2=True), dict()]
     return [dict()]

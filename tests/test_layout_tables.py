@@ -1,0 +1,144 @@
+"""The kernel tables read by column name (powersgd_triton.layout's ``*_COLUMNS``) describe the bucket they were built
+for: the layout table holds each matrix's MatrixSpec, and every tile table covers each element it is for exactly once.
+
+Host-side only (no kernel runs): the kernels read the same columns through the constexprs of
+``powersgd_triton.kernels.common``, whose values are checked against these names here too.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from powersgd_triton import layout as L
+from powersgd_triton.layout import BucketLayout
+
+
+def _randint(rng, lo, hi):
+    return int(torch.randint(lo, hi, (), generator=rng))
+
+
+def _random_layout(rng, batched):
+    shapes = [(_randint(rng, 1, 40), _randint(rng, 1, 50)) for _ in range(_randint(rng, 2, 6))]
+    shapes.append((_randint(rng, 1, 20),))  # a bias: sent uncompressed
+    total = sum(int(np.prod(s)) for s in shapes)
+    if batched:
+        return BucketLayout.batched(total, _randint(rng, 1, 5), "cpu")
+    buf = torch.zeros(total)
+    grads, off = [], 0
+    for s in shapes:
+        n = int(np.prod(s))
+        grads.append(buf[off : off + n].view(s))
+        off += n
+    return BucketLayout.from_gradients(buf, grads, _randint(rng, 1, 5), 1.0)
+
+
+def test_kernel_constexprs_are_the_layout_columns():
+    from powersgd_triton.kernels import common
+
+    names = [n for n in dir(L) if n.isupper() and isinstance(getattr(L, n), int) and hasattr(common, n)]
+    assert {"TABLE_WIDTH", "RANK", "RECON_COL_END", "REDUCE_SPLITS", "PROJECT_T_WS_OFF", "AVERAGE_COUNT"} <= set(names)
+    for n in names:
+        assert getattr(common, n).value == getattr(L, n), n
+    assert L.TABLE_WIDTH == len(L.TABLE_COLUMNS) == 8
+    # the two int32 [T, 4] tables are different tables
+    assert L.RECON_TILE_COLUMNS != L.REDUCE_TILE_COLUMNS
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_tables_by_column_name_cover_the_bucket(batched, rng):
+    for _ in range(5):
+        lay = _random_layout(rng, batched)
+        mats = lay.matrices
+        table = lay.table.numpy()
+        assert table.shape == (len(mats), L.TABLE_WIDTH)
+        for row, s in zip(table, mats):
+            assert (row[L.OFF], row[L.ROWS], row[L.COLS], row[L.NUMEL], row[L.RANK]) == (
+                s.offset, s.n, s.m, s.numel, s.rank)
+            assert (row[L.P_OFF], row[L.Q_OFF], row[L.E_OFF]) == (s.p_offset, s.q_offset, s.e_offset)
+
+        block = (4, 8, 16)[_randint(rng, 0, 3)]
+        split = (0, 4, 8)[_randint(rng, 0, 3)]
+        # project: every row of every matrix in one tile
+        t = lay.tiles("rows", block).numpy()
+        assert t.shape[1] == L.TILE_WIDTH
+        for i, s in enumerate(mats):
+            firsts = sorted(t[t[:, L.TILE_MAT] == i, L.TILE_FIRST])
+            assert firsts == list(range(0, s.n, block))
+
+        # reconstruct: every element of every matrix in exactly one (row block, column range)
+        t = lay.reconstruct_tiles(block, split).numpy()
+        assert t.shape[1] == L.RECON_TILE_WIDTH
+        for i, s in enumerate(mats):
+            hits = np.zeros((s.n, s.m), dtype=np.int64)
+            for row in t[t[:, L.RECON_MAT] == i]:
+                r0, c0, c1 = row[L.RECON_ROW0], row[L.RECON_COL0], row[L.RECON_COL_END]
+                assert c0 < c1 <= s.m
+                hits[r0 : r0 + block, c0:c1] += 1
+            assert (hits == 1).all()
+
+        # project_t: every element in exactly one (column block, row range); split tiles and their reduce tile agree
+        t, red, ws = lay.project_t_tiles(block, split)
+        t = t.numpy()
+        assert t.shape[1] == L.PROJECT_T_TILE_WIDTH
+        red = np.zeros((0, L.REDUCE_TILE_WIDTH), dtype=np.int32) if red is None else red.numpy()
+        assert red.shape[1] == L.REDUCE_TILE_WIDTH
+        ws_want = 0
+        for i, s in enumerate(mats):
+            hits = np.zeros((s.n, s.m), dtype=np.int64)
+            mine = t[t[:, L.PROJECT_T_MAT] == i]
+            for row in mine:
+                r0, r1, c0 = row[L.PROJECT_T_ROW0], row[L.PROJECT_T_ROW_END], row[L.PROJECT_T_COL0]
+                hits[r0:r1, c0 : c0 + block] += 1
+            assert (hits == 1).all()
+            for row in red[red[:, L.REDUCE_MAT] == i]:
+                parts = mine[mine[:, L.PROJECT_T_COL0] == row[L.REDUCE_COL0]]
+                assert len(parts) == row[L.REDUCE_SPLITS] > 1
+                assert parts[0, L.PROJECT_T_WS_OFF] == row[L.REDUCE_WS_OFF]
+                assert list(np.diff(parts[:, L.PROJECT_T_WS_OFF])) == [s.m * s.rank] * (len(parts) - 1)
+            splits = -(-s.n // split) if split and s.n > split else 1
+            assert len(red[red[:, L.REDUCE_MAT] == i]) == (-(-s.m // block) if splits > 1 else 0)
+            if splits == 1:
+                assert (mine[:, L.PROJECT_T_WS_OFF] == -1).all()
+            else:
+                ws_want += splits * s.m * s.rank
+        assert ws == ws_want
+
+        # average: each factor element and each uncompressed element in exactly one chunk
+        for which in ("p", "q"):
+            t, first = lay.average_tiles(which, True, block)
+            t, first = t.numpy(), first.numpy()
+            assert t.shape[1] == L.AVERAGE_TILE_WIDTH
+            numel = lay.p_numel if which == "p" else lay.q_numel
+            hits = np.zeros(numel, dtype=np.int64)
+            for k, row in enumerate(t[: first[-1]]):
+                mat = row[L.AVERAGE_MAT]
+                assert first[mat] <= k < first[mat + 1] and row[L.AVERAGE_SRC] == row[L.AVERAGE_DST]
+                hits[row[L.AVERAGE_SRC] : row[L.AVERAGE_SRC] + row[L.AVERAGE_COUNT]] += 1
+            assert (hits == 1).all()
+            unc = t[first[-1] :]
+            assert (unc[:, L.AVERAGE_MAT] == -1).all()
+            assert unc[:, L.AVERAGE_COUNT].sum() == lay.uncompressed_numel
+
+
+def test_table_row_needs_every_column_once():
+    assert L._table_row(3, {2: 7, 0: 5, 1: 6}) == [5, 6, 7]
+    with pytest.raises(ValueError, match="each once"):
+        L._table_row(3, {0: 1, 1: 2})
+    with pytest.raises(ValueError, match="each once"):
+        L._table_row(2, {0: 1, 1: 2, 2: 3})
+
+
+def test_factor_columns_name_the_factor_and_reject_others(rng):
+    from powersgd_triton.kernels import triton_ops as T
+
+    assert T.factor_columns("p") == dict(ROWS_COL=L.ROWS, OFF_COL=L.P_OFF)
+    assert T.factor_columns("q") == dict(ROWS_COL=L.COLS, OFF_COL=L.Q_OFF)
+    lay = _random_layout(rng, False)
+    new = torch.randn(lay.q_numel, generator=rng) + 1.0
+    kept = torch.randn(lay.q_numel, generator=rng)
+    before = kept.clone()
+    with pytest.raises(ValueError, match="'p' or 'q'"):
+        T.commit_factor(new, kept, lay, "x", torch.ones(1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="'p' or 'q'"):
+        T.orthogonalize(new, lay, "Q", 0.0, kept)
+    assert torch.equal(kept, before)
