@@ -45,7 +45,7 @@ factor and the uncompressed gradients divided by the world size, the uncompresse
 Q step one more (the fold), and one more when project_t splits a tall matrix over rows.
 
 First compressed step of a bucket: a P step, from the initial random Q drawn exactly as the standard hook draws it
-(:meth:`PowerSGDState._draw_q`: same seeds, same RNG consumption), so the first P of both hooks is the same.
+(:func:`powersgd_triton._memory.draw_q`: same seeds, same RNG consumption), so the first P of both hooks is the same.
 epfml/powersgd starts with a Q step from a random P; the two are symmetric.
 
 Scale of the kept factors. They are only ever used through ``orth()``, which is invariant to a positive scale
@@ -101,17 +101,9 @@ No ``from __future__ import annotations`` here: DDP checks the hooks' annotation
 import torch
 import torch.distributed as dist
 
-from . import ops
-from .hooks import (
-    _allreduce_average,
-    _allreduce_factor,
-    _check_state,
-    _checked_buffer,
-    _completed,
-    _use_callback_chain,
-    _warm_up,
-)
-from .state import BucketMemory, PowerSGDState
+from . import _step, ops
+from ._memory import BucketMemory
+from .state import PowerSGDState
 
 __all__ = ["alternating_powerSGD_hook"]
 
@@ -139,14 +131,14 @@ class _HalfStep:
         self.sent = mem.comm[: f + u]
         self.local = mem.local[:f] if mem.local is not None else None
         # error memory in unscaled units (state.grad_scaler): the scale of this step's gradients, a device tensor
-        self.loss_scale = state._loss_scale(buffer) if mem.error is not None else None
+        self.loss_scale = _step.loss_scale(state, buffer) if mem.error is not None else None
 
     def compute(self) -> None:
         """This rank's factor into ``comm[:F]`` (and ``local``), the uncompressed gradients into ``comm[F:]``."""
         state, mem, layout, buffer, backend = self.state, self.mem, self.layout, self.buffer, self.backend
         if self.phase == "p":
             if not mem.q_initialized:
-                state._draw_q(mem, buffer.dtype)
+                _step.draw_q(state, mem, buffer.dtype)
             ops.orthogonalize(mem.q, layout, "q", self.eps, out=mem.q_work, backend=backend,
                               config=mem.config("orthogonalize"))
             # P_local = (M + E)·Q' into comm and local; the bucket now holds M + E.
@@ -215,38 +207,38 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
         >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
         >>> ddp_model.register_comm_hook(state, alternating_powerSGD_hook)
     """
-    _check_state(state, "alternating_powerSGD_hook")
-    buffer = _checked_buffer(bucket)
+    _step.check_state(state, "alternating_powerSGD_hook")
+    buffer = _step.checked_buffer(bucket)
     if not state.warm_start:
         raise ValueError(
             "alternating_powerSGD_hook needs warm_start=True: the factors kept between steps carry its power "
             "iteration"
         )
-    group, world_size, plain = _warm_up(state, bucket, buffer)
+    group, world_size, plain = _step.warm_up(state, bucket, buffer)
     if plain is not None:
         return plain
 
-    mem = state._prepare_bucket(bucket, buffer, False, group)
+    mem = _step.prepare_bucket(state, bucket, buffer, False, group)
     layout = mem.layout
     state.total_numel_before_compression += layout.numel_before_compression
     if layout.num_matrices == 0:  # nothing to compress: the bucket is its uncompressed gradients
         state.total_numel_after_compression += layout.uncompressed_numel
-        state._report_compression_stats(bucket)
+        _step.report_compression_stats(state, bucket)
         state.maybe_increase_iter(bucket)
-        return _allreduce_average(group, world_size, buffer)
+        return _step.allreduce_average(group, world_size, buffer)
 
-    state._allocate_alternating(mem, buffer)
+    _step.allocate_alternating(mem, buffer)
     step = _HalfStep(state, mem, buffer, world_size)
     state.total_numel_after_compression += step.sent.numel()
-    state._report_compression_stats(bucket)
+    _step.report_compression_stats(state, bucket)
     step.compute()
     # Host-side schedule, the same on every rank; advances on a non-finite step too (see the module docstring).
     mem.phase = "q" if step.phase == "p" else "p"
     state.maybe_increase_iter(bucket)
 
     # in state.communication_dtype (default: the bucket's dtype), cast once and copied back once
-    if _use_callback_chain(group, buffer):
-        fut = _allreduce_factor(state, step.sent, buffer, group)
+    if _step.use_callback_chain(group, buffer):
+        fut = _step.allreduce_factor(state, step.sent, buffer, group)
         return fut.then(lambda _: step.finish())
-    _allreduce_factor(state, step.sent, buffer, group).wait()
-    return _completed(step.finish())
+    _step.allreduce_factor(state, step.sent, buffer, group).wait()
+    return _step.completed(step.finish())
