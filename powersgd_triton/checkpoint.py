@@ -44,7 +44,7 @@ FORMAT = "powersgd_triton.hook_state"
 _VERSION = 1
 FILE_PATTERN = "hook_state.rank{rank}.pt"
 # Hyper-parameters that decide which matrices are compressed and what the memory means: must match on load.
-_MUST_MATCH = ("matrix_approximation_rank", "min_compression_rate", "use_error_feedback", "warm_start")
+MUST_MATCH = ("matrix_approximation_rank", "min_compression_rate", "use_error_feedback", "warm_start")
 
 
 def hook_state_path(path, rank: int) -> str:
@@ -219,7 +219,7 @@ def load_hook_state(state: PowerSGDState, model, path, *, rank: Optional[int] = 
     config = hook_state.get("config", {})
     differing = [
         f"{k}: saved {config[k]!r}, state {getattr(state, k)!r}"
-        for k in _MUST_MATCH
+        for k in MUST_MATCH
         if k in config and config[k] != getattr(state, k)
     ]
     if differing:

@@ -467,10 +467,10 @@ class FSDPPowerSGD:
         if not isinstance(hook_state, dict):
             differing.append("no hook_state")
         else:
-            from .checkpoint import _MUST_MATCH
+            from .checkpoint import MUST_MATCH
 
             config = hook_state.get("config", {})
-            differing += [f"{k}: saved {config[k]!r}, state {getattr(self.state, k)!r}" for k in _MUST_MATCH
+            differing += [f"{k}: saved {config[k]!r}, state {getattr(self.state, k)!r}" for k in MUST_MATCH
                           if k in config and config[k] != getattr(self.state, k)]
         if differing:
             raise ValueError("this FSDP PowerSGD hook state was saved by another rank or job: " + "; ".join(differing))

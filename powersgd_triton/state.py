@@ -41,6 +41,14 @@ bucket with the layout it was saved for (gradient offsets, shapes, dtype), else 
 values) before it changes anything. The error memory is per rank: save one file per rank
 (:func:`powersgd_triton.checkpoint.save_hook_state`); a state saved with another world size is reset with a warning
 (refused by ``load_hook_state``).
+
+Where the code lives, one responsibility each: this module holds the settings, their validation and the public
+methods (PyTorch's API, ``from_torch``, ``state_dict`` / ``load_state_dict``, pickling);
+:mod:`powersgd_triton._memory` what is kept per bucket (``state.buckets``) and how it is allocated;
+:mod:`powersgd_triton._buckets` matching that memory to DDP's buckets (layout checks, migration after DDP rebuilds
+its buckets, adoption of loaded memory, parameter names); :mod:`powersgd_triton._state_dict` the per-bucket part of
+the state dict and the checks of a loaded one; :mod:`powersgd_triton._step` what the hooks call on every step;
+:mod:`powersgd_triton._backend` which backend runs a bucket.
 """
 
 import logging
@@ -52,7 +60,7 @@ import numpy as np
 import torch
 
 from . import _state_dict
-from ._backend import BACKENDS, check_backend, triton_unusable_reason
+from ._backend import BACKENDS, check_backend, triton_unusable_reason  # noqa: F401 - BACKENDS: importable here
 from ._memory import BucketMemories, BucketMemory  # noqa: F401 - BucketMemory: importable from here as before
 
 logger = logging.getLogger(__name__)

@@ -6,8 +6,7 @@ import pickle
 import pytest
 import torch
 
-from powersgd_triton import _step
-from powersgd_triton import PowerSGDState
+from powersgd_triton import PowerSGDState, _step
 
 
 def _state(**kw):

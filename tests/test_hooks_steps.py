@@ -10,8 +10,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
 from _dist import FakeBucket, backend_params, bucket_numel, run_ranks
-from powersgd_triton import _step
-from powersgd_triton import PowerSGDState, batched_powerSGD_hook, hooks, powerSGD_hook
+from powersgd_triton import PowerSGDState, _step, batched_powerSGD_hook, powerSGD_hook
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,8 +18,15 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_ranks
-from powersgd_triton import _step
-from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
+from _resume import continue_and_report
+from _resume import train_steps as _steps
+from powersgd_triton import (
+    PowerSGDState,
+    _step,
+    alternating_powerSGD_hook,
+    batched_powerSGD_hook,
+    powerSGD_hook,
+)
 from powersgd_triton.checkpoint import hook_state_path, load_hook_state, load_hook_state_if_saved, save_hook_state
 from powersgd_triton.integrations import register
 
@@ -42,15 +49,6 @@ def _model(frozen: bool = False):
 def _state(**kw):
     kw.setdefault("matrix_approximation_rank", 2)
     return PowerSGDState(None, start_powerSGD_iter=2, backend="torch", **kw)
-
-
-def _steps(ddp, opt, rank, start, stop):
-    for i in range(start, stop):
-        g = torch.Generator().manual_seed(1000 * i + rank)  # each rank its own data: per-rank error memory differs
-        x = torch.randn(8, 20, generator=g)
-        opt.zero_grad()
-        ddp(x).pow(2).sum().backward()
-        opt.step()
 
 
 def _setup(model, cap, hook=powerSGD_hook, **state_kw):
@@ -86,15 +84,8 @@ def _resume_worker(rank, world_size, folder, cap, how, hook=powerSGD_hook):
         load_hook_state(state, ddp, folder)
     else:
         state.load_state_dict(hook_sd)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _steps(ddp, opt, rank, STOP, TOTAL)
-    got = [p.detach() for p in ddp.parameters()]
     return {
-        "equal": all(torch.equal(a, b) for a, b in zip(reference, got)),
-        "max_diff": max(float((a - b).abs().max()) for a, b in zip(reference, got)),
-        "warnings": [str(w.message) for w in caught if "PowerSGD" in str(w.message)],
-        "iter": state.iter,
+        **continue_and_report(ddp, opt, state, rank, STOP, TOTAL, reference),
         "buckets": (buckets_uninterrupted, len(state.buckets)),
         "errors": errors,
         "file": file if how == "files" else None,

@@ -17,9 +17,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 from _dist import FakeBucket, backend_params, bucket_numel, triton_backend_skip_reason
 from bucket_utils import Worst, add_per_gradient, rel_err64
-from powersgd_triton import _buckets
 from powersgd_triton import (
     PowerSGDState,
+    _buckets,
     _env,
     alternating_powerSGD_hook,
     batched_powerSGD_hook,
