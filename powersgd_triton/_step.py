@@ -36,8 +36,9 @@ logger = logging.getLogger("powersgd_triton.state")  # the state's messages, und
 FORCE_CALLBACK_CHAIN = None
 
 
-
 def use_callback_chain(group, buffer: torch.Tensor) -> bool:
+    """Whether the hook chains its steps with ``then()`` (NCCL on CUDA tensors) instead of running them in its body
+    (every other backend; see :mod:`powersgd_triton.hooks`, "Collective order")."""
     if FORCE_CALLBACK_CHAIN is not None:
         return bool(FORCE_CALLBACK_CHAIN)
     if buffer.device.type != "cuda":
@@ -49,19 +50,17 @@ def use_callback_chain(group, buffer: torch.Tensor) -> bool:
     return backend.lower() == "nccl" or "cuda:nccl" in backend.lower()
 
 
-
 def completed(value: torch.Tensor) -> torch.futures.Future:
+    """An already completed future holding ``value`` (what a hook that finished in its body returns)."""
     fut = torch.futures.Future(devices=[value.device] if value.device.type == "cuda" else None)
     fut.set_result(value)
     return fut
-
 
 
 def allreduce_average(group, world_size: int, buffer: torch.Tensor) -> torch.futures.Future:
     """Plain averaging all-reduce (PyTorch's ``default._allreduce_fut``: divide first, then sum)."""
     buffer.div_(world_size)
     return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
-
 
 
 def allreduce_factor(state: PowerSGDState, factor: torch.Tensor, buffer: torch.Tensor, group) -> torch.futures.Future:
@@ -114,8 +113,6 @@ def process_group(state):
     """The process group the hooks use: ``process_group``, or WORLD when it is None (resolved at call time)."""
     if state.process_group is not None:
         return state.process_group
-    import torch.distributed as dist
-
     group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     if group is None:
         raise RuntimeError(
