@@ -1,4 +1,7 @@
-"""Validation of a :meth:`PowerSGDState.state_dict` before :meth:`PowerSGDState.load_state_dict` adopts any of it.
+"""What :meth:`PowerSGDState.state_dict` writes per bucket, and its validation before ``load_state_dict`` adopts it.
+
+:func:`bucket_entries` writes the per-bucket part of a state dict; :func:`loaded_memories` turns checked entries back
+into memories that the buckets adopt on their next compressed step (:mod:`powersgd_triton._buckets`).
 
 A damaged state dict (a warm-start Q holding one NaN, an error memory of the wrong length, a table that does not
 describe its tensors) would otherwise be adopted and fail later: a NaN Q makes every later step non-finite for good
@@ -21,6 +24,8 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from ._buckets import name_params, param_name
+from ._memory import BucketMemories, BucketMemory, memory_dtype
 from .layout import BucketLayout
 
 _DTYPE = re.compile(r"torch\.(float64|float32|float16|bfloat16)\b")
@@ -29,12 +34,6 @@ _NUMPY_SCALAR = re.compile(r"np\.(?:float|int|uint)\d+\(([^()]*)\)")  # numpy 2 
 
 def _plain(signature: str) -> str:
     return _NUMPY_SCALAR.sub(r"\1", signature)
-
-
-def memory_dtype(bucket_dtype: torch.dtype) -> torch.dtype:
-    """dtype of the error memory, P and Q of a bucket of ``bucket_dtype``: float64 for float64 buckets (computed in
-    float64, as PyTorch's hook does), float32 for the others (float16/bfloat16 buckets are accumulated in float32)."""
-    return torch.float64 if bucket_dtype == torch.float64 else torch.float32
 
 
 def layout_from_signature(signature: str) -> BucketLayout:
@@ -235,3 +234,71 @@ def check_state_dict(state_dict: Any, version: int) -> Dict[str, Any]:
         out["buckets"][int(index)] = entry
     return out
 
+
+# ------------------------------------------------------------------------------------------ writing and adopting
+def saved_world(buckets: BucketMemories) -> Tuple[Optional[int], Optional[int]]:
+    """``(world_size, rank)`` the memory belongs to: of the process group it was built in, or what a loaded, not yet
+    checked state was saved with (None before the first compressed step)."""
+    if buckets.loaded_world_size is not None:
+        return buckets.loaded_world_size, buckets.loaded_rank
+    return buckets.world_size, buckets.rank
+
+
+def bucket_entries(state) -> Dict[int, Dict[str, Any]]:
+    """The ``"buckets"`` entry of :meth:`PowerSGDState.state_dict`: per bucket index its memory tensors (the state's
+    own, detached, not copies), its layout signature and what lets it follow its parameters on resume (names of the
+    bound model, packing table, gradient shapes); a loaded, not yet adopted memory passes through as loaded."""
+    buckets = {}
+    for index, mem in state.buckets.items():
+        shapes = None
+        if mem.layout is not None:
+            # the parameters the memory belongs to, in its order (the batched hook's may differ from the bucket's)
+            params = mem.order_params if mem.layout.batched else mem.params
+            name_params(state, params)
+            names = None
+            if params is not None and state.buckets.params_by_name:
+                names = [param_name(state, p) for p in params]
+            matrices = None
+            if not mem.layout.batched:
+                matrices = [
+                    [s.grad_index, s.n, s.m, s.rank, s.p_offset, s.q_offset, s.e_offset] for s in mem.layout.matrices
+                ]
+            elif params is not None:
+                shapes = [list(p.shape) for p in params]
+        else:  # loaded, not adopted yet: pass through what was loaded
+            names = None if mem.param_names is None else list(mem.param_names)
+            matrices = None if mem.matrices is None else [list(r) for r in mem.matrices]
+            shapes = None if mem.shapes is None else [list(x) for x in mem.shapes]
+        buckets[int(index)] = {
+            "signature": mem.signature,
+            "error": None if mem.error is None else mem.error.detach(),
+            "p": None if mem.p is None else mem.p.detach(),
+            "q": None if mem.q is None else mem.q.detach(),
+            "q_initialized": bool(mem.q_initialized),
+            "phase": mem.phase,
+            # which parameter each gradient of the bucket is (names of the bound model; None: unknown) and
+            # where each compressed matrix's memory lies: lets the memory follow its parameters on resume
+            "param_names": names,
+            "matrices": matrices,
+            # batched hook: the gradient shapes its memory was built for, in order (a memory without names is
+            # adopted only by a bucket with these shapes in this order)
+            "shapes": shapes,
+        }
+    return buckets
+
+
+def loaded_memories(buckets: Dict[int, Dict[str, Any]]) -> Dict[int, BucketMemory]:
+    """Memories (no layout yet: adopted on each bucket's next compressed step) from the bucket entries of a state
+    dict checked by :func:`check_state_dict`."""
+    out = {}
+    for index, entry in buckets.items():
+        mem = BucketMemory()
+        mem.signature = entry["signature"]
+        mem.param_names = entry["param_names"]
+        mem.matrices = entry["matrices"]
+        mem.shapes = entry["shapes"]
+        mem.error, mem.p, mem.q = entry["error"], entry["p"], entry["q"]
+        mem.q_initialized = entry["q_initialized"]
+        mem.phase = entry["phase"]
+        out[index] = mem
+    return out

@@ -19,33 +19,48 @@ memory goes to zero when the gradients are exactly rank r (epfml commit 1707180;
 the compressed gradients only.
 
 One all-reduce per bucket per compressed step. The uncompressed gradients (biases, norms, small matrices) travel
-in the same all-reduce as the factor: one float32 buffer per bucket, ``comm = [factor | uncompressed]``. The factor
+in the same all-reduce as the factor: one buffer per bucket in the memory's dtype (float32; float64 for a float64
+bucket), ``comm = [factor | uncompressed]``, allocated on the bucket's first compressed step. The factor
 is written straight into ``comm[:F]`` by the projection kernel, the uncompressed gradients into ``comm[F:]`` by one
 gather launch (:func:`powersgd_triton.ops.pack_uncompressed`), ``comm[:F + U]`` is all-reduced, then one launch
 (:func:`powersgd_triton.ops.average`) divides it by the world size and writes the averaged uncompressed gradients
 back. ``comm[:F + U]`` travels in ``state.communication_dtype`` (default: the bucket's dtype, so float16/bfloat16
 buckets send half-precision factors and their uncompressed gradients in their own dtype, as PyTorch's hook does):
-one cast of it before the all-reduce and one copy back after it when that dtype is not ``comm``'s. A float64 bucket is computed in float64 (``comm``, the kept factors and the error memory in float64, on the torch
-backend), so nothing is rounded.
+one cast of it before the all-reduce and one copy back after it when that dtype is not ``comm``'s. A float64 bucket
+is computed in float64 (``comm``, the kept factors and the error memory in float64, on the torch backend), so
+nothing is rounded.
 
-Order of the numeric work (the cheapest correct one found). The local factor is needed after the all-reduce for
-the local residual, so the launch that computes it writes it twice, into ``comm`` and into ``local`` (``F``
-floats); then ONE pass over the bucket (:func:`powersgd_triton.ops.reconstruct` with ``local_p`` / ``local_q``) writes the output
-``P_avg·Q'ᵀ`` (``P'·Q_avgᵀ``) and the error ``(M + E) - P_local·Q'ᵀ`` (``(M + E) - P'·Q_localᵀ``). Computing the
-error before the all-reduce instead would need a second pass over the bucket. Bucket passes per step: a P step
+Order of the numeric work (the cheapest correct one found). The local factor is needed after the all-reduce for the
+local residual, so the launch that computes it writes it twice, into ``comm`` and into ``local`` (``F`` floats);
+then ONE pass over the bucket (:func:`powersgd_triton.ops.reconstruct` with ``local_p`` / ``local_q``) writes the
+output ``P_avg·Q'ᵀ`` (``P'·Q_avgᵀ``) and the error ``(M + E) - P_local·Q'ᵀ`` (``(M + E) - P'·Q_localᵀ``). Computing
+the error before the all-reduce instead would need a second pass over the bucket. Bucket passes per step: a P step
 reads ``M, E`` and writes ``M + E`` while projecting (``ops.project`` with the error), then reconstructs (read
 ``M``, write ``M, E``); a Q step needs ``M + E`` before ``ops.project_t``, which has no error input: the error is
 folded in by ``ops.project`` with the error (its small P output goes to a scratch buffer and is not used; the fold
 is the same memory traffic, only the rank-r multiply is extra), then ``project_t`` reads the bucket once more.
 
-Launches per compressed step and bucket on the Triton backend, whatever the number of matrices: a P step runs
-1 orthogonalize + 1 project (which also writes the local copy of P) + 1 pack + the all-reduce + 1 average (the
-factor and the uncompressed gradients divided by the world size, the uncompressed ones written back, the step flags)
-+ 1 reconstruct (output, local-residual error and the commit of the kept factor, where the step is finite): 5; a
-Q step one more (the fold), and one more when project_t splits a tall matrix over rows.
+Launches per compressed step and bucket on the Triton backend, whatever the number of matrices (``_HalfStep``):
+
+* P step: 1 orthogonalize (kept Q into ``q_work``) + 1 project (``P_local`` into ``comm[:F]`` and ``local``; the
+  bucket becomes ``M + E``) + 1 pack of the uncompressed gradients into ``comm[F:]`` (none when the bucket has none)
+  + the all-reduce + 1 average (the factor and the uncompressed gradients divided by the world size, the uncompressed
+  ones written back into the bucket, the step flags) + 1 reconstruct (output ``P_avg·Q'ᵀ``, local-residual error,
+  and the commit of the averaged P as the kept P where the step is finite and that P is not all zero: the commit is
+  part of the reconstruct launch, not a separate op): 5;
+* Q step: 1 orthogonalize (kept P into ``p_work``) + with error feedback 1 project that folds ``E`` into the bucket
+  + 1 project_t (``Q_local`` into ``comm[:F]`` and ``local``; 2 launches when its plan splits a tall matrix over rows)
+  + 1 pack + the all-reduce + 1 average + 1 reconstruct (output ``P'·Q_avgᵀ``, error, commit of the kept Q): 6.
+
+When ``comm`` travels in another dtype (``communication_dtype``; by default a float16/bfloat16 bucket's dtype), one
+cast before the all-reduce and one copy back after it (:func:`powersgd_triton._step.allreduce_factor`). With
+``state.grad_scaler`` the error memory is in unscaled units: the project launches use ``M + s·E`` and reconstruct
+stores the residual divided by ``s`` (``s``: the scaler's scale tensor, read on the device), as in
+:mod:`powersgd_triton.hooks`. A bucket with no compressed matrix is averaged by one plain all-reduce of the bucket
+(PyTorch's ``allreduce`` hook: divide, then sum), in the bucket's dtype.
 
 First compressed step of a bucket: a P step, from the initial random Q drawn exactly as the standard hook draws it
-(:meth:`PowerSGDState._draw_q`: same seeds, same RNG consumption), so the first P of both hooks is the same.
+(:func:`powersgd_triton._memory.draw_q`: same seeds, same RNG consumption), so the first P of both hooks is the same.
 epfml/powersgd starts with a Q step from a random P; the two are symmetric.
 
 Scale of the kept factors. They are only ever used through ``orth()``, which is invariant to a positive scale
@@ -101,17 +116,9 @@ No ``from __future__ import annotations`` here: DDP checks the hooks' annotation
 import torch
 import torch.distributed as dist
 
-from . import ops
-from .hooks import (
-    _allreduce_average,
-    _allreduce_factor,
-    _check_state,
-    _checked_buffer,
-    _completed,
-    _use_callback_chain,
-    _warm_up,
-)
-from .state import BucketMemory, PowerSGDState
+from . import _step, ops
+from ._memory import BucketMemory
+from .state import PowerSGDState
 
 __all__ = ["alternating_powerSGD_hook"]
 
@@ -139,14 +146,14 @@ class _HalfStep:
         self.sent = mem.comm[: f + u]
         self.local = mem.local[:f] if mem.local is not None else None
         # error memory in unscaled units (state.grad_scaler): the scale of this step's gradients, a device tensor
-        self.loss_scale = state._loss_scale(buffer) if mem.error is not None else None
+        self.loss_scale = _step.loss_scale(state, buffer) if mem.error is not None else None
 
     def compute(self) -> None:
         """This rank's factor into ``comm[:F]`` (and ``local``), the uncompressed gradients into ``comm[F:]``."""
         state, mem, layout, buffer, backend = self.state, self.mem, self.layout, self.buffer, self.backend
         if self.phase == "p":
             if not mem.q_initialized:
-                state._draw_q(mem, buffer.dtype)
+                _step.draw_q(state, mem, buffer.dtype)
             ops.orthogonalize(mem.q, layout, "q", self.eps, out=mem.q_work, backend=backend,
                               config=mem.config("orthogonalize"))
             # P_local = (M + E)·Q' into comm and local; the bucket now holds M + E.
@@ -215,38 +222,38 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
         >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
         >>> ddp_model.register_comm_hook(state, alternating_powerSGD_hook)
     """
-    _check_state(state, "alternating_powerSGD_hook")
-    buffer = _checked_buffer(bucket)
+    _step.check_state(state, "alternating_powerSGD_hook")
+    buffer = _step.checked_buffer(bucket)
     if not state.warm_start:
         raise ValueError(
             "alternating_powerSGD_hook needs warm_start=True: the factors kept between steps carry its power "
             "iteration"
         )
-    group, world_size, plain = _warm_up(state, bucket, buffer)
+    group, world_size, plain = _step.warm_up(state, bucket, buffer)
     if plain is not None:
         return plain
 
-    mem = state._prepare_bucket(bucket, buffer, False, group)
+    mem = _step.prepare_bucket(state, bucket, buffer, False, group)
     layout = mem.layout
     state.total_numel_before_compression += layout.numel_before_compression
     if layout.num_matrices == 0:  # nothing to compress: the bucket is its uncompressed gradients
         state.total_numel_after_compression += layout.uncompressed_numel
-        state._report_compression_stats(bucket)
+        _step.report_compression_stats(state, bucket)
         state.maybe_increase_iter(bucket)
-        return _allreduce_average(group, world_size, buffer)
+        return _step.allreduce_average(group, world_size, buffer)
 
-    state._allocate_alternating(mem, buffer)
+    _step.allocate_alternating(mem, buffer)
     step = _HalfStep(state, mem, buffer, world_size)
     state.total_numel_after_compression += step.sent.numel()
-    state._report_compression_stats(bucket)
+    _step.report_compression_stats(state, bucket)
     step.compute()
     # Host-side schedule, the same on every rank; advances on a non-finite step too (see the module docstring).
     mem.phase = "q" if step.phase == "p" else "p"
     state.maybe_increase_iter(bucket)
 
     # in state.communication_dtype (default: the bucket's dtype), cast once and copied back once
-    if _use_callback_chain(group, buffer):
-        fut = _allreduce_factor(state, step.sent, buffer, group)
+    if _step.use_callback_chain(group, buffer):
+        fut = _step.allreduce_factor(state, step.sent, buffer, group)
         return fut.then(lambda _: step.finish())
-    _allreduce_factor(state, step.sent, buffer, group).wait()
-    return _completed(step.finish())
+    _step.allreduce_factor(state, step.sent, buffer, group).wait()
+    return _step.completed(step.finish())

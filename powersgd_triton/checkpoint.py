@@ -35,6 +35,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from ._buckets import bind_model
 from .state import PowerSGDState
 
 __all__ = ["hook_state_path", "save_hook_state", "load_hook_state", "load_hook_state_if_saved", "FORMAT"]
@@ -43,7 +44,7 @@ FORMAT = "powersgd_triton.hook_state"
 _VERSION = 1
 FILE_PATTERN = "hook_state.rank{rank}.pt"
 # Hyper-parameters that decide which matrices are compressed and what the memory means: must match on load.
-_MUST_MATCH = ("matrix_approximation_rank", "min_compression_rate", "use_error_feedback", "warm_start")
+MUST_MATCH = ("matrix_approximation_rank", "min_compression_rate", "use_error_feedback", "warm_start")
 
 
 def hook_state_path(path, rank: int) -> str:
@@ -92,7 +93,7 @@ def save_hook_state(state: PowerSGDState, model, path, *, rank: Optional[int] = 
     if not isinstance(state, PowerSGDState):
         raise TypeError(f"state must be a powersgd_triton.PowerSGDState, got {type(state).__name__}")
     rank, world_size = _rank_and_world(rank, world_size)
-    state._bind_model(model)
+    bind_model(state, model)
     hook_state = state.state_dict()
     saved_ws = hook_state.get("world_size")
     if saved_ws is not None and saved_ws != world_size:
@@ -218,7 +219,7 @@ def load_hook_state(state: PowerSGDState, model, path, *, rank: Optional[int] = 
     config = hook_state.get("config", {})
     differing = [
         f"{k}: saved {config[k]!r}, state {getattr(state, k)!r}"
-        for k in _MUST_MATCH
+        for k in MUST_MATCH
         if k in config and config[k] != getattr(state, k)
     ]
     if differing:
@@ -229,7 +230,7 @@ def load_hook_state(state: PowerSGDState, model, path, *, rank: Optional[int] = 
         raise ValueError(f"{file} holds a damaged hook state: {exc}") from None
     for mem in state.buckets.values():
         mem.strict = True
-    state._bind_model(model)
+    bind_model(state, model)
     return {k: v for k, v in payload.items() if k != "hook_state"}
 
 

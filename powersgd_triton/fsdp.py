@@ -62,8 +62,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import _step
 from .alternating import alternating_powerSGD_hook
-from .hooks import _check_state, powerSGD_hook
+from .hooks import powerSGD_hook
 from .layout import check_gradient_dtype
 from .state import PowerSGDState
 
@@ -406,8 +407,8 @@ class FSDPPowerSGD:
         with self._lock:
             self._graph_task = None
         if state.iter >= state.start_powerSGD_iter:
-            state._report_compression_stats(_EndOfBackward)
-        state._end_of_iteration()
+            _step.report_compression_stats(state, _EndOfBackward)
+        _step.end_of_iteration(state)
         state.maybe_increase_iter(_EndOfBackward)
 
     # ------------------------------------------------------------------ persistence
@@ -432,7 +433,7 @@ class FSDPPowerSGD:
         matrix) with where it belongs: global rank and world size, replicate and shard rank and size, the hook,
         and each group's parameters and shard layout. Only tensors and plain Python types (``torch.load(...,
         weights_only=True)`` reads it). Save one per rank: the error memory is the rank's own."""
-        self.state._bind_model(self.model)
+        _step.bind_model(self.state, self.model)
         return {"format": FORMAT, "version": _VERSION, **self._identity(), "hook_state": self.state.state_dict()}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -466,17 +467,17 @@ class FSDPPowerSGD:
         if not isinstance(hook_state, dict):
             differing.append("no hook_state")
         else:
-            from .checkpoint import _MUST_MATCH
+            from .checkpoint import MUST_MATCH
 
             config = hook_state.get("config", {})
-            differing += [f"{k}: saved {config[k]!r}, state {getattr(self.state, k)!r}" for k in _MUST_MATCH
+            differing += [f"{k}: saved {config[k]!r}, state {getattr(self.state, k)!r}" for k in MUST_MATCH
                           if k in config and config[k] != getattr(self.state, k)]
         if differing:
             raise ValueError("this FSDP PowerSGD hook state was saved by another rank or job: " + "; ".join(differing))
         self.state.load_state_dict(hook_state)
         for mem in self.state.buckets.values():
             mem.strict = True
-        self.state._bind_model(self.model)
+        _step.bind_model(self.state, self.model)
 
 
 def _exchange(group, payload) -> list:
@@ -531,7 +532,7 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
             f"{getattr(hook, '__qualname__', hook)!r} (batched_powerSGD_hook would mix the shards and their padding; "
             "for low-precision messages use MixedPrecisionPolicy(reduce_dtype=...))"
         )
-    _check_state(state, name)
+    _step.check_state(state, name)
     if hook is alternating_powerSGD_hook and not state.warm_start:
         raise ValueError("alternating_powerSGD_hook needs warm_start=True: the factors kept between steps carry its "
                          "power iteration")
@@ -612,7 +613,7 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
         raise ValueError(errors[0])
 
     handle = FSDPPowerSGD(model, state, hook, groups, shard_ranks)
-    state._bind_model(model)
+    _step.bind_model(state, model)
     for g in groups:
         g.module.set_all_reduce_hook(handle._make_hook(g))
     return handle

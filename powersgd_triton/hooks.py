@@ -3,7 +3,8 @@
 Drop-in for ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``: same signature, registered with
 ``ddp_model.register_comm_hook(state, hook)``, same numbers as PyTorch's hook (see ``tests/test_hooks_equivalence.py``).
 This module is only the order of the collectives; every numeric step is one call into :mod:`powersgd_triton.ops`
-(one Triton launch per step for the whole bucket on the Triton backend).
+(one Triton launch per step for the whole bucket on the Triton backend), and what the hooks share (checks, warm-up,
+the bucket's memory, the factor all-reduce) is in :mod:`powersgd_triton._step`.
 
 A compressed step of one bucket (PowerSGD, Vogels et al. 2019, arXiv 1905.13727, Algorithm 1):
 
@@ -13,9 +14,9 @@ A compressed step of one bucket (PowerSGD, Vogels et al. 2019, arXiv 1905.13727,
 6. ``M <- P·Qᵀ`` and ``E <- (M + E) - P·Qᵀ`` in one pass; commit the warm-start Q.
 
 P and Q are all-reduced in ``state.communication_dtype`` (default: the bucket's dtype, as PyTorch's hook): one cast
-of the packed float32 factor before the all-reduce, one copy back after it (:func:`_allreduce_factor`). With
-``state.grad_scaler`` the error memory is unscaled: steps 3 and 6 use ``M + s·E`` and store ``E / s``, ``s`` read
-from the scaler's scale tensor on the device (see :class:`~powersgd_triton.PowerSGDState`).
+of the packed float32 factor before the all-reduce, one copy back after it
+(:func:`powersgd_triton._step.allreduce_factor`). With ``state.grad_scaler`` the error memory is unscaled: steps 3
+and 6 use ``M + s·E`` and store ``E / s``, ``s`` read from the scaler's scale tensor on the device (see :class:`~powersgd_triton.PowerSGDState`).
 
 Step 6's memory updates only happen where the step is finite (all-reduced Q and uncompressed gradients: the step
 flags of :func:`powersgd_triton.ops.average`, device tensors), without any host synchronization: a non-finite step
@@ -35,53 +36,11 @@ No ``from __future__ import annotations`` here: DDP checks the hooks' annotation
 import torch
 import torch.distributed as dist
 
-from . import ops
-from .layout import check_gradient_dtype
-from .state import BucketMemory, PowerSGDState
+from . import _step, ops
+from ._memory import BucketMemory
+from .state import PowerSGDState
 
 __all__ = ["powerSGD_hook", "batched_powerSGD_hook"]
-
-# Tests set this to True/False to force the then()-chain / in-body schedule; None: decide by the backend.
-_FORCE_CALLBACK_CHAIN = None
-
-
-def _use_callback_chain(group, buffer: torch.Tensor) -> bool:
-    if _FORCE_CALLBACK_CHAIN is not None:
-        return bool(_FORCE_CALLBACK_CHAIN)
-    if buffer.device.type != "cuda":
-        return False
-    try:
-        backend = str(dist.get_backend(group))
-    except Exception:  # pragma: no cover - exotic groups
-        return False
-    return backend.lower() == "nccl" or "cuda:nccl" in backend.lower()
-
-
-def _completed(value: torch.Tensor) -> torch.futures.Future:
-    fut = torch.futures.Future(devices=[value.device] if value.device.type == "cuda" else None)
-    fut.set_result(value)
-    return fut
-
-
-def _allreduce_average(group, world_size: int, buffer: torch.Tensor) -> torch.futures.Future:
-    """Plain averaging all-reduce (PyTorch's ``default._allreduce_fut``: divide first, then sum)."""
-    buffer.div_(world_size)
-    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-
-def _allreduce_factor(state: PowerSGDState, factor: torch.Tensor, buffer: torch.Tensor, group) -> torch.futures.Future:
-    """Sum-all-reduce of a packed factor (P or Q, the memory's float32), in ``state.communication_dtype`` (default:
-    the bucket's dtype): one cast of the whole packed buffer before the all-reduce, one copy back into ``factor``
-    after it (no per-matrix work). The cast rounds to nearest and overflows to inf, never to a finite wrong value:
-    such a step is non-finite (its memory is kept, GradScaler skips it). The future completes when ``factor`` holds
-    the sum."""
-    wire = state._wire_dtype(buffer, factor.dtype)
-    if wire is None:
-        return dist.all_reduce(factor, group=group, async_op=True).get_future()
-    sent = factor.to(wire)
-    fut = dist.all_reduce(sent, group=group, async_op=True).get_future()
-    return fut.then(lambda f: factor.copy_(f.value()[0]))
-
 
 class _Step:
     """One compressed step of one bucket; the methods are the pieces between two all-reduces.
@@ -108,7 +67,7 @@ class _Step:
         self.backend = mem.backend
         self.eps = float(state.orthogonalization_epsilon)
         # error memory in unscaled units (state.grad_scaler): the scale of this step's gradients, a device tensor
-        self.loss_scale = state._loss_scale(buffer) if mem.error is not None else None
+        self.loss_scale = _step.loss_scale(state, buffer) if mem.error is not None else None
         self.unc = None
         self.packed = None
         self.unc_work = None
@@ -132,7 +91,7 @@ class _Step:
         """Q from memory (or a fresh random Q), orthogonalized into ``q_work``; ``P = (M + E)·Q``."""
         state, mem, layout = self.state, self.mem, self.layout
         if not mem.q_initialized or not state.warm_start:
-            state._draw_q(mem, self.buffer.dtype)
+            _step.draw_q(state, mem, self.buffer.dtype)
         if layout.num_matrices == 0:
             return
         ops.orthogonalize(
@@ -180,94 +139,21 @@ class _Step:
         return self.buffer
 
 
-def _check_bucket(bucket) -> None:
-    """Refuse callers that are not DDP's C++ reducer with a clear error (a bucket check of a few isinstance calls)."""
-    if isinstance(bucket, tuple):
-        raise TypeError(
-            "PowerSGD hook called with a (grad, param) tuple instead of a torch.distributed.GradBucket: this is "
-            "compiled DDP's python reducer (torch._dynamo.config.optimize_ddp='python_reducer'), which calls comm "
-            "hooks once per parameter. PowerSGD needs whole DDP buckets: use optimize_ddp='ddp_optimizer' (the "
-            "default) or 'no_optimization' with torch.compile, or do not compile the DDP model"
-        )
-    if isinstance(bucket, torch.Tensor):
-        raise TypeError(
-            "PowerSGD hook called with a tensor instead of a torch.distributed.GradBucket: this is FSDP's "
-            "register_comm_hook (FullyShardedDataParallel), which is not supported. The powersgd_triton hooks work "
-            "with torch.nn.parallel.DistributedDataParallel only"
-        )
-    if not callable(getattr(bucket, "buffer", None)):
-        raise TypeError(
-            f"PowerSGD hook expects a torch.distributed.GradBucket (DistributedDataParallel.register_comm_hook), "
-            f"got {type(bucket).__name__}"
-        )
-
-
-def _check_state(state, hook: str) -> None:
-    """``TypeError`` unless ``state`` is our :class:`PowerSGDState` (PyTorch's own state is the likely mistake)."""
-    if isinstance(state, PowerSGDState):
-        return
-    kind = f"{type(state).__module__}.{type(state).__qualname__}"
-    hint = ""
-    if type(state).__name__ == "PowerSGDState":
-        hint = (
-            " (PyTorch's); import PowerSGDState from powersgd_triton as well, or convert it once with "
-            "powersgd_triton.PowerSGDState.from_torch(state) and register that"
-        )
-    raise TypeError(f"{hook} needs a powersgd_triton.PowerSGDState as its state, got {kind}{hint}")
-
-
-def _checked_buffer(bucket) -> torch.Tensor:
-    """The bucket's flat buffer, after the checks every hook makes before it changes anything.
-
-    Raises the caller-mode error of ``_check_bucket`` (compiled DDP's python reducer, FSDP), ``TypeError`` for
-    complex or integer gradients and ``ValueError`` for a dense buffer that is not 1-D. A sparse buffer (DDP gives
-    a sparse gradient, ``nn.Embedding(..., sparse=True)``, a bucket of its own, whose buffer is that gradient) is
-    returned as it is: :func:`_warm_up` averages it with a plain all-reduce.
-    """
-    _check_bucket(bucket)
-    buffer = bucket.buffer()
-    check_gradient_dtype(buffer.dtype)
-    if buffer.is_sparse:
-        return buffer
-    if buffer.dim() != 1:
-        raise ValueError(f"bucket buffer must be 1-D, got shape {tuple(buffer.shape)}")
-    return buffer
-
-
-def _warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor):
-    """``(group, world_size, future)``: ``future`` is the plain averaged all-reduce while
-    ``iter < start_powerSGD_iter`` (PyTorch's warm-up) and, at every step, for a sparse bucket (as DDP's default
-    hook averages it: PowerSGD compresses dense matrices); else None and the hook compresses.
-
-    Raises ``RuntimeError`` (before anything is changed, from step 0) when ``backend="triton"`` cannot run on the
-    bucket's device."""
-    state._check_backend_runs(buffer)
-    group = state._group()
-    world_size = dist.get_world_size(group)
-    if state.iter < state.start_powerSGD_iter:
-        state.maybe_increase_iter(bucket)
-        return group, world_size, _allreduce_average(group, world_size, buffer)
-    if buffer.is_sparse:
-        state._skip_bucket(bucket)
-        return group, world_size, _allreduce_average(group, world_size, buffer)
-    return group, world_size, None
-
-
 def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
-    _check_state(state, "batched_powerSGD_hook" if batched else "powerSGD_hook")
-    buffer = _checked_buffer(bucket)
-    group, world_size, plain = _warm_up(state, bucket, buffer)
+    _step.check_state(state, "batched_powerSGD_hook" if batched else "powerSGD_hook")
+    buffer = _step.checked_buffer(bucket)
+    group, world_size, plain = _step.warm_up(state, bucket, buffer)
     if plain is not None:
         return plain
 
-    mem = state._prepare_bucket(bucket, buffer, batched, group)
+    mem = _step.prepare_bucket(state, bucket, buffer, batched, group)
     layout = mem.layout
     state.total_numel_before_compression += layout.numel_before_compression
     state.total_numel_after_compression += layout.numel_after_compression
-    state._report_compression_stats(bucket)
+    _step.report_compression_stats(state, bucket)
 
     # The batched memory's gradient order differs from the bucket's for one step after a resume (see
-    # PowerSGDState._follow_batched): compute on a copy in the memory's order, then write each gradient back.
+    # powersgd_triton._buckets): compute on a copy in the memory's order, then write each gradient back.
     order = mem.order
     work = buffer if order is None else torch.cat([buffer[o : o + n] for o, n in order])
     step = _Step(state, mem, work, group, world_size)
@@ -289,23 +175,23 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
     state.maybe_increase_iter(bucket)
 
     if not compressed:
-        if _use_callback_chain(group, buffer) and step.unc_work is not None:
+        if _step.use_callback_chain(group, buffer) and step.unc_work is not None:
             return step.unc_work.get_future().then(lambda fut: finish())
-        return _completed(finish())
+        return _step.completed(finish())
 
-    if _use_callback_chain(group, buffer):
+    if _step.use_callback_chain(group, buffer):
 
         def after_p(fut):
             step.compute_q()
-            return _allreduce_factor(state, mem.q_work, buffer, group).wait()
+            return _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
 
-        p_fut = _allreduce_factor(state, mem.p, buffer, group)
+        p_fut = _step.allreduce_factor(state, mem.p, buffer, group)
         return p_fut.then(after_p).then(lambda fut: finish())
 
-    _allreduce_factor(state, mem.p, buffer, group).wait()
+    _step.allreduce_factor(state, mem.p, buffer, group).wait()
     step.compute_q()
-    _allreduce_factor(state, mem.q_work, buffer, group).wait()
-    return _completed(finish())
+    _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
+    return _step.completed(finish())
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

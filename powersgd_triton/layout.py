@@ -132,7 +132,7 @@ class ShapeGroup:
         return self.count * self.m * self.rank
 
 
-def _matrix_segment(grad: torch.Tensor, buffer: torch.Tensor) -> Optional[int]:
+def matrix_segment(grad: torch.Tensor, buffer: torch.Tensor) -> Optional[int]:
     """Element offset of ``grad`` in ``buffer`` if ``grad`` is a dense view whose dim 0 is outermost, else None.
 
     Such a view is a row-major ``(shape[0], numel/shape[0])`` matrix in memory whatever the order of its inner dims
@@ -234,7 +234,7 @@ class BucketLayout:
         before = after = 0
         sig = []
         for gi, g in enumerate(gradients):
-            off = _matrix_segment(g, buffer)
+            off = matrix_segment(g, buffer)
             if off is None and g.numel() > 0:
                 raise ValueError(
                     f"gradient {gi} (shape {tuple(g.shape)}, strides {g.stride()}) is not a dense view into the "
@@ -321,7 +321,7 @@ class BucketLayout:
             if g.numel() == 0:
                 sig.append((gi, -1, tuple(g.shape)))
                 continue
-            off = _matrix_segment(g, buffer)
+            off = matrix_segment(g, buffer)
             if off is None:
                 return False
             sig.append((gi, off, tuple(g.shape)))

@@ -35,38 +35,9 @@ from typing import Optional
 
 import torch
 
-from . import _env
+from ._backend import BACKENDS, resolve_backend  # noqa: F401 - the one resolver, re-exported here
 from .kernels import reference
 from .layout import BucketLayout
-
-BACKENDS = ("auto", "triton", "torch")
-
-
-def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
-    """Map ``"auto"`` to ``"triton"`` or ``"torch"`` for ``tensor``'s device; check an explicit choice can run.
-
-    Raises:
-        ValueError: unknown backend name.
-        RuntimeError: ``"triton"`` asked for on a device where it cannot run.
-    """
-    if backend == "torch":  # runs everywhere
-        return backend
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-    if tensor.dtype == torch.float64:  # the Triton kernels compute in float32; torch computes float64 in float64
-        if backend == "triton":
-            raise ValueError("backend='triton' computes in float32; float64 tensors need backend='torch' or 'auto'")
-        return "torch"
-    can = _env.triton_can_run(tensor.device)
-    if backend == "auto":
-        return "triton" if can else "torch"
-    if backend == "triton" and not can:
-        raise RuntimeError(
-            f"backend='triton' cannot run on {tensor.device} tensors here: "
-            + _env.triton_unavailable_reason(tensor.device)
-        )
-    return backend
-
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     """Arithmetic dtype of the torch backend: float64 for float64 tensors (a float64 model keeps float64

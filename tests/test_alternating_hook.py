@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from _dist import FakeBucket, SmallConvNet, backend_params, bucket_numel, run_ranks, train_ddp_steps
 from bucket_utils import Worst, add_per_gradient, gs64, rel_err64, seeded_data
 from _launches import CountLaunches, counting_bucket_kernels
-from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, hooks, powerSGD_hook
+from powersgd_triton import PowerSGDState, _step, alternating_powerSGD_hook, powerSGD_hook
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -433,13 +433,13 @@ def test_all_zero_layer_stays_zero_with_epsilon_0(tmp_path, backend):
 def _chain_worker(rank, world_size):
     outs = {}
     for chain in (False, True):
-        hooks._FORCE_CALLBACK_CHAIN = chain
+        _step.FORCE_CALLBACK_CHAIN = chain
         try:
             state = _state()
             outs[chain] = _run_steps(state, range(6), rank)
             assert state.iter == 6
         finally:
-            hooks._FORCE_CALLBACK_CHAIN = None
+            _step.FORCE_CALLBACK_CHAIN = None
     return all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
 
 

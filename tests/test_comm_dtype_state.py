@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from powersgd_triton import PowerSGDState
+from powersgd_triton import PowerSGDState, _step
 
 
 def _state(**kw):
@@ -31,7 +31,7 @@ def test_wire_dtype(bucket, comm):
     state = _state(communication_dtype=comm)
     memory = torch.float64 if bucket == torch.float64 else torch.float32
     want = comm if comm is not None else bucket
-    got = state._wire_dtype(torch.empty(4, dtype=bucket), memory)
+    got = _step.wire_dtype(state, torch.empty(4, dtype=bucket), memory)
     assert got == (None if want == memory else want)
 
 
@@ -39,14 +39,14 @@ def test_loss_scale_is_the_scalers_tensor():
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     state = _state(grad_scaler=scaler)
     buf = torch.empty(4)
-    assert state._loss_scale(buf) is None  # no loss scaled yet: scale 1
+    assert _step.loss_scale(state, buf) is None  # no loss scaled yet: scale 1
     scaler.scale(torch.ones(()))
-    s = state._loss_scale(buf)
+    s = _step.loss_scale(state, buf)
     assert s.dtype == torch.float32 and s.numel() == 1 and float(s) == 1024.0
     assert s.data_ptr() == scaler._scale.data_ptr()  # the live tensor: no copy, no sync
     scaler.update(new_scale=512.0)
-    assert float(state._loss_scale(buf)) == 512.0
-    assert _state(grad_scaler=torch.amp.GradScaler("cpu", enabled=False))._loss_scale(buf) is None
+    assert float(_step.loss_scale(state, buf)) == 512.0
+    assert _step.loss_scale(_state(grad_scaler=torch.amp.GradScaler("cpu", enabled=False)), buf) is None
 
 
 def test_state_dict_and_pickle_round_trip():

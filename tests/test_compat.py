@@ -59,9 +59,9 @@ def test_triton_older_than_the_floor_is_not_used(old_triton):
 
     with pytest.raises(RuntimeError, match="triton 3.1.0 is older than 3.6"):
         PowerSGDState(process_group=None, matrix_approximation_rank=2, backend="triton")
-    from powersgd_triton.state import _resolve_backend
+    from powersgd_triton.ops import resolve_backend
 
-    assert _resolve_backend("auto", torch.zeros(4)) == "torch"
+    assert resolve_backend("auto", torch.zeros(4)) == "torch"
 
 
 def test_this_install_is_not_below_the_floors():

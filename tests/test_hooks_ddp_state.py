@@ -17,7 +17,6 @@ import copy
 import io
 import os
 import pickle
-import warnings
 
 import pytest
 import torch
@@ -25,6 +24,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_ranks
+from _resume import continue_and_report
+from _resume import train_steps as _steps
 from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,14 +42,6 @@ def _mlp():
 
 def _state():
     return PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, backend="torch")
-
-
-def _steps(ddp, opt, rank, start, stop):
-    for i in range(start, stop):
-        x = torch.randn(8, 20, generator=torch.Generator().manual_seed(1000 * i + rank))  # per-rank data
-        opt.zero_grad()
-        ddp(x).pow(2).sum().backward()
-        opt.step()
 
 
 def _recipe_worker(rank, world_size, hook_name, how):
@@ -85,16 +78,7 @@ def _recipe_worker(rank, world_size, hook_name, how):
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     opt.load_state_dict(ckpt["opt"])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _steps(ddp, opt, rank, STOP, TOTAL)
-    got = [p.detach() for p in ddp.parameters()]
-    return {
-        "equal": all(torch.equal(a, b) for a, b in zip(reference, got)),
-        "max_diff": max(float((a - b).abs().max()) for a, b in zip(reference, got)),
-        "warnings": [str(w.message) for w in caught if "PowerSGD" in str(w.message)],
-        "iter": state.iter,
-    }
+    return continue_and_report(ddp, opt, state, rank, STOP, TOTAL, reference)
 
 
 def _recipes_worker(rank, world_size):

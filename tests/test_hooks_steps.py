@@ -10,7 +10,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
 from _dist import FakeBucket, backend_params, bucket_numel, run_ranks
-from powersgd_triton import PowerSGDState, batched_powerSGD_hook, hooks, powerSGD_hook
+from powersgd_triton import PowerSGDState, _step, batched_powerSGD_hook, powerSGD_hook
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -171,13 +171,13 @@ def _chain_worker(rank, world_size, backend, hook_name):
     hook = HOOKS[hook_name]
     outs = {}
     for chain in (False, True):
-        hooks._FORCE_CALLBACK_CHAIN = chain
+        _step.FORCE_CALLBACK_CHAIN = chain
         try:
             state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, backend=backend)
             outs[chain] = _run_steps(state, hook, range(5), rank)
             assert state.iter == 5
         finally:
-            hooks._FORCE_CALLBACK_CHAIN = None
+            _step.FORCE_CALLBACK_CHAIN = None
     return all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
 
 

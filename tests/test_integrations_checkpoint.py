@@ -18,7 +18,15 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_ranks
-from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
+from _resume import continue_and_report
+from _resume import train_steps as _steps
+from powersgd_triton import (
+    PowerSGDState,
+    _step,
+    alternating_powerSGD_hook,
+    batched_powerSGD_hook,
+    powerSGD_hook,
+)
 from powersgd_triton.checkpoint import hook_state_path, load_hook_state, load_hook_state_if_saved, save_hook_state
 from powersgd_triton.integrations import register
 
@@ -41,15 +49,6 @@ def _model(frozen: bool = False):
 def _state(**kw):
     kw.setdefault("matrix_approximation_rank", 2)
     return PowerSGDState(None, start_powerSGD_iter=2, backend="torch", **kw)
-
-
-def _steps(ddp, opt, rank, start, stop):
-    for i in range(start, stop):
-        g = torch.Generator().manual_seed(1000 * i + rank)  # each rank its own data: per-rank error memory differs
-        x = torch.randn(8, 20, generator=g)
-        opt.zero_grad()
-        ddp(x).pow(2).sum().backward()
-        opt.step()
 
 
 def _setup(model, cap, hook=powerSGD_hook, **state_kw):
@@ -85,15 +84,8 @@ def _resume_worker(rank, world_size, folder, cap, how, hook=powerSGD_hook):
         load_hook_state(state, ddp, folder)
     else:
         state.load_state_dict(hook_sd)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _steps(ddp, opt, rank, STOP, TOTAL)
-    got = [p.detach() for p in ddp.parameters()]
     return {
-        "equal": all(torch.equal(a, b) for a, b in zip(reference, got)),
-        "max_diff": max(float((a - b).abs().max()) for a, b in zip(reference, got)),
-        "warnings": [str(w.message) for w in caught if "PowerSGD" in str(w.message)],
-        "iter": state.iter,
+        **continue_and_report(ddp, opt, state, rank, STOP, TOTAL, reference),
         "buckets": (buckets_uninterrupted, len(state.buckets)),
         "errors": errors,
         "file": file if how == "files" else None,
@@ -279,9 +271,9 @@ def test_first_seen_bucket_without_compressed_matrices_draws_its_seed():
     biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
     state = _state()
     b0, b1 = _ParamBucket(weights, 0, False), _ParamBucket(biases, 1, True)
-    mem0 = state._prepare_bucket(b0, b0.buffer(), False, None)
-    state._draw_q(mem0, torch.float32)
-    mem1 = state._prepare_bucket(b1, b1.buffer(), False, None)
+    mem0 = _step.prepare_bucket(state, b0, b0.buffer(), False, None)
+    _step.draw_q(state, mem0, torch.float32)
+    mem1 = _step.prepare_bucket(state, b1, b1.buffer(), False, None)
     assert mem1.layout.num_matrices == 0 and not mem1.q_initialized  # the hook will draw (and consume a seed)
 
 
@@ -292,8 +284,8 @@ def test_memory_follows_parameters_into_fewer_buckets():
     state = _state()
     first = [_ParamBucket(params[6:], 0, False), _ParamBucket(params[3:6], 1, False), _ParamBucket(params[:3], 2, True)]
     for b in first:
-        mem = state._prepare_bucket(b, b.buffer(), False, None)
-        state._draw_q(mem, torch.float32)
+        mem = _step.prepare_bucket(state, b, b.buffer(), False, None)
+        _step.draw_q(state, mem, torch.float32)
         mem.error.normal_()
         mem.p.normal_()
     before = {}
@@ -305,8 +297,8 @@ def test_memory_follows_parameters_into_fewer_buckets():
     second = [_ParamBucket(params[4:][::-1], 0, False), _ParamBucket(params[:4][::-1], 1, True)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        mems = [state._prepare_bucket(b, b.buffer(), False, None) for b in second]
-    assert sorted(state.buckets) == [0, 1] and not state._retired
+        mems = [_step.prepare_bucket(state, b, b.buffer(), False, None) for b in second]
+    assert sorted(state.buckets) == [0, 1] and not state.buckets.retired
     for mem in mems:
         assert mem.q_initialized
         for s in mem.layout.matrices:

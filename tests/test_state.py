@@ -14,7 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 import powersgd_triton
 from _dist import FakeBucket, bucket_numel
-from powersgd_triton import PowerSGDState, batched_powerSGD_hook, hooks, powerSGD_hook
+from powersgd_triton import PowerSGDState, _step, batched_powerSGD_hook, hooks, powerSGD_hook
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -151,8 +151,8 @@ def _populated_state(**kwargs):
     state.iter = 7
     for index in (0, 3):
         bucket = FakeBucket(torch.randn(bucket_numel(SHAPES)), SHAPES, index=index)
-        mem = state._prepare_bucket(bucket, bucket.buffer(), False, None)
-        state._draw_q(mem, torch.float32)
+        mem = _step.prepare_bucket(state, bucket, bucket.buffer(), False, None)
+        _step.draw_q(state, mem, torch.float32)
         if mem.error is not None:
             mem.error.normal_()
         mem.p.normal_()
@@ -238,16 +238,16 @@ def test_layout_mismatch_rebuilds_with_warning():
     other = [(10, 30), (30, 10)]
     bucket = FakeBucket(torch.randn(bucket_numel(other)), other, index=0)
     with pytest.warns(RuntimeWarning, match="bucket 0 no longer matches"):
-        mem = state._prepare_bucket(bucket, bucket.buffer(), False, None)
+        mem = _step.prepare_bucket(state, bucket, bucket.buffer(), False, None)
     assert mem.layout.e_numel == 600 and not mem.q_initialized and torch.count_nonzero(mem.error) == 0
     # Same bucket again: reused, no warning.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert state._prepare_bucket(bucket, bucket.buffer(), False, None) is mem
+        assert _step.prepare_bucket(state, bucket, bucket.buffer(), False, None) is mem
     # A dtype swapped in by fp16_compress_wrapper is a different layout.
     half = FakeBucket(bucket.buffer().half(), other, index=0)
     with pytest.warns(RuntimeWarning, match="no longer matches"):
-        state._prepare_bucket(half, half.buffer(), False, None)
+        _step.prepare_bucket(state, half, half.buffer(), False, None)
 
 
 def test_same_parameters_in_the_same_buffer_skip_the_per_gradient_check(monkeypatch):
@@ -262,35 +262,35 @@ def test_same_parameters_in_the_same_buffer_skip_the_per_gradient_check(monkeypa
                         lambda self, *a: calls.append(1) or original(self, *a))
     state = PowerSGDState(None, start_powerSGD_iter=2, matrix_approximation_rank=2, backend="torch")
     bucket = FakeGradBucket(torch.randn(bucket_numel(SHAPES)), SHAPES)
-    mem = state._prepare_bucket(bucket, bucket.buffer(), False, None)
+    mem = _step.prepare_bucket(state, bucket, bucket.buffer(), False, None)
     for _ in range(5):
-        assert state._prepare_bucket(bucket, bucket.buffer(), False, None) is mem
+        assert _step.prepare_bucket(state, bucket, bucket.buffer(), False, None) is mem
     assert len(calls) == 1
     # a new buffer of the same layout (fp16_compress_wrapper's set_buffer): checked once more, same memory
     keep = torch.randn(bucket_numel(SHAPES))
     bucket.set_buffer(keep)
-    assert state._prepare_bucket(bucket, bucket.buffer(), False, None) is mem and len(calls) == 2
-    assert state._prepare_bucket(bucket, bucket.buffer(), False, None) is mem and len(calls) == 2
+    assert _step.prepare_bucket(state, bucket, bucket.buffer(), False, None) is mem and len(calls) == 2
+    assert _step.prepare_bucket(state, bucket, bucket.buffer(), False, None) is mem and len(calls) == 2
     # another rank, or another dtype in the same parameters: rebuilt with a warning
     state.matrix_approximation_rank = 1
     with pytest.warns(RuntimeWarning, match="no longer matches"):
-        new = state._prepare_bucket(bucket, bucket.buffer(), False, None)
+        new = _step.prepare_bucket(state, bucket, bucket.buffer(), False, None)
     assert new is not mem and new.layout.matrices[0].rank == 1
     # a parameter reshaped in place (same object, same numel) in a bucket whose buffer keeps its address
     params = [torch.nn.Parameter(torch.empty(s)) for s in SHAPES]
     same = torch.randn(bucket_numel(SHAPES))
     state.matrix_approximation_rank = 2
     before = FakeGradBucket(same, SHAPES, index=5, num_buckets=6, parameters=params)
-    first = state._prepare_bucket(before, same, False, None)
-    assert state._prepare_bucket(before, same, False, None) is first  # checked in full once: the key is set
+    first = _step.prepare_bucket(state, before, same, False, None)
+    assert _step.prepare_bucket(state, before, same, False, None) is first  # checked in full once: the key is set
     params[0].data = params[0].data.reshape(SHAPES[0][1], SHAPES[0][0])
     after = FakeGradBucket(same, [params[0].shape] + SHAPES[1:], index=5, num_buckets=6, parameters=params)
     checks = len(calls)
-    reshaped = state._prepare_bucket(after, same, False, None)
+    reshaped = _step.prepare_bucket(state, after, same, False, None)
     assert len(calls) == checks + 1 and reshaped.layout.signature != first.layout.signature
     bucket.set_buffer(keep.half())
     checks = len(calls)
-    half = state._prepare_bucket(bucket, bucket.buffer(), False, None)  # memory follows the parameters
+    half = _step.prepare_bucket(state, bucket, bucket.buffer(), False, None)  # memory follows the parameters
     assert len(calls) == checks + 1 and half is not new and torch.float16 in half.layout.signature
 
 
@@ -301,9 +301,9 @@ def test_q_draw_matches_pytorch_random_numbers():
                               batch_tensors_with_same_shape=batch)
         shapes = [(40, 48), (12,), (40, 48), (64, 36)]
         bucket = FakeBucket(torch.randn(bucket_numel(shapes)), shapes)
-        mem = state._prepare_bucket(bucket, bucket.buffer(), False, None)
+        mem = _step.prepare_bucket(state, bucket, bucket.buffer(), False, None)
         global_before = torch.random.get_rng_state()
-        state._draw_q(mem, torch.float32)
+        _step.draw_q(state, mem, torch.float32)
         assert torch.equal(torch.random.get_rng_state(), global_before)  # the global RNG is untouched
         rng = np.random.RandomState(0)
         with torch.random.fork_rng(devices=[]):
@@ -317,17 +317,17 @@ def test_q_draw_matches_pytorch_random_numbers():
 
 def test_backend_resolution():
     from _dist import triton_backend_skip_reason
-    from powersgd_triton.state import _resolve_backend
+    from powersgd_triton.ops import resolve_backend
 
     cpu = torch.zeros(4)
-    assert _resolve_backend("torch", cpu) == "torch"
+    assert resolve_backend("torch", cpu) == "torch"
     if triton_backend_skip_reason() is None:
-        assert _resolve_backend("triton", cpu) == "triton"
-        assert _resolve_backend("auto", cpu) == "triton"
+        assert resolve_backend("triton", cpu) == "triton"
+        assert resolve_backend("auto", cpu) == "triton"
     else:
         with pytest.raises(RuntimeError, match="triton"):
-            _resolve_backend("triton", cpu)
-        assert _resolve_backend("auto", cpu) == "torch"
+            resolve_backend("triton", cpu)
+        assert resolve_backend("auto", cpu) == "torch"
 
 
 @pytest.mark.parametrize("hook", [powerSGD_hook, batched_powerSGD_hook, powersgd_triton.alternating_powerSGD_hook])

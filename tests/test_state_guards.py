@@ -19,6 +19,7 @@ from _dist import FakeBucket, backend_params, bucket_numel, triton_backend_skip_
 from bucket_utils import Worst, add_per_gradient, rel_err64
 from powersgd_triton import (
     PowerSGDState,
+    _buckets,
     _env,
     alternating_powerSGD_hook,
     batched_powerSGD_hook,
@@ -354,19 +355,19 @@ def test_state_finds_the_ddp_it_is_registered_on(world1):
     through the DDP it is registered on; registered on two, the one holding the parameters; none: None."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from powersgd_triton.state import _registered_module
+    from powersgd_triton._buckets import registered_module
 
     a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     state = _state()
     ddp_a, ddp_b = DDP(a), DDP(b)
-    assert _registered_module(state, list(a.parameters())) is None
+    assert registered_module(state, list(a.parameters())) is None
     ddp_a.register_comm_hook(state, powerSGD_hook)
     ddp_b.register_comm_hook(state, powerSGD_hook)
-    assert _registered_module(state, list(a.parameters())) is a
-    assert _registered_module(state, list(b.parameters())) is b
-    assert _registered_module(_state(), list(a.parameters())) is None
-    state._name_params(tuple(b.parameters()))
-    assert [state._param_name(p) for p in b.parameters()] == ["weight", "bias"]
+    assert registered_module(state, list(a.parameters())) is a
+    assert registered_module(state, list(b.parameters())) is b
+    assert registered_module(_state(), list(a.parameters())) is None
+    _buckets.name_params(state, tuple(b.parameters()))
+    assert [_buckets.param_name(state, p) for p in b.parameters()] == ["weight", "bias"]
 
 
 def test_ops_orthogonalize_refuses_infinite_epsilon():

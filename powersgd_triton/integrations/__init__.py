@@ -95,6 +95,7 @@ def register(model, state, hook=None):
     Raises:
         TypeError: FSDP, compiled DDP's python reducer, not a DDP model, or a state that is not ours with our hook.
     """
+    from .. import _step
     from .. import alternating as _alternating
     from .. import hooks as _hooks
     from ..state import PowerSGDState
@@ -104,8 +105,8 @@ def register(model, state, hook=None):
     check_ddp_model(model)
     ours = (_hooks.powerSGD_hook, _hooks.batched_powerSGD_hook, _alternating.alternating_powerSGD_hook)
     if hook in ours:
-        _hooks._check_state(state, hook.__name__)
+        _step.check_state(state, hook.__name__)
     if isinstance(state, PowerSGDState):
-        state._bind_model(model)
+        _step.bind_model(state, model)
     model.register_comm_hook(state, hook)
     return model

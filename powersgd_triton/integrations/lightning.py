@@ -93,13 +93,14 @@ def _make_class(package: str) -> type:
         def _register_ddp_hooks(self) -> None:
             if self._ddp_comm_hook is None:
                 return
-            from . import check_ddp_model
+            from .._buckets import bind_model
             from ..state import PowerSGDState
+            from . import check_ddp_model
 
             check_ddp_model(self.model)
             state = self._ddp_comm_state
             if isinstance(state, PowerSGDState):
-                state._bind_model(self.model)
+                bind_model(state, self.model)
                 # precision="16-mixed": Lightning's GradScaler keeps the error memory in unscaled units
                 from . import adopt_grad_scaler
 

@@ -1,0 +1,218 @@
+"""The step machinery the PowerSGD hooks share: checks, warm-up, collectives, and the state's per-step services.
+
+Used by :mod:`powersgd_triton.hooks` (``powerSGD_hook``, ``batched_powerSGD_hook``), :mod:`powersgd_triton.alternating`
+and :mod:`powersgd_triton.fsdp`, through these named functions only (the hooks never reach into the state's
+internals):
+
+* before anything changes: :func:`check_state`, :func:`checked_buffer` (:func:`check_bucket`),
+  :func:`check_backend_runs`;
+* warm-up and sparse buckets: :func:`warm_up` (plain averaging all-reduce, :func:`allreduce_average`;
+  :func:`skip_bucket`);
+* the bucket's memory: :func:`prepare_bucket` (layout check, migration: :mod:`powersgd_triton._buckets`),
+  :func:`draw_q`, :func:`allocate_alternating` (:mod:`powersgd_triton._memory`), :func:`end_of_iteration`,
+  :func:`bind_model`;
+* per step: :func:`process_group`, :func:`loss_scale` (``grad_scaler``), :func:`wire_dtype` and
+  :func:`allreduce_factor` (``communication_dtype``), :func:`report_compression_stats`;
+* the schedule: :func:`use_callback_chain` (``then()`` chain on NCCL, in the hook body elsewhere; see
+  :mod:`powersgd_triton.hooks`), :func:`completed`.
+"""
+
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ._backend import device_backend
+from ._buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401 - the hooks' entry points
+from ._memory import allocate_alternating, draw_q  # noqa: F401 - the hooks' entry points
+from .layout import check_gradient_dtype
+from .state import PowerSGDState, check_grad_scaler
+
+logger = logging.getLogger("powersgd_triton.state")  # the state's messages, under the state's logger as before
+
+
+# Tests set this to True/False to force the then()-chain / in-body schedule; None: decide by the backend.
+FORCE_CALLBACK_CHAIN = None
+
+
+def use_callback_chain(group, buffer: torch.Tensor) -> bool:
+    """Whether the hook chains its steps with ``then()`` (NCCL on CUDA tensors) instead of running them in its body
+    (every other backend; see :mod:`powersgd_triton.hooks`, "Collective order")."""
+    if FORCE_CALLBACK_CHAIN is not None:
+        return bool(FORCE_CALLBACK_CHAIN)
+    if buffer.device.type != "cuda":
+        return False
+    try:
+        backend = str(dist.get_backend(group))
+    except Exception:  # pragma: no cover - exotic groups
+        return False
+    return backend.lower() == "nccl" or "cuda:nccl" in backend.lower()
+
+
+def completed(value: torch.Tensor) -> torch.futures.Future:
+    """An already completed future holding ``value`` (what a hook that finished in its body returns)."""
+    fut = torch.futures.Future(devices=[value.device] if value.device.type == "cuda" else None)
+    fut.set_result(value)
+    return fut
+
+
+def allreduce_average(group, world_size: int, buffer: torch.Tensor) -> torch.futures.Future:
+    """Plain averaging all-reduce (PyTorch's ``default._allreduce_fut``: divide first, then sum)."""
+    buffer.div_(world_size)
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def allreduce_factor(state: PowerSGDState, factor: torch.Tensor, buffer: torch.Tensor, group) -> torch.futures.Future:
+    """Sum-all-reduce of a packed factor (P or Q, the memory's float32), in ``state.communication_dtype`` (default:
+    the bucket's dtype): one cast of the whole packed buffer before the all-reduce, one copy back into ``factor``
+    after it (no per-matrix work). The cast rounds to nearest and overflows to inf, never to a finite wrong value:
+    such a step is non-finite (its memory is kept, GradScaler skips it). The future completes when ``factor`` holds
+    the sum."""
+    wire = wire_dtype(state, buffer, factor.dtype)
+    if wire is None:
+        return dist.all_reduce(factor, group=group, async_op=True).get_future()
+    sent = factor.to(wire)
+    fut = dist.all_reduce(sent, group=group, async_op=True).get_future()
+    return fut.then(lambda f: factor.copy_(f.value()[0]))
+
+
+def check_backend_runs(state, buffer: torch.Tensor) -> None:
+    """``RuntimeError`` when ``backend="triton"`` cannot run on ``buffer``'s device; checked on every hook call
+    from step 0 (warm-up included), so the error comes before training, not at ``start_powerSGD_iter``. Free
+    after the first call per device."""
+    if state.backend != "triton" or buffer.device in state.buckets.backend_devices:
+        return
+    device_backend("triton", buffer.device)
+    state.buckets.backend_devices.add(buffer.device)
+
+
+def wire_dtype(state, buffer: torch.Tensor, factor_dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dtype P and Q of ``buffer``'s bucket are all-reduced in, when it is not ``factor_dtype`` (the
+    memory's); None when the factors are all-reduced as they are."""
+    wire = state.communication_dtype if state.communication_dtype is not None else buffer.dtype
+    return None if wire == factor_dtype else wire
+
+
+def loss_scale(state, buffer: torch.Tensor) -> Optional[torch.Tensor]:
+    """The grad scaler's current scale (one-element float32 tensor on ``buffer``'s device, read without a host
+    synchronization), or None: no scaler, a disabled one, or one that has not scaled a loss yet (scale 1)."""
+    scaler = state.grad_scaler
+    if scaler is None or not scaler.is_enabled():
+        return None
+    check_grad_scaler(scaler)  # the attribute may have been reassigned
+    scale = getattr(scaler, "_scale", None)
+    if scale is None:
+        return None
+    if scale.device != buffer.device:
+        scale = scale.to(buffer.device, non_blocking=True)
+    return scale.reshape(1)
+
+
+def process_group(state):
+    """The process group the hooks use: ``process_group``, or WORLD when it is None (resolved at call time)."""
+    if state.process_group is not None:
+        return state.process_group
+    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if group is None:
+        raise RuntimeError(
+            "PowerSGDState.process_group is None and the default process group is not initialized: "
+            "call torch.distributed.init_process_group() before training"
+        )
+    return group
+
+
+def report_compression_stats(state, bucket) -> None:
+    """Log ``state.compression_stats()`` after the last bucket of an iteration, every
+    ``compression_stats_logging_frequency`` iterations (as PyTorch's hook does)."""
+    if bucket.is_last() and state.iter >= state.next_stats_report:
+        rate, before, after = state.compression_stats()
+        logger.info(
+            "Compression stats: iter %s, total before compression %s, total after compression %s, rate %s",
+            state.iter,
+            before,
+            after,
+            rate,
+        )
+        state.next_stats_report = state.iter + state.compression_stats_logging_frequency
+
+
+def skip_bucket(state, bucket) -> None:
+    """A bucket the hook all-reduces as it is after the warm-up (a sparse gradient's): count the iteration and,
+    for the last bucket, end it as :func:`prepare_bucket` does."""
+    state.maybe_increase_iter(bucket)
+    if bucket.is_last():
+        end_of_iteration(state)
+
+
+def check_bucket(bucket) -> None:
+    """Refuse callers that are not DDP's C++ reducer with a clear error (a bucket check of a few isinstance calls)."""
+    if isinstance(bucket, tuple):
+        raise TypeError(
+            "PowerSGD hook called with a (grad, param) tuple instead of a torch.distributed.GradBucket: this is "
+            "compiled DDP's python reducer (torch._dynamo.config.optimize_ddp='python_reducer'), which calls comm "
+            "hooks once per parameter. PowerSGD needs whole DDP buckets: use optimize_ddp='ddp_optimizer' (the "
+            "default) or 'no_optimization' with torch.compile, or do not compile the DDP model"
+        )
+    if isinstance(bucket, torch.Tensor):
+        raise TypeError(
+            "PowerSGD hook called with a tensor instead of a torch.distributed.GradBucket: this is FSDP's "
+            "register_comm_hook (FullyShardedDataParallel), which is not supported. The powersgd_triton hooks work "
+            "with torch.nn.parallel.DistributedDataParallel only"
+        )
+    if not callable(getattr(bucket, "buffer", None)):
+        raise TypeError(
+            f"PowerSGD hook expects a torch.distributed.GradBucket (DistributedDataParallel.register_comm_hook), "
+            f"got {type(bucket).__name__}"
+        )
+
+
+def check_state(state, hook: str) -> None:
+    """``TypeError`` unless ``state`` is our :class:`PowerSGDState` (PyTorch's own state is the likely mistake)."""
+    if isinstance(state, PowerSGDState):
+        return
+    kind = f"{type(state).__module__}.{type(state).__qualname__}"
+    hint = ""
+    if type(state).__name__ == "PowerSGDState":
+        hint = (
+            " (PyTorch's); import PowerSGDState from powersgd_triton as well, or convert it once with "
+            "powersgd_triton.PowerSGDState.from_torch(state) and register that"
+        )
+    raise TypeError(f"{hook} needs a powersgd_triton.PowerSGDState as its state, got {kind}{hint}")
+
+
+def checked_buffer(bucket) -> torch.Tensor:
+    """The bucket's flat buffer, after the checks every hook makes before it changes anything.
+
+    Raises the caller-mode error of :func:`check_bucket` (compiled DDP's python reducer, FSDP), ``TypeError`` for
+    complex or integer gradients and ``ValueError`` for a dense buffer that is not 1-D. A sparse buffer (DDP gives
+    a sparse gradient, ``nn.Embedding(..., sparse=True)``, a bucket of its own, whose buffer is that gradient) is
+    returned as it is: :func:`warm_up` averages it with a plain all-reduce.
+    """
+    check_bucket(bucket)
+    buffer = bucket.buffer()
+    check_gradient_dtype(buffer.dtype)
+    if buffer.is_sparse:
+        return buffer
+    if buffer.dim() != 1:
+        raise ValueError(f"bucket buffer must be 1-D, got shape {tuple(buffer.shape)}")
+    return buffer
+
+
+def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor):
+    """``(group, world_size, future)``: ``future`` is the plain averaged all-reduce while
+    ``iter < start_powerSGD_iter`` (PyTorch's warm-up) and, at every step, for a sparse bucket (as DDP's default
+    hook averages it: PowerSGD compresses dense matrices); else None and the hook compresses.
+
+    Raises ``RuntimeError`` (before anything is changed, from step 0) when ``backend="triton"`` cannot run on the
+    bucket's device."""
+    check_backend_runs(state, buffer)
+    group = process_group(state)
+    world_size = dist.get_world_size(group)
+    if state.iter < state.start_powerSGD_iter:
+        state.maybe_increase_iter(bucket)
+        return group, world_size, allreduce_average(group, world_size, buffer)
+    if buffer.is_sparse:
+        skip_bucket(state, bucket)
+        return group, world_size, allreduce_average(group, world_size, buffer)
+    return group, world_size, None
