@@ -261,7 +261,7 @@ def approximation_errors(config: Optional[ApproximationConfig] = None, **overrid
     cfg.ranks = tuple(cfg.ranks)
     cfg.impls = tuple(cfg.impls)
     cfg.check()
-    method = "spawn" if cfg.device == "cuda" else "fork"
+    method = "spawn" if cfg.device == "cuda" else "forkserver"  # see train.loop.run_training
     return launch.launch(_rank_main, cfg.world_size, (cfg,), timeout=cfg.timeout, start_method=method)
 
 

@@ -1,7 +1,7 @@
 """Start ``world_size`` ranks on this machine, or join a ``torchrun`` job, and never hang on a failure.
 
-:func:`launch` runs ``fn(rank, world_size, init_method, *args)`` in one child process per rank (fork on CPU,
-spawn for CUDA), rendezvous over TCP on 127.0.0.1 with a free port (or ``port``), and returns rank 0's return
+:func:`launch` runs ``fn(rank, world_size, init_method, *args)`` in one child process per rank (fork, the fork
+server or spawn: see :func:`launch`), rendezvous over TCP on 127.0.0.1 with a free port (or ``port``), and returns rank 0's return
 value. When a rank raises, its traceback is sent to the parent, the other ranks are terminated (they would
 otherwise wait in a collective forever) and :class:`RankFailed` is raised with that rank's error; a rank that
 dies without a word (a signal, ``os._exit``) is reported the same way; past ``timeout`` seconds every rank is
@@ -19,7 +19,7 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 HOST = "127.0.0.1"
 
@@ -89,8 +89,12 @@ def torchrun_env(environ=None) -> Optional[TorchrunEnv]:
     return TorchrunEnv(rank=rank, world_size=world, local_rank=local)
 
 
-def _child(fn: Callable, rank: int, world_size: int, init_method: str, args: Sequence[Any], results) -> None:
+def _child(fn: Callable, rank: int, world_size: int, init_method: str, args: Sequence[Any], results,
+           env: Optional[Dict[str, str]] = None) -> None:
     try:
+        if env is not None:  # fork server: the caller's environment now, not the server's when it started
+            os.environ.clear()
+            os.environ.update(env)
         out = fn(rank, world_size, init_method, *args)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         tb = traceback.format_exc()
@@ -146,9 +150,14 @@ def launch(
 ) -> Any:
     """Run ``fn(rank, world_size, "tcp://127.0.0.1:PORT", *args)`` on ``world_size`` local processes.
 
+    ``start_method``: ``"fork"`` (fast, ``fn`` may be a closure or defined in ``__main__``; but a fork copies the
+    locks other threads of the caller hold: a Jupyter kernel, a pytest-xdist worker or a process with a live gloo
+    group can hang its ranks), ``"forkserver"`` (multiprocessing's single-threaded fork server, started once per
+    process with torch and ``fn``'s module imported; each rank gets the caller's current environment) or
+    ``"spawn"`` (a fresh interpreter per rank; CUDA). ``fn`` must be importable (module level) for the last two.
+
     Returns rank 0's return value. Raises :class:`RankFailed` (first failing rank, with its traceback),
-    :class:`LaunchTimeout`, :class:`PortInUse` or :class:`LaunchError`. ``fn`` must be importable (module level)
-    when ``start_method`` is ``"spawn"``.
+    :class:`LaunchTimeout`, :class:`PortInUse` or :class:`LaunchError`.
     """
     if world_size < 1:
         raise LaunchError(f"world size must be at least 1, got {world_size}")
@@ -158,11 +167,16 @@ def launch(
         port = free_port()
     init_method = f"tcp://{HOST}:{port}"
     ctx = mp.get_context(start_method)
+    env = None
+    if start_method == "forkserver":
+        # takes effect when this process's fork server starts (the first forkserver Process); later calls keep it
+        ctx.set_forkserver_preload(["torch", "torch.distributed", fn.__module__])
+        env = dict(os.environ)
     results = ctx.Queue()
     procs = []
     for rank in range(world_size):
         p = ctx.Process(
-            target=_child, args=(fn, rank, world_size, init_method, tuple(args), results), name=f"rank{rank}",
+            target=_child, args=(fn, rank, world_size, init_method, tuple(args), results, env), name=f"rank{rank}",
             daemon=True,
         )
         p.start()

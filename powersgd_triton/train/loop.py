@@ -670,8 +670,9 @@ def run_training(config: TrainConfig) -> Dict[str, Any]:
         if env.rank != 0:
             return None
     else:
-        # fork is fast and works with closures; CUDA needs a fresh interpreter per rank
-        method = "spawn" if cfg.device == "cuda" else "fork"
+        # CUDA needs a fresh interpreter per rank; on CPU the fork server (not a fork of the caller, which may have
+        # threads: a Jupyter kernel, a test runner)
+        method = "spawn" if cfg.device == "cuda" else "forkserver"
         runs = launch.launch(rank_main, cfg.world_size, (cfg,), port=cfg.port, timeout=cfg.timeout,
                              start_method=method)
     return {"runs": runs, "config": _config_json(cfg)}
