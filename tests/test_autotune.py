@@ -473,8 +473,7 @@ def test_measurement_runs_kernels_on_rotating_scratch(monkeypatch):
     seen = []
 
     def bench(fn):
-        for _ in range(3):
-            fn()
+        fn()  # one run per candidate: the interpreter is slow, the rotation shows over the candidates
         seen.append(fn)
         return float(len(seen))  # first candidate is "fastest"
 
@@ -487,7 +486,8 @@ def test_measurement_runs_kernels_on_rotating_scratch(monkeypatch):
         assert tuner._scratch[1] is workload  # one set of scratch buffers per layout
     cands = candidates("reconstruct", lay, torch.float32)[0]
     assert choice.source == "tuned" and choice.config == cands[0]
-    assert len(workload.sets) == 3 and workload.calls >= 4 * len(cands)
+    print(f"{len(cands)} reconstruct candidates, {workload.calls} scratch runs")
+    assert len(workload.sets) == 3 and workload.calls >= 2 * len(cands)
     assert torch.equal(buf, before)  # the bucket itself is never touched
     for s in workload.sets:
         assert torch.isfinite(s["buffer"]).all() and torch.isfinite(s["error"]).all()
