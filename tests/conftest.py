@@ -13,14 +13,14 @@ torch.set_num_threads(1)
 
 
 # ------------------------------------------------------------------------------------------ poisoned allocations
-from _poison import poison_, poisoned_factories  # noqa: E402,F401
+from _poison import poisoned_factories  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _poisoned_empty(request, monkeypatch):
     """Every ``torch.empty``/``empty_like``/``empty_strided`` and ``Tensor.new_empty(_strided)`` called from Python while
     a test runs (ours and torch's Python code alike: workspaces, ``q_work``/``p_work``, packed buffers, kernel outputs)
-    returns a poisoned tensor (:func:`poison_`), so an element a kernel or hook fails to write shows as NaN instead of
+    returns a poisoned tensor (``_poison.poison_``), so an element a kernel or hook fails to write shows as NaN instead of
     whatever memory held. The ranks of ``_dist.run_ranks`` get it too. ``@pytest.mark.no_poison`` turns it off for a test."""
     if request.node.get_closest_marker("no_poison"):
         yield
