@@ -152,7 +152,7 @@ def _make_state(impl: str, rank: int, cfg: ApproximationConfig):
 def _rank_main(rank: int, world_size: int, init_method: str, cfg: ApproximationConfig) -> Optional[Dict[str, Any]]:
     from .benchmarking import FakeGradBucket
     from .train import data as data_mod
-    from .train.loop import TrainConfig, _batch, _loss, _plan
+    from .train.loop import TrainConfig, batch_loss, rank_batch, training_plan
     from .train.models import build_model
 
     torch.set_num_threads(1)
@@ -185,16 +185,16 @@ def _rank_main(rank: int, world_size: int, init_method: str, cfg: ApproximationC
         layers = {r: compressed_layers(shapes, r, cfg.min_compression_rate) for r in cfg.ranks}
         index = {name: i for i, (name, _) in enumerate(params)}
 
-        n_items, per_epoch, _ = _plan(tcfg, data)
+        n_items, per_epoch, _ = training_plan(tcfg, data)
         records: List[Dict[str, Any]] = []
         total = START_ITER + cfg.steps
         for t in range(total):
             step = 0 if cfg.mode == "fixed" else max(0, t - START_ITER)
             epoch, i = divmod(step, per_epoch)
             perm = data_mod.epoch_permutation(n_items, cfg.seed, epoch)
-            x, y = _batch(tcfg, data, perm, i, epoch, rank, device)
+            x, y = rank_batch(tcfg, data, perm, i, epoch, rank, device)
             model.zero_grad(set_to_none=False)
-            _loss(tcfg, model, x, y).backward()
+            batch_loss(tcfg, model, x, y).backward()
             local = torch.cat([p.grad.reshape(-1) for _, p in params])
             mean = local.clone()
             dist.all_reduce(mean)

@@ -243,7 +243,7 @@ def check_available(cfg: "TrainConfig") -> None:
         n = torch.cuda.device_count()
         if launch.torchrun_env() is None and cfg.world_size > n:
             raise ValueError(f"--device cuda uses one GPU per rank: --world-size {cfg.world_size} > {n} GPUs")
-    _plan(cfg)  # raises ValueError when a global batch is larger than the training set
+    training_plan(cfg)  # raises ValueError when a global batch is larger than the training set
 
 
 _VALIDATED = "_validated_fields"  # set by validate() on its result (not a dataclass field: to_json leaves it out)
@@ -367,8 +367,10 @@ def evaluate(model: torch.nn.Module, cfg: TrainConfig, data, device: torch.devic
     return out
 
 
-def _plan(cfg: TrainConfig, data=None) -> Tuple[int, int, int]:
-    """(items per epoch, steps per epoch, total steps); without ``data`` from the known data set sizes."""
+def training_plan(cfg: TrainConfig, data=None) -> Tuple[int, int, int]:
+    """(training items, steps per epoch, total steps) of ``cfg``; without ``data`` from the known data set sizes.
+
+    Raises ValueError when one global batch (``batch_size`` x world size) is larger than the training set."""
     if data is None:
         n_items = data_mod.num_train_items(cfg.workload, cfg.seq_len)
     elif cfg.workload == "charlm":
@@ -385,7 +387,11 @@ def _plan(cfg: TrainConfig, data=None) -> Tuple[int, int, int]:
     return n_items, per_epoch, total
 
 
-def _batch(cfg: TrainConfig, data, perm, step_in_epoch, epoch, rank, device):
+def rank_batch(cfg: TrainConfig, data, perm, step_in_epoch, epoch, rank, device):
+    """This rank's ``(x, y)`` of step ``step_in_epoch`` of ``epoch``: the ``rank``-th consecutive ``batch_size``
+    slice of the global batch taken from the epoch's permutation ``perm`` (int64 [items]); for charlm, ``seq_len``
+    windows at an epoch-dependent phase (x, y int64 [batch, seq_len]); else the data set's rows (float32 features,
+    int64 labels). On ``device``."""
     idx = data_mod.rank_batch_indices(perm, step_in_epoch, cfg.batch_size, rank, cfg.world_size)
     if cfg.workload == "charlm":
         offset = int(epoch * 7919 + cfg.seed) % cfg.seq_len  # a different window phase each epoch
@@ -395,7 +401,8 @@ def _batch(cfg: TrainConfig, data, perm, step_in_epoch, epoch, rank, device):
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-def _loss(cfg: TrainConfig, model, x, y):
+def batch_loss(cfg: TrainConfig, model, x, y):
+    """Mean cross-entropy of ``model(x)`` against ``y`` (per character for charlm), a float32 scalar tensor."""
     logits = model(x)
     if cfg.workload == "charlm":
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -450,7 +457,7 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
     else:
         opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
-    n_items, per_epoch, total_steps = _plan(cfg, data)
+    n_items, per_epoch, total_steps = training_plan(cfg, data)
     n_epochs = math.ceil(total_steps / per_epoch)
     losses: List[float] = []
     step_bytes: List[int] = []
@@ -474,16 +481,16 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
                     raise RuntimeError(f"injected failure on rank {rank} at step {step} (--debug-fail-rank)")
                 for group in opt.param_groups:
                     group["lr"] = _schedule(total_steps, cfg.lr, step)
-                x, y = _batch(cfg, data, perm, i, epoch, rank, device)
+                x, y = rank_batch(cfg, data, perm, i, epoch, rank, device)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 if amp_dtype is not None:
                     with torch.autocast(device.type, dtype=amp_dtype):
-                        loss = _loss(cfg, ddp, x, y)
+                        loss = batch_loss(cfg, ddp, x, y)
                 else:
-                    loss = _loss(cfg, ddp, x, y)
+                    loss = batch_loss(cfg, ddp, x, y)
                 if scaler is not None:
                     scaler.scale(loss).backward()
                     if cfg.clip:
