@@ -16,7 +16,6 @@ small convnet and training loop of the real-DDP tests (:class:`SmallConvNet`, :f
 """
 
 import datetime
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -34,24 +33,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import _poison
+from powersgd_triton.train.launch import adopt_environment, forkserver_context
 
 # Imported once by the fork server, before it forks any rank (missing ones are skipped by multiprocessing).
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "triton", "powersgd_triton", "_dist"]
 
 
 def start_context():
-    """multiprocessing's fork-server context, its preload list set (the server starts on the first ``Process.start``,
-    with the environment and ``sys.path`` of that moment; each rank then takes the launching test's environment)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
+    """multiprocessing's fork-server context, its preload list set (the library's :func:`forkserver_context`: the
+    server starts on the first ``Process.start``; each rank then takes the launching test's environment)."""
+    return forkserver_context(_PRELOAD)
 
 
 def _child(fn, rank, world_size, store_path, timeout, q, args, kwargs, env, poison):
     code = 0
     try:
-        os.environ.clear()
-        os.environ.update(env)
+        adopt_environment(env)
         if poison:
             _poison.install()
         torch.set_num_threads(1)

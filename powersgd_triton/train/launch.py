@@ -89,12 +89,28 @@ def torchrun_env(environ=None) -> Optional[TorchrunEnv]:
     return TorchrunEnv(rank=rank, world_size=world, local_rank=local)
 
 
+def forkserver_context(preload: Sequence[str]):
+    """multiprocessing's fork-server context with ``preload`` (module names) imported by the server before it forks
+    any child. The list takes effect when this process's fork server starts (its first ``Process.start``, with the
+    environment and ``sys.path`` of that moment); later calls keep the running server. A child should call
+    :func:`adopt_environment` with its launcher's ``os.environ`` of the moment it was started."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    return ctx
+
+
+def adopt_environment(env: Dict[str, str]) -> None:
+    """Replace this process's environment by ``env`` (a fork-server child: the launcher's environment when it
+    started the child, not the server's when the server started)."""
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def _child(fn: Callable, rank: int, world_size: int, init_method: str, args: Sequence[Any], results,
            env: Optional[Dict[str, str]] = None) -> None:
     try:
-        if env is not None:  # fork server: the caller's environment now, not the server's when it started
-            os.environ.clear()
-            os.environ.update(env)
+        if env is not None:
+            adopt_environment(env)
         out = fn(rank, world_size, init_method, *args)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         tb = traceback.format_exc()
@@ -166,12 +182,12 @@ def launch(
     else:
         port = free_port()
     init_method = f"tcp://{HOST}:{port}"
-    ctx = mp.get_context(start_method)
     env = None
     if start_method == "forkserver":
-        # takes effect when this process's fork server starts (the first forkserver Process); later calls keep it
-        ctx.set_forkserver_preload(["torch", "torch.distributed", fn.__module__])
+        ctx = forkserver_context(["torch", "torch.distributed", fn.__module__])
         env = dict(os.environ)
+    else:
+        ctx = mp.get_context(start_method)
     results = ctx.Queue()
     procs = []
     for rank in range(world_size):
