@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,6 +25,7 @@ def _run(tmp_path, *args, timeout=240):
     return proc, data, (tmp_path / "gpu_check.md").read_text()
 
 
+@pytest.mark.slow  # slow tier (README, "Run the tests")
 def test_gpu_check_dry_run(tmp_path):
     proc, data, md = _run(tmp_path, "--budget", "150")
     out = proc.stdout + proc.stderr

@@ -55,7 +55,7 @@ def world1():
 # ---------------------------------------------------------------------------------------- parallel runs (xdist)
 # README's test command runs the suite on pytest-xdist workers (one per core, at most 4). Tests that share a
 # module-scoped fixture (one multi-rank launch for many tests) stay on one worker (``--dist loadgroup``).
-_GROUPED_MODULES = ("test_hooks_ddp.py", "test_integrations_torchrun.py")
+_GROUPED_MODULES = ("test_hooks_ddp.py", "test_integrations_torchrun.py", "test_comm_dtype_ddp.py")
 
 # Per-test time limits (``@pytest.mark.timeout``) and the multi-rank harness's deadline are hang detectors, sized
 # for a quiet machine. Next to another worker they take up to twice as long: scale them (``POWERSGD_TEST_TIMEOUT_SCALE``,
@@ -65,10 +65,26 @@ TIMEOUT_SCALE = float(os.environ.get("POWERSGD_TEST_TIMEOUT_SCALE") or (2 if os.
 os.environ.setdefault("POWERSGD_TEST_TIMEOUT_SCALE", str(TIMEOUT_SCALE))  # read by tests/_dist.py (and forked ranks)
 
 
+# ------------------------------------------------------------------------------------------------- test tiers
+# README's test command deselects ``slow`` tests (``-m "not aot_matrix and not slow"``); the slow tier (README, "Run
+# the tests": ``-m slow`` plus the notebooks) runs after it in CI. Besides the tests marked ``@pytest.mark.slow`` where
+# they are written, these parametrized cases, each 20-50 s here, whose code paths quicker cases of the same test cover:
+_SLOW_CASES = {
+    # world size 4 through the Triton interpreter: world size 2 runs the same kernels on 2 ranks, torch on 4 ranks
+    "test_hooks_equivalence.py::test_layerwise_matches_pytorch[4-triton]",
+    # the register prefetch at rank 4 and the small tiles at rank 1: the other rank of each stays in the quick tier
+    "test_kernels.py::test_full_step_with_other_configs[4-prefetch_split]",
+    "test_kernels.py::test_full_step_with_other_configs[1-small_tiles_split]",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group marks into the node ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.fspath.basename in _GROUPED_MODULES:
             item.add_marker(pytest.mark.xdist_group(item.fspath.basename))
+        if f"{item.fspath.basename}::{item.name}" in _SLOW_CASES:
+            item.add_marker(pytest.mark.slow)
         marker = item.get_closest_marker("timeout")
         if marker is not None and TIMEOUT_SCALE != 1 and marker.args:
             item.add_marker(pytest.mark.timeout(float(marker.args[0]) * TIMEOUT_SCALE))

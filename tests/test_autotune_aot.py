@@ -69,7 +69,6 @@ def test_every_candidate_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
 
 
 @pytest.mark.aot_matrix
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(os.environ.get("POWERSGD_TRITON_SLOW_TESTS") != "1", reason="set POWERSGD_TRITON_SLOW_TESTS=1")
 def test_orthogonalize_candidates_compile_at_rank16(tmp_path):
