@@ -138,8 +138,8 @@ def op_plan(layout: BucketLayout) -> dict:
         "runs": None if runs is None else len(runs),
         "matrices": layout.num_matrices,
         "groups": len(layout.groups),
-        "p": [shape for _, shape, _, _ in _ortho_plan(layout, "p")],
-        "q": [shape for _, shape, _, _ in _ortho_plan(layout, "q")],
+        "p": [shape for _, shape, _ in _ortho_plan(layout, "p")],
+        "q": [shape for _, shape, _ in _ortho_plan(layout, "q")],
     }
 
 
@@ -344,18 +344,19 @@ def gram_schmidt_(
 
 
 # The one-batch orthogonalization pads every factor to the tallest one. Where the padded batch has more than this many
-# times the factors' elements and more than a quarter of the bucket's (its int32 gather index then stays below the
-# bucket's bytes / 4), it runs one batch per shape group instead (no padding).
+# times the factors' elements and more than a quarter of the bucket's, it runs one batch per shape group instead (no
+# padding).
 PAD_LIMIT = 8
 
 
 def _ortho_plan(layout: BucketLayout, which: str):
-    """The batches of the grouped orthogonalization of factor ``which``: a list of ``(offset, shape, pad_index,
-    back_index)``. ``shape = (B, rows, r)``: ``B`` factors padded to ``rows`` rows; ``pad_index`` (int32,
-    ``B*rows*r``) gathers the padded batch from the flat factor with one zero appended (None: the batch is the slice
-    of ``B*rows*r`` elements at ``offset``), ``back_index`` (int64) the factors' elements from the flat padded batch.
-    One padded batch for the whole bucket when the ranks agree and the padding is small (:data:`PAD_LIMIT`), else one
-    batch per shape group. Cached on the layout."""
+    """The batches of the grouped orthogonalization of factor ``which``: a list of ``(offset, shape, pieces)``.
+    ``shape = (B, rows, r)``: ``B`` factors padded to ``rows`` rows. ``pieces`` None: the batch is the slice of
+    ``B*rows*r`` elements at ``offset`` (every factor has ``rows`` rows); else one ``(start, rows_i, pad_i)`` per
+    factor: its ``rows_i x r`` block at ``start`` in the flat factor, followed in the batch by ``pad_i`` zero rows
+    (one ``torch.cat`` gathers the padded batch, one writes the factors back). One padded batch for the whole bucket
+    when the ranks agree and the padding is small (:data:`PAD_LIMIT`), else one batch per shape group. Cached on
+    the layout."""
     key = ("torch_ortho", which)
     cached = layout._tiles.get(key)
     if cached is not None:
@@ -368,28 +369,28 @@ def _ortho_plan(layout: BucketLayout, which: str):
     r = mats[0].rank if mats else 0
     tall = max(rows, default=0)
     padded = len(mats) * tall * r
-    if mats and len({s.rank for s in mats}) == 1 and (padded <= PAD_LIMIT * numel or 4 * padded <= layout.numel):
-        pad = back = None
+    ends = [st + rw * s.rank for st, rw, s in zip(starts, rows, mats)]
+    packed = bool(mats) and starts[0] == 0 and starts[1:] == ends[:-1]  # back to back, in order
+    if (packed and len({s.rank for s in mats}) == 1
+            and (padded <= PAD_LIMIT * numel or 4 * padded <= layout.numel)):
+        pieces = None
         if min(rows) != tall:
-            grid = torch.arange(tall * r).view(1, tall * r)
-            limit = torch.tensor([rw * r for rw in rows]).view(-1, 1)
-            valid = grid < limit
-            pad = torch.where(valid, torch.tensor(starts).view(-1, 1) + grid, numel).reshape(-1)
-            pad = pad.to(dtype=torch.int32 if numel < 2**31 else torch.int64, device=layout.device)
-            back = torch.nonzero(valid.reshape(-1)).reshape(-1).to(layout.device)
-        plan.append((0, (len(mats), tall, r), pad, back))
+            pieces = [(st, rw, tall - rw) for st, rw in zip(starts, rows)]
+        plan.append((0, (len(mats), tall, r), pieces))
     else:
         for g in layout.groups:
-            plan.append((starts[g.first], (g.count, rows[g.first], g.rank), None, None))
+            plan.append((starts[g.first], (g.count, rows[g.first], g.rank), None))
     layout._tiles[key] = plan
     return plan
 
 
-def _zero64(layout: BucketLayout) -> torch.Tensor:
-    """One float64 zero on the layout's device (the padding of :func:`_orthogonalize_batch`), made once."""
-    z = layout._tiles.get(("torch_zero64",))
-    if z is None:
-        z = layout._tiles[("torch_zero64",)] = torch.zeros(1, dtype=torch.float64, device=layout.device)
+def _zero64(layout: BucketLayout, rows: int, r: int) -> torch.Tensor:
+    """Float64 zeros ``(rows, r)`` on the layout's device (the padding rows of :func:`_orthogonalize_batch`), made
+    once per layout and sliced."""
+    key = ("torch_zero64", r)
+    z = layout._tiles.get(key)
+    if z is None or z.shape[0] < rows:
+        z = layout._tiles[key] = torch.zeros(rows, r, dtype=torch.float64, device=layout.device)
     return z
 
 
@@ -398,29 +399,43 @@ def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out:
     float64 Cholesky-QR (zero rows change no Gram matrix): ``G = XᵀX``, ``G = UᵀU``, ``X·U⁻¹``, the same factor as
     modified Gram-Schmidt (on the columns, or on ``G`` as the Triton kernel) to rounding. Products of float32 values
     are exact in float64, so ``G`` cannot overflow and the result scales exactly with a power-of-two scaling of ``x``.
+    Per batch: one ``cat`` (cast and padding), ``bmm``, ``cholesky_ex``, the check (``addcmul``, ``maximum``,
+    ``amax`` and one host read), ``solve_triangular``, one ``cat`` (or ``copy_``) into ``out``.
 
     Returns False, having written nothing, where the per-group column path must run: a factor the Cholesky
     factorization cannot take as it is -- a zero or dependent column (residual² <= :data:`DEPENDENT_TOL` times its
-    squared norm, the rule of :func:`gram_schmidt_`), an all-zero factor, non-finite values. That test is a host
-    check: the path runs on CPU tensors only."""
+    squared norm, the rule of :func:`gram_schmidt_`, tested as ``‖x_k‖² − residual²/DEPENDENT_TOL > 0``: the exact
+    tie, a rounding-level case, counts as independent here), an all-zero factor, non-finite values (NaN in that
+    margin), a failed factorization (``info > 0``). That test is a host check: the path runs on CPU tensors only."""
     results = []
-    pad_zero = _zero64(layout)
-    for off, (count, rows, r), pad, back in _ortho_plan(layout, which):
-        if pad is None:
-            batch = x[off : off + count * rows * r].to(torch.float64).view(count, rows, r)
+    for off, (count, rows, r), pieces in _ortho_plan(layout, which):
+        if pieces is None:
+            batch = x[off : off + count * rows * r].view(count, rows, r).to(torch.float64)
         else:
-            batch = torch.cat((x, pad_zero)).index_select(0, pad).view(count, rows, r)
+            zero = _zero64(layout, max(pad for _, _, pad in pieces), r)
+            blocks = []
+            for start, rw, pad in pieces:
+                blocks.append(x[start : start + rw * r].view(rw, r))
+                if pad:
+                    blocks.append(zero[:pad])
+            batch = torch.cat(blocks).view(count, rows, r)  # float32 factors and float64 zeros: float64
         gram = torch.bmm(batch.transpose(1, 2), batch)
         u, info = torch.linalg.cholesky_ex(gram, upper=True)
         residual = u.diagonal(dim1=1, dim2=2)
-        if bool(info.any()) or bool(torch.le(residual.square(), gram.diagonal(dim1=1, dim2=2) * DEPENDENT_TOL).any()):
+        margin = torch.addcmul(gram.diagonal(dim1=1, dim2=2), residual, residual, value=-1.0 / DEPENDENT_TOL)
+        # <= 0: every margin negative (or zero: the exact tie counts as independent here) and info 0
+        if not float(torch.maximum(margin, info.unsqueeze(1)).amax()) <= 0:  # dependent, failed, or NaN
             return False
-        results.append((off, (count, rows, r), back, torch.linalg.solve_triangular(u, batch, upper=True, left=False)))
-    for off, (count, rows, r), back, y in results:
-        if back is None:
+        results.append((off, (count, rows, r), pieces, torch.linalg.solve_triangular(u, batch, upper=True,
+                                                                                     left=False)))
+    for off, (count, rows, r), pieces, y in results:
+        if pieces is None:
             out[off : off + count * rows * r].view(count, rows, r).copy_(y)
         else:
-            out.copy_(torch.take(y, back))  # (take reads y in logical order, whatever its strides)
+            first = pieces[0][0]
+            total = sum(rw for _, rw, _ in pieces)
+            torch.cat([y[i, :rw] for i, (_, rw, _) in enumerate(pieces)],
+                      out=out[first : first + total * r].view(total, r))  # float64 rows rounded into out
     return True
 
 
