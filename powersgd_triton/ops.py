@@ -210,7 +210,7 @@ def reconstruct(
         raise ValueError("give local_p or local_q, not both")
     flags = update_error
     if isinstance(flags, StepFlags):
-        if flags.flags.device != buffer.device:
+        if flags.device != buffer.device:
             raise ValueError("update_error must be on the bucket's device")
     elif flags is not None and (flags.numel() != 1 or flags.device != buffer.device):
         raise ValueError("update_error must be a one-element tensor on the bucket's device")
@@ -233,14 +233,19 @@ def reconstruct(
             commit=commit, first=first, loss_scale=loss_scale, config=config,
         )
     else:
-        ok = flags.ok if isinstance(flags, StepFlags) else flags
+        fresh = None
+        if isinstance(flags, StepFlags) and flags.parts is not None:
+            # CPU: the step's finiteness and the non-zero factors, one host read in the usual case
+            ok, fresh = reference.step_status(*flags.parts, layout, flags.which, per_matrix=commit is not None)
+        else:
+            ok = flags.ok if isinstance(flags, StepFlags) else flags
         reference.reconstruct(
             buffer, layout, p, q, float(scale), error, ok, local_p=local_p, local_q=local_q,
             compute_dtype=_compute_dtype(buffer), loss_scale=loss_scale,
         )
         if commit is not None:
             which, kept = commit
-            reference.commit_factor(p if which == "p" else q, kept, layout, which, ok)
+            reference.commit_factor(p if which == "p" else q, kept, layout, which, ok, fresh)
 
 
 class StepFlags:
@@ -249,16 +254,31 @@ class StepFlags:
 
     Triton backend: ``flags`` (uint8, one per chunk of the average launch: bit 0 finite, bit 1 non-zero) and
     ``first`` (int32, the chunks of matrix i are ``first[i]:first[i + 1]``). Torch backend: ``ok`` (one-element
-    bool). ``which``: the factor (``"p"`` or ``"q"``) the flags describe.
+    bool). Torch backend on CPU: ``parts`` (the averaged factor and uncompressed gradients), which
+    :func:`reconstruct` checks with one host read (:func:`~powersgd_triton.kernels.reference.step_status`) together
+    with the per-matrix test of the commit; ``ok`` is computed from them when asked for. ``which``: the factor
+    (``"p"`` or ``"q"``) the flags describe.
     """
 
-    __slots__ = ("flags", "first", "ok", "which")
+    __slots__ = ("flags", "first", "_ok", "which", "parts")
 
-    def __init__(self, which: str, flags=None, first=None, ok=None):
+    def __init__(self, which: str, flags=None, first=None, ok=None, parts=None):
         self.which = which
         self.flags = flags if flags is not None else ok
         self.first = first
-        self.ok = ok
+        self._ok = ok
+        self.parts = parts
+
+    @property
+    def ok(self):
+        """One-element bool device tensor: the step is finite (torch backend)."""
+        if self._ok is None and self.parts is not None:
+            self._ok = reference.all_finite(*self.parts)
+        return self._ok
+
+    @property
+    def device(self) -> torch.device:
+        return self.flags.device if self.flags is not None else self.parts[0].device
 
 
 def average(factor, layout: BucketLayout, which: str, buffer, unc=None, world_size: int = 1, *,
@@ -285,8 +305,10 @@ def average(factor, layout: BucketLayout, which: str, buffer, unc=None, world_si
     if resolve_backend(backend, buffer) == "triton":
         flags, first = _kernels().average(factor, layout, which, buffer, unc, world_size)
         return StepFlags(which, flags=flags, first=first)
-    ok = reference.average(factor, layout, buffer, unc, world_size)
-    return StepFlags(which, ok=ok)
+    part = reference.average_parts(factor, layout, buffer, unc, world_size)
+    if buffer.device.type == "cpu":  # checked by reconstruct, with the commit's per-matrix test (one host read)
+        return StepFlags(which, parts=(factor, part))
+    return StepFlags(which, ok=reference.all_finite(factor, part))
 
 
 def _check_packed(name, t, layout, device):

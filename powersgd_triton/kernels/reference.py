@@ -19,6 +19,7 @@ Source: PowerSGD, Vogels et al. 2019 (arXiv 1905.13727), Algorithm 1; column-by-
 PyTorch's ``_orthogonalize_gram_schmidt``, except that a zero column stays zero instead of becoming NaN.
 """
 
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -155,14 +156,17 @@ def project(
     """P_i = (M_i + E_i) · Q_i for every i; with ``error`` the sum M_i + E_i is also written back into ``buffer``.
 
     ``loss_scale`` (one-element tensor ``s``): the error memory is unscaled, ``M_i + s·E_i`` is used instead.
-    Grouped path: per run one ``add_`` (with ``error``) and one ``bmm``; else per matrix."""
+    Grouped path: one ``_foreach_add_`` over the runs (with ``error``; and one ``_foreach_mul`` with
+    ``loss_scale``), then one ``bmm`` per run; else per matrix."""
     runs = _grouped(layout, compute_dtype, buffer, q, p, error)
     if runs is not None:
-        for run in runs:
-            mat = run.mat(buffer)
-            if error is not None:  # in place: the bucket now holds M + E (M + s·E)
-                e = run.err(error)
-                mat.add_(e if loss_scale is None else e * loss_scale.to(compute_dtype))
+        mats = [run.mat(buffer) for run in runs]
+        if error is not None:  # in place: the bucket now holds M + E (M + s·E)
+            errs = [run.err(error) for run in runs]
+            if loss_scale is not None:
+                errs = torch._foreach_mul(errs, loss_scale.to(compute_dtype).reshape(()))
+            torch._foreach_add_(mats, errs)
+        for run, mat in zip(runs, mats):
             torch.bmm(mat, run.q(q), out=run.p(p))
         return
     for s in layout.matrices:
@@ -504,17 +508,30 @@ def reconstruct(
 ) -> None:
     """M_i ← P_i · (scale · Q_i)ᵀ; with ``error`` also E_i ← M_i(before) − P_i · (scale · Q_i)ᵀ.
 
-    ``update_error`` (0-d bool tensor on the device) keeps the old E_i where it is False. With ``local_p``
+    ``update_error`` (0-d bool tensor on the device, or a Python bool) keeps the old E_i where it is False. With ``local_p``
     (``local_q``) the error is the local residual E_i ← M_i − P_local,i · Q_iᵀ (M_i − P_i · Q_local,iᵀ).
     ``loss_scale`` (one-element tensor ``s``): the error is stored divided by ``s`` (unscaled units; the batched
     padding's M(before) is ``s·E``).
     """
-    if error is not None and update_error is not None and update_error.device.type == "cpu":
-        # a CPU flag is read for free: skip the error update, or do it without torch.where
+    if error is not None and update_error is not None and (isinstance(update_error, bool)
+                                                           or update_error.device.type == "cpu"):
+        # a CPU flag is read for free (or was, by step_status): skip the error update, or do it without torch.where
         if not bool(update_error):
             error = None
         update_error = None
     runs = _grouped(layout, compute_dtype, buffer, p, q, error, local_p, local_q)
+    if runs is not None and error is not None and update_error is None and local_p is None and local_q is None:
+        # E = (M + E) - P·(sQ)ᵀ without temporaries: E <- M + E, M <- P·(sQ)ᵀ, E -= M (one foreach op each, one
+        # bmm per run), E /= s with a loss scale (CPU flag, or no flag)
+        qs_all = q * scale if scale != 1.0 else q
+        mats, errs = [run.mat(buffer) for run in runs], [run.err(error) for run in runs]
+        torch._foreach_copy_(errs, mats)
+        for run, mat in zip(runs, mats):
+            torch.bmm(run.p(p), run.q(qs_all).transpose(1, 2), out=mat)
+        torch._foreach_sub_(errs, mats)
+        if loss_scale is not None:  # the error memory is kept in unscaled units
+            torch._foreach_div_(errs, loss_scale.to(compute_dtype).reshape(()))
+        return
     if runs is not None:
         qs_all = q * scale if scale != 1.0 else q
         for run in runs:
@@ -611,6 +628,18 @@ def average(
 ) -> torch.Tensor:
     """``factor /= world_size``; the uncompressed gradients divided by it and written into ``buffer`` (from the packed
     ``unc``, or in place); returns the 0-d bool "every element finite" (see :func:`all_finite`)."""
+    return all_finite(factor, average_parts(factor, layout, buffer, unc, world_size))
+
+
+def average_parts(
+    factor: torch.Tensor,
+    layout: BucketLayout,
+    buffer: torch.Tensor,
+    unc: Optional[torch.Tensor],
+    world_size: int,
+) -> Optional[torch.Tensor]:
+    """:func:`average` without the finiteness flag: returns the averaged uncompressed gradients (``unc``, the view
+    of the bucket holding them, or None) for :func:`all_finite` or :func:`step_status`."""
     if world_size != 1:
         factor.div_(world_size)
     part = unc
@@ -623,12 +652,65 @@ def average(
         part = buffer[o : o + n]
         if world_size != 1:
             part.div_(world_size)
-    return all_finite(factor, part)
+    return part
 
 
-def commit_factor(new: torch.Tensor, kept: torch.Tensor, layout: BucketLayout, which: str, ok) -> None:
-    """``kept_i <- new_i`` for every matrix i whose ``new_i`` is not all zero, where ``ok`` (one-element bool)."""
+def _factor_lengths(layout: BucketLayout, which: str) -> torch.Tensor:
+    """int64 ``(num_matrices,)`` on the layout's device: the number of elements of each matrix's factor ``which``
+    (``n_i·r_i`` for P, ``m_i·r_i`` for Q), in packing order. Cached on the layout."""
+    key = ("torch_factor_lengths", which)
+    t = layout._tiles.get(key)
+    if t is None:
+        sizes = [(s.n if which == "p" else s.m) * s.rank for s in layout.matrices]
+        t = layout._tiles[key] = torch.tensor(sizes, dtype=torch.int64, device=layout.device)
+    return t
+
+
+def step_status(factor: torch.Tensor, part: Optional[torch.Tensor], layout: BucketLayout, which: str,
+                per_matrix: bool) -> "tuple[bool, Optional[torch.Tensor]]":
+    """The end of a step on CPU tensors, with one host read in the usual case: ``(finite, fresh)``.
+
+    ``finite``: every element of ``factor`` (the averaged P or Q, ``which``) and of ``part`` (the averaged
+    uncompressed gradients, or None) is finite, :func:`all_finite`'s answer. ``fresh``: None when every matrix's
+    factor has a non-zero element (or ``per_matrix`` is False, or the step is not finite), else the
+    ``(num_matrices,)`` bool tensor telling which do (for :func:`commit_factor`).
+
+    One score: ``Σ_i log(max|factor_i|) + Σ part`` (float64 for ``part``) is finite exactly when every matrix's
+    peak is finite and non-zero and ``part`` is finite (a float64 sum of float32 values cannot overflow; a float32
+    sum of at most 2^31 logs, each within [-104, 89], cannot either); without ``per_matrix``, ``Σ factor`` in
+    float64. Where it is not finite, the finiteness is read apart (:func:`all_finite`) and the peaks tell the
+    zero factors: abs, segment_reduce, log, sum (+ sum, add with ``part``) and one host read in the usual case.
+    """
+    peaks = None
+    if per_matrix:
+        peaks = torch.segment_reduce(factor.abs(), "max", lengths=_factor_lengths(layout, which), unsafe=True)
+        score = peaks.log().sum()
+    else:
+        score = factor.sum(dtype=torch.float64)
+    if part is not None and part.numel():
+        score = score + part.sum(dtype=torch.float64)
+    if math.isfinite(float(score)):
+        return True, None
+    if not bool(all_finite(factor, part)):
+        return False, None
+    return True, None if peaks is None else peaks.ne(0)
+
+
+def commit_factor(new: torch.Tensor, kept: torch.Tensor, layout: BucketLayout, which: str, ok,
+                  fresh: Optional[torch.Tensor] = None) -> None:
+    """``kept_i <- new_i`` for every matrix i whose ``new_i`` is not all zero, where ``ok`` (one-element bool).
+
+    ``ok`` a Python bool (from :func:`step_status`): nothing when False; when True, ``fresh`` (``(num_matrices,)``
+    bool, or None: every matrix) tells which matrices to keep: one ``copy_`` when all."""
     index = layout.factor_matrix_index(which)
+    if isinstance(ok, bool):
+        if not ok:
+            return
+        if fresh is None:
+            kept.copy_(new)
+        else:
+            torch.where(fresh.index_select(0, index), new, kept, out=kept)
+        return
     peak = new.new_zeros(layout.num_matrices).scatter_reduce_(0, index, new.abs(), "amax")
     fresh = peak.ne(0)
     if ok is not None:
