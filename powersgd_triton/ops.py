@@ -19,8 +19,9 @@ Shapes and dtypes (all flat, contiguous, on the bucket's device):
 * ``error``: ``(layout.e_numel,)`` float32 error-feedback memory of the compressed matrices only.
 
 Backends: ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), ``"torch"``
-(:mod:`powersgd_triton.kernels.reference`: batched torch ops, one ``bmm``/``baddbmm`` per run of same-shape matrices
-and, on CPU, one orthogonalization batch per factor; a few ops per shape plus a constant per step, not per matrix),
+(:mod:`powersgd_triton.kernels.reference`: batched torch ops, one ``bmm`` per run of same-shape matrices and step,
+one foreach op per step for the error feedback and, on CPU, one orthogonalization batch per factor; 3 ops per shape
+plus a constant per step, not per matrix),
 ``"auto"`` (Triton where it can run, else torch).
 
 The Triton kernels compute in float32: ``"auto"`` runs float64 tensors on the torch backend, and ``"triton"`` refuses
@@ -290,7 +291,9 @@ def average(factor, layout: BucketLayout, which: str, buffer, unc=None, world_si
 
     ``unc``: the packed uncompressed gradients (from :func:`pack_uncompressed`, ``layout.uncompressed_numel``
     elements), or None when they are all-reduced in place in ``buffer`` (one range, or none). The division is
-    PyTorch's ``div_(world_size)`` (IEEE division, rounded to the destination dtype). No host synchronization.
+    PyTorch's ``div_(world_size)`` (IEEE division, rounded to the destination dtype). No host synchronization (on CPU
+    tensors the torch backend leaves the check to :func:`reconstruct`, which reads it with the commit's per-matrix
+    test in one host read).
     """
     if which not in ("p", "q"):
         raise ValueError(f"which must be 'p' or 'q', got {which!r}")

@@ -4,16 +4,20 @@ Same contract as the Triton kernels (see :mod:`powersgd_triton.ops` for the shap
 bucket's flat buffer, ``p``/``q``/``error`` are flat buffers packed as :class:`~powersgd_triton.layout.BucketLayout`
 says. Arithmetic is done in ``compute_dtype`` (float32 by default, float64 for the oracle) whatever the bucket dtype.
 Grouped: where the bucket, the factors and the error memory share the compute dtype (float32 buckets, float64 ones),
-:func:`project`, :func:`project_t` and :func:`reconstruct` run one batched op per *run* of same-shape matrices
-(``torch.bmm``/``torch.baddbmm`` over a strided view of the bucket: matrices of one shape whose offsets in the bucket
-are evenly spaced: one run per shape group in the 25 MB buckets of GPT-2 and BERT-base, 17 runs for 13 groups in
-ResNet-50's largest), and :func:`orthogonalize` of float32 factors on CPU (epsilon 0) is one padded batch for the
-whole bucket (one per shape group where padding would cost too much, :data:`PAD_LIMIT`): the float64 Gram matrices
-of all factors, one batched Cholesky factorization and one batched triangular solve (Cholesky-QR, the same factor as
-Gram-Schmidt on the Gram matrix, what the Triton kernel does). So a step costs a few ops per run plus a
-constant, not per matrix and per column (:func:`op_plan` tells which path a layout takes). Other dtypes, the batched
-view's padded matrix, and factors with a zero or dependent column (or non-finite ones) take the per-matrix /
-per-shape-group column path (:func:`gram_schmidt_`), as before.
+:func:`project`, :func:`project_t` and :func:`reconstruct` run one batched product per *run* of same-shape matrices
+(``torch.bmm`` over a strided view of the bucket: matrices of one shape whose offsets in the bucket are evenly
+spaced: one run per shape group in the 25 MB buckets of GPT-2 and BERT-base, 17 runs for 13 groups in ResNet-50's
+largest), and the error feedback is one ``torch._foreach_*`` op over all runs (project: ``M += E``; reconstruct:
+``E <- M + E``, then ``M <- P·Qᵀ`` per run, then ``E -= M``). :func:`orthogonalize` of float32 factors on CPU
+(epsilon 0) is one padded batch for the whole bucket (one per shape group where padding would cost too much,
+:data:`PAD_LIMIT`): the float64 Gram matrices of all factors, one batched Cholesky factorization and one batched
+triangular solve (Cholesky-QR, the same factor as Gram-Schmidt on the Gram matrix, what the Triton kernel does),
+9 ops. On CPU the end of a step (:func:`step_status`) reads the step's finiteness and the non-zero factors of the
+warm-start commit with one host read. So a step costs 3 products per run plus a constant (about 30 ops), not per
+matrix and per column (:func:`op_plan` tells which path a layout takes). Other dtypes, the batched view's padded
+matrix, and factors with a zero or dependent column (or non-finite ones) take the per-matrix / per-shape-group column
+path (:func:`gram_schmidt_`), as before; on other devices the step flags stay on the device (no host read) and the
+error update where they are False takes the per-run ``torch.where`` path.
 
 Source: PowerSGD, Vogels et al. 2019 (arXiv 1905.13727), Algorithm 1; column-by-column modified Gram-Schmidt as in
 PyTorch's ``_orthogonalize_gram_schmidt``, except that a zero column stays zero instead of becoming NaN.
