@@ -512,8 +512,8 @@ def reconstruct(
 ) -> None:
     """M_i ← P_i · (scale · Q_i)ᵀ; with ``error`` also E_i ← M_i(before) − P_i · (scale · Q_i)ᵀ.
 
-    ``update_error`` (0-d bool tensor on the device, or a Python bool) keeps the old E_i where it is False. With ``local_p``
-    (``local_q``) the error is the local residual E_i ← M_i − P_local,i · Q_iᵀ (M_i − P_i · Q_local,iᵀ).
+    ``update_error`` (0-d bool tensor on the device, or a Python bool) keeps the old E_i where it is False. With
+    ``local_p`` (``local_q``) the error is the local residual E_i ← M_i − P_local,i · Q_iᵀ (M_i − P_i · Q_local,iᵀ).
     ``loss_scale`` (one-element tensor ``s``): the error is stored divided by ``s`` (unscaled units; the batched
     padding's M(before) is ``s·E``).
     """
