@@ -19,8 +19,9 @@ Shapes and dtypes (all flat, contiguous, on the bucket's device):
 * ``error``: ``(layout.e_numel,)`` float32 error-feedback memory of the compressed matrices only.
 
 Backends: ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), ``"torch"``
-(:mod:`powersgd_triton.kernels.reference`: batched torch ops, one ``bmm``/``baddbmm`` per run of same-shape matrices
-and, on CPU, one orthogonalization batch per factor; a few ops per shape plus a constant per step, not per matrix),
+(:mod:`powersgd_triton.kernels.reference`: batched torch ops, one ``bmm`` per run of same-shape matrices and step,
+one foreach op per step for the error feedback and, on CPU, one orthogonalization batch per factor; 3 ops per shape
+plus a constant per step, not per matrix),
 ``"auto"`` (Triton where it can run, else torch).
 
 The Triton kernels compute in float32: ``"auto"`` runs float64 tensors on the torch backend, and ``"triton"`` refuses
@@ -210,7 +211,7 @@ def reconstruct(
         raise ValueError("give local_p or local_q, not both")
     flags = update_error
     if isinstance(flags, StepFlags):
-        if flags.flags.device != buffer.device:
+        if flags.device != buffer.device:
             raise ValueError("update_error must be on the bucket's device")
     elif flags is not None and (flags.numel() != 1 or flags.device != buffer.device):
         raise ValueError("update_error must be a one-element tensor on the bucket's device")
@@ -233,14 +234,19 @@ def reconstruct(
             commit=commit, first=first, loss_scale=loss_scale, config=config,
         )
     else:
-        ok = flags.ok if isinstance(flags, StepFlags) else flags
+        fresh = None
+        if isinstance(flags, StepFlags) and flags.parts is not None:
+            # CPU: the step's finiteness and the non-zero factors, one host read in the usual case
+            ok, fresh = reference.step_status(*flags.parts, layout, flags.which, per_matrix=commit is not None)
+        else:
+            ok = flags.ok if isinstance(flags, StepFlags) else flags
         reference.reconstruct(
             buffer, layout, p, q, float(scale), error, ok, local_p=local_p, local_q=local_q,
             compute_dtype=_compute_dtype(buffer), loss_scale=loss_scale,
         )
         if commit is not None:
             which, kept = commit
-            reference.commit_factor(p if which == "p" else q, kept, layout, which, ok)
+            reference.commit_factor(p if which == "p" else q, kept, layout, which, ok, fresh)
 
 
 class StepFlags:
@@ -249,16 +255,31 @@ class StepFlags:
 
     Triton backend: ``flags`` (uint8, one per chunk of the average launch: bit 0 finite, bit 1 non-zero) and
     ``first`` (int32, the chunks of matrix i are ``first[i]:first[i + 1]``). Torch backend: ``ok`` (one-element
-    bool). ``which``: the factor (``"p"`` or ``"q"``) the flags describe.
+    bool). Torch backend on CPU: ``parts`` (the averaged factor and uncompressed gradients), which
+    :func:`reconstruct` checks with one host read (:func:`~powersgd_triton.kernels.reference.step_status`) together
+    with the per-matrix test of the commit; ``ok`` is computed from them when asked for. ``which``: the factor
+    (``"p"`` or ``"q"``) the flags describe.
     """
 
-    __slots__ = ("flags", "first", "ok", "which")
+    __slots__ = ("flags", "first", "_ok", "which", "parts")
 
-    def __init__(self, which: str, flags=None, first=None, ok=None):
+    def __init__(self, which: str, flags=None, first=None, ok=None, parts=None):
         self.which = which
         self.flags = flags if flags is not None else ok
         self.first = first
-        self.ok = ok
+        self._ok = ok
+        self.parts = parts
+
+    @property
+    def ok(self):
+        """One-element bool device tensor: the step is finite (torch backend)."""
+        if self._ok is None and self.parts is not None:
+            self._ok = reference.all_finite(*self.parts)
+        return self._ok
+
+    @property
+    def device(self) -> torch.device:
+        return self.flags.device if self.flags is not None else self.parts[0].device
 
 
 def average(factor, layout: BucketLayout, which: str, buffer, unc=None, world_size: int = 1, *,
@@ -270,7 +291,9 @@ def average(factor, layout: BucketLayout, which: str, buffer, unc=None, world_si
 
     ``unc``: the packed uncompressed gradients (from :func:`pack_uncompressed`, ``layout.uncompressed_numel``
     elements), or None when they are all-reduced in place in ``buffer`` (one range, or none). The division is
-    PyTorch's ``div_(world_size)`` (IEEE division, rounded to the destination dtype). No host synchronization.
+    PyTorch's ``div_(world_size)`` (IEEE division, rounded to the destination dtype). No host synchronization (on CPU
+    tensors the torch backend leaves the check to :func:`reconstruct`, which reads it with the commit's per-matrix
+    test in one host read).
     """
     if which not in ("p", "q"):
         raise ValueError(f"which must be 'p' or 'q', got {which!r}")
@@ -285,8 +308,10 @@ def average(factor, layout: BucketLayout, which: str, buffer, unc=None, world_si
     if resolve_backend(backend, buffer) == "triton":
         flags, first = _kernels().average(factor, layout, which, buffer, unc, world_size)
         return StepFlags(which, flags=flags, first=first)
-    ok = reference.average(factor, layout, buffer, unc, world_size)
-    return StepFlags(which, ok=ok)
+    part = reference.average_parts(factor, layout, buffer, unc, world_size)
+    if buffer.device.type == "cpu":  # checked by reconstruct, with the commit's per-matrix test (one host read)
+        return StepFlags(which, parts=(factor, part))
+    return StepFlags(which, ok=reference.all_finite(factor, part))
 
 
 def _check_packed(name, t, layout, device):

@@ -25,7 +25,9 @@ def _copies(buckets):
 def test_resnet50_step_issues_no_more_aten_ops_than_pytorch(world1, rng):
     """ResNet-50's DDP buckets (channels / 4, bucket caps / 16: the same layers per bucket as 25 MB buckets of the
     full model): one compressed step of our hook on the torch backend against PyTorch's ``powerSGD_hook`` (before
-    the grouping: 3,227 ops against PyTorch's 403 here, 3,344 against 407 on the full model)."""
+    the grouping: 3,227 ops against PyTorch's 403 here, 3,344 against 407 on the full model; 359 on the full model
+    with the grouping, 243 since the foreach error feedback, the cat-gathered Cholesky-QR and the one-read step
+    status)."""
     buckets = B.model_buckets("resnet50", "fp32", shrink=4, bucket_cap_mb=25 / 16, first_bucket_mb=1 / 16,
                               generator=rng)
     theirs, _ = _step_ops("pytorch", _copies(buckets))
@@ -47,9 +49,10 @@ BERT_BLOCK = [(48,), (48,), (48,), (48, 192), (192,), (192, 48), (48,), (48,), (
 @pytest.mark.parametrize("block", [GPT2_BLOCK, BERT_BLOCK], ids=["gpt2-like", "bert-like"])
 def test_ops_per_step_do_not_grow_with_same_shape_matrices(world1, block, rng):
     """A bucket of k transformer blocks: our op count grows only with the runs of evenly spaced same-shape
-    matrices (5 ops each: error add, 3 products, error update; the same count for k = 1 and k = 6 for the GPT-2-like
-    block, whose every shape is one run), not with the matrices; PyTorch's grows with k (ops per matrix and per QR);
-    at k = 6 ours is lower. (At k = 1, GPT-2's and BERT-base's real 25 MB buckets, ours is still higher.)"""
+    matrices (3 ops each: the 3 products; the error feedback is one foreach op per bucket for all runs; the same
+    count for k = 1 and k = 6 for the GPT-2-like block, whose every shape is one run), not with the matrices;
+    PyTorch's grows with k (ops per matrix and per QR); at k = 6 ours is lower (at k = 1 see
+    test_gpt2_and_bert_buckets_against_pytorch)."""
     counts, runs = {}, {}
     for k in (1, 6):
         shapes = block * k
@@ -59,11 +62,109 @@ def test_ops_per_step_do_not_grow_with_same_shape_matrices(world1, block, rng):
         counts[k] = {impl: _step_ops(impl, [b])[0] for impl, b in (("pytorch", _copies([bucket])[0]),
                                                                     ("ours", bucket))}
     print(counts, runs)
-    assert counts[6]["ours"] - counts[1]["ours"] <= 5 * (runs[6] - runs[1])
+    assert counts[6]["ours"] - counts[1]["ours"] <= 3 * (runs[6] - runs[1])
     if block is GPT2_BLOCK:
         assert runs[6] == runs[1] == 4 and counts[6]["ours"] == counts[1]["ours"]
     assert counts[6]["pytorch"] > 3 * counts[1]["pytorch"]
     assert counts[6]["ours"] <= counts[6]["pytorch"]
+
+
+# Our fixed ops per compressed bucket on the torch backend (CPU, float32, rank 4, world size 1) besides the 3 products
+# per run: 2 orthogonalizations x 9 (cat, bmm, cholesky_ex, addcmul, maximum, amax, host read, solve_triangular,
+# cat/copy_), 3 foreach ops of the error feedback, pack + unpack of the uncompressed gradients (2, none when they are
+# one range), the step status (abs, segment_reduce, log, sum, + sum and add with uncompressed gradients, one host
+# read: 7) and the warm-start commit (1).
+FIXED_OPS = 2 * 9 + 3 + 2 + 7 + 1
+
+
+@pytest.mark.parametrize("model", ["gpt2", "bert-base"])
+def test_gpt2_and_bert_buckets_against_pytorch(world1, model, rng):
+    """GPT-2's and BERT-base's DDP buckets (dims / 4, bucket caps / 16: the same layers per bucket as the full models'
+    25 MB buckets, one transformer block each, 4-6 matrices of 3-4 shapes: the same counts as the full models, measured
+    with ``HookStep(..., backend="torch")`` and ``count_step``): one compressed step, rank 4, fp32.
+
+    Ours per bucket is at most 3 ops per run plus :data:`FIXED_OPS`. BERT-base: ours 547 against PyTorch's 583 (787
+    before this change). GPT-2: ours 551 against PyTorch's 426 (803 before): its buckets hold 4 matrices of 4 shapes
+    (4 runs), so PyTorch's per-matrix cost (3 ``bmm`` + 2 ``linalg_qr``) is 20 ops a bucket against our 12 + 18 for
+    the two guarded float64 Cholesky-QR batches, and our step status (the finite-input guarantee, the zero-factor
+    rule) has no counterpart in PyTorch's hook; ours stays within 1.3x there."""
+    buckets = B.model_buckets(model, "fp32", shrink=4, bucket_cap_mb=25 / 16, first_bucket_mb=1 / 16, generator=rng)
+    plans = [reference.op_plan(B.bucket_layout(b, 4)) for b in buckets]
+    per_bucket = []
+    for b, plan in zip(buckets, plans):
+        alone = [B.FakeGradBucket(b.buffer().clone(), b.shapes) for _ in range(2)]
+        theirs, _ = _step_ops("pytorch", alone[:1])
+        ours, step = _step_ops("ours", alone[1:])
+        per_bucket.append((ours, theirs, plan["runs"]))
+        assert ours <= 3 * plan["runs"] + FIXED_OPS, (b, ours, plan)
+        assert all(torch.isfinite(x.buffer()).all() for x in step.buckets)
+    theirs, _ = _step_ops("pytorch", _copies(buckets))
+    ours, _ = _step_ops("ours", buckets)
+    print(f"{model}: ATen compute ops per step: ours {ours}, PyTorch's {theirs}; per bucket {per_bucket}")
+    assert ours == sum(o for o, _, _ in per_bucket) and theirs == sum(t for _, t, _ in per_bucket)
+    assert all(len(p["p"]) == len(p["q"]) == 1 for p in plans), plans  # one orthogonalization batch per factor
+    if model == "bert-base":
+        assert ours <= theirs, (ours, theirs)
+    else:
+        assert ours <= 1.3 * theirs, (ours, theirs)
+
+
+def _status_case(case, layout, rng):
+    """Averaged Q and packed uncompressed gradients of one step: finite, one all-zero factor, a NaN in Q, an inf
+    in the uncompressed gradients."""
+    q = torch.randn(layout.q_numel, generator=rng)
+    unc = torch.randn(layout.uncompressed_numel, generator=rng)
+    s = layout.matrices[1]
+    if case == "zero_factor":
+        q[s.q_offset : s.q_offset + s.m * s.rank] = 0.0
+    elif case == "nan_factor":
+        q[s.q_offset + 3] = float("nan")
+    elif case == "inf_uncompressed":
+        unc[1] = float("inf")
+    return q, unc
+
+
+@pytest.mark.parametrize("case", ["finite", "zero_factor", "nan_factor", "inf_uncompressed"])
+def test_cpu_step_status_commit_and_error_memory(case, rng):
+    """On CPU the end of a step (``ops.average`` then ``ops.reconstruct`` with the warm-start commit) reads the
+    step's finiteness and the non-zero factors with one host read (``reference.step_status``): against the float64
+    oracle, the error memory is ``M(before) - P·Qᵀ`` (``M + E`` after project) where every element of Q and of the uncompressed gradients is
+    finite and left as it was elsewhere; the kept Q is the new one for every matrix whose new Q is not all zero,
+    where the step is finite; the output is ``P·Qᵀ`` and the uncompressed gradients in either case."""
+    buf, _, grads = make_bucket(SHAPES, torch.float32, rng)
+    layout = layerwise(buf, grads, 2, 2.0)
+    assert len(layout.uncompressed) > 1  # packed uncompressed gradients
+    q, unc = _status_case(case, layout, rng)
+    p = torch.randn(layout.p_numel, generator=rng)
+    err = torch.randn(layout.e_numel, generator=rng)
+    kept = torch.randn(layout.q_numel, generator=rng)
+    before, err0, kept0, q0, unc0 = buf.clone(), err.clone(), kept.clone(), q.clone(), unc.clone()
+
+    flags = ops.average(q, layout, "q", buf, unc, 1, backend="torch")
+    assert flags.parts is not None  # CPU: checked by reconstruct
+    ops.reconstruct(buf, layout, p, q, 1.0, err, flags, commit=("q", kept), backend="torch")
+
+    finite = bool(torch.isfinite(q0).all()) and bool(torch.isfinite(unc0).all())
+    assert finite == (case in ("finite", "zero_factor"))
+    for s, m, pf, qf, kf, k0 in zip(layout.matrices, _mats(before, layout), _fac(p, layout, "p"),
+                                    _fac(q0, layout, "q"), _fac(kept, layout, "q"), _fac(kept0, layout, "q")):
+        out = pf.double() @ qf.double().t()
+        got = buf[s.offset : s.offset + s.numel].view(s.n, s.m)
+        if torch.isfinite(out).all():
+            assert (got.double() - out).norm() <= 1e-6 * out.norm()
+        else:
+            assert not torch.isfinite(got).all()
+        e_got = err[s.e_offset : s.e_offset + s.numel].view(s.n, s.m).double()
+        e_old = err0[s.e_offset : s.e_offset + s.numel].view(s.n, s.m).double()
+        if finite:
+            want = m.double() - out  # the bucket holds M + E after project
+            assert (e_got - want).norm() <= 1e-6 * want.norm()
+        else:
+            assert torch.equal(e_got, e_old)
+        fresh = bool(qf.ne(0).any())
+        assert torch.equal(kf, qf if finite and fresh else k0), (s, finite, fresh)
+    index = layout.uncompressed_index()
+    assert torch.equal(buf.index_select(0, index), unc0)  # the averaged uncompressed gradients (world size 1)
 
 
 # Shapes of one group at uneven offsets (two runs), another group at even ones, a singleton, vectors between them.

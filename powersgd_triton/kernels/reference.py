@@ -4,21 +4,26 @@ Same contract as the Triton kernels (see :mod:`powersgd_triton.ops` for the shap
 bucket's flat buffer, ``p``/``q``/``error`` are flat buffers packed as :class:`~powersgd_triton.layout.BucketLayout`
 says. Arithmetic is done in ``compute_dtype`` (float32 by default, float64 for the oracle) whatever the bucket dtype.
 Grouped: where the bucket, the factors and the error memory share the compute dtype (float32 buckets, float64 ones),
-:func:`project`, :func:`project_t` and :func:`reconstruct` run one batched op per *run* of same-shape matrices
-(``torch.bmm``/``torch.baddbmm`` over a strided view of the bucket: matrices of one shape whose offsets in the bucket
-are evenly spaced: one run per shape group in the 25 MB buckets of GPT-2 and BERT-base, 17 runs for 13 groups in
-ResNet-50's largest), and :func:`orthogonalize` of float32 factors on CPU (epsilon 0) is one padded batch for the
-whole bucket (one per shape group where padding would cost too much, :data:`PAD_LIMIT`): the float64 Gram matrices
-of all factors, one batched Cholesky factorization and one batched triangular solve (Cholesky-QR, the same factor as
-Gram-Schmidt on the Gram matrix, what the Triton kernel does). So a step costs a few ops per run plus a
-constant, not per matrix and per column (:func:`op_plan` tells which path a layout takes). Other dtypes, the batched
-view's padded matrix, and factors with a zero or dependent column (or non-finite ones) take the per-matrix /
-per-shape-group column path (:func:`gram_schmidt_`), as before.
+:func:`project`, :func:`project_t` and :func:`reconstruct` run one batched product per *run* of same-shape matrices
+(``torch.bmm`` over a strided view of the bucket: matrices of one shape whose offsets in the bucket are evenly
+spaced: one run per shape group in the 25 MB buckets of GPT-2 and BERT-base, 17 runs for 13 groups in ResNet-50's
+largest), and the error feedback is one ``torch._foreach_*`` op over all runs (project: ``M += E``; reconstruct:
+``E <- M + E``, then ``M <- P·Qᵀ`` per run, then ``E -= M``). :func:`orthogonalize` of float32 factors on CPU
+(epsilon 0) is one padded batch for the whole bucket (one per shape group where padding would cost too much,
+:data:`PAD_LIMIT`): the float64 Gram matrices of all factors, one batched Cholesky factorization and one batched
+triangular solve (Cholesky-QR, the same factor as Gram-Schmidt on the Gram matrix, what the Triton kernel does),
+9 ops. On CPU the end of a step (:func:`step_status`) reads the step's finiteness and the non-zero factors of the
+warm-start commit with one host read. So a step costs 3 products per run plus a constant (about 30 ops), not per
+matrix and per column (:func:`op_plan` tells which path a layout takes). Other dtypes, the batched view's padded
+matrix, and factors with a zero or dependent column (or non-finite ones) take the per-matrix / per-shape-group column
+path (:func:`gram_schmidt_`), as before; on other devices the step flags stay on the device (no host read) and the
+error update where they are False takes the per-run ``torch.where`` path.
 
 Source: PowerSGD, Vogels et al. 2019 (arXiv 1905.13727), Algorithm 1; column-by-column modified Gram-Schmidt as in
 PyTorch's ``_orthogonalize_gram_schmidt``, except that a zero column stays zero instead of becoming NaN.
 """
 
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -138,8 +143,8 @@ def op_plan(layout: BucketLayout) -> dict:
         "runs": None if runs is None else len(runs),
         "matrices": layout.num_matrices,
         "groups": len(layout.groups),
-        "p": [shape for _, shape, _, _ in _ortho_plan(layout, "p")],
-        "q": [shape for _, shape, _, _ in _ortho_plan(layout, "q")],
+        "p": [shape for _, shape, _ in _ortho_plan(layout, "p")],
+        "q": [shape for _, shape, _ in _ortho_plan(layout, "q")],
     }
 
 
@@ -155,14 +160,17 @@ def project(
     """P_i = (M_i + E_i) · Q_i for every i; with ``error`` the sum M_i + E_i is also written back into ``buffer``.
 
     ``loss_scale`` (one-element tensor ``s``): the error memory is unscaled, ``M_i + s·E_i`` is used instead.
-    Grouped path: per run one ``add_`` (with ``error``) and one ``bmm``; else per matrix."""
+    Grouped path: one ``_foreach_add_`` over the runs (with ``error``; and one ``_foreach_mul`` with
+    ``loss_scale``), then one ``bmm`` per run; else per matrix."""
     runs = _grouped(layout, compute_dtype, buffer, q, p, error)
     if runs is not None:
-        for run in runs:
-            mat = run.mat(buffer)
-            if error is not None:  # in place: the bucket now holds M + E (M + s·E)
-                e = run.err(error)
-                mat.add_(e if loss_scale is None else e * loss_scale.to(compute_dtype))
+        mats = [run.mat(buffer) for run in runs]
+        if error is not None:  # in place: the bucket now holds M + E (M + s·E)
+            errs = [run.err(error) for run in runs]
+            if loss_scale is not None:
+                errs = torch._foreach_mul(errs, loss_scale.to(compute_dtype).reshape(()))
+            torch._foreach_add_(mats, errs)
+        for run, mat in zip(runs, mats):
             torch.bmm(mat, run.q(q), out=run.p(p))
         return
     for s in layout.matrices:
@@ -344,18 +352,19 @@ def gram_schmidt_(
 
 
 # The one-batch orthogonalization pads every factor to the tallest one. Where the padded batch has more than this many
-# times the factors' elements and more than a quarter of the bucket's (its int32 gather index then stays below the
-# bucket's bytes / 4), it runs one batch per shape group instead (no padding).
+# times the factors' elements and more than a quarter of the bucket's, it runs one batch per shape group instead (no
+# padding).
 PAD_LIMIT = 8
 
 
 def _ortho_plan(layout: BucketLayout, which: str):
-    """The batches of the grouped orthogonalization of factor ``which``: a list of ``(offset, shape, pad_index,
-    back_index)``. ``shape = (B, rows, r)``: ``B`` factors padded to ``rows`` rows; ``pad_index`` (int32,
-    ``B*rows*r``) gathers the padded batch from the flat factor with one zero appended (None: the batch is the slice
-    of ``B*rows*r`` elements at ``offset``), ``back_index`` (int64) the factors' elements from the flat padded batch.
-    One padded batch for the whole bucket when the ranks agree and the padding is small (:data:`PAD_LIMIT`), else one
-    batch per shape group. Cached on the layout."""
+    """The batches of the grouped orthogonalization of factor ``which``: a list of ``(offset, shape, pieces)``.
+    ``shape = (B, rows, r)``: ``B`` factors padded to ``rows`` rows. ``pieces`` None: the batch is the slice of
+    ``B*rows*r`` elements at ``offset`` (every factor has ``rows`` rows); else one ``(start, rows_i, pad_i)`` per
+    factor: its ``rows_i x r`` block at ``start`` in the flat factor, followed in the batch by ``pad_i`` zero rows
+    (one ``torch.cat`` gathers the padded batch, one writes the factors back). One padded batch for the whole bucket
+    when the ranks agree and the padding is small (:data:`PAD_LIMIT`), else one batch per shape group. Cached on
+    the layout."""
     key = ("torch_ortho", which)
     cached = layout._tiles.get(key)
     if cached is not None:
@@ -368,28 +377,28 @@ def _ortho_plan(layout: BucketLayout, which: str):
     r = mats[0].rank if mats else 0
     tall = max(rows, default=0)
     padded = len(mats) * tall * r
-    if mats and len({s.rank for s in mats}) == 1 and (padded <= PAD_LIMIT * numel or 4 * padded <= layout.numel):
-        pad = back = None
+    ends = [st + rw * s.rank for st, rw, s in zip(starts, rows, mats)]
+    packed = bool(mats) and starts[0] == 0 and starts[1:] == ends[:-1]  # back to back, in order
+    if (packed and len({s.rank for s in mats}) == 1
+            and (padded <= PAD_LIMIT * numel or 4 * padded <= layout.numel)):
+        pieces = None
         if min(rows) != tall:
-            grid = torch.arange(tall * r).view(1, tall * r)
-            limit = torch.tensor([rw * r for rw in rows]).view(-1, 1)
-            valid = grid < limit
-            pad = torch.where(valid, torch.tensor(starts).view(-1, 1) + grid, numel).reshape(-1)
-            pad = pad.to(dtype=torch.int32 if numel < 2**31 else torch.int64, device=layout.device)
-            back = torch.nonzero(valid.reshape(-1)).reshape(-1).to(layout.device)
-        plan.append((0, (len(mats), tall, r), pad, back))
+            pieces = [(st, rw, tall - rw) for st, rw in zip(starts, rows)]
+        plan.append((0, (len(mats), tall, r), pieces))
     else:
         for g in layout.groups:
-            plan.append((starts[g.first], (g.count, rows[g.first], g.rank), None, None))
+            plan.append((starts[g.first], (g.count, rows[g.first], g.rank), None))
     layout._tiles[key] = plan
     return plan
 
 
-def _zero64(layout: BucketLayout) -> torch.Tensor:
-    """One float64 zero on the layout's device (the padding of :func:`_orthogonalize_batch`), made once."""
-    z = layout._tiles.get(("torch_zero64",))
-    if z is None:
-        z = layout._tiles[("torch_zero64",)] = torch.zeros(1, dtype=torch.float64, device=layout.device)
+def _zero64(layout: BucketLayout, rows: int, r: int) -> torch.Tensor:
+    """Float64 zeros ``(rows, r)`` on the layout's device (the padding rows of :func:`_orthogonalize_batch`), made
+    once per layout and sliced."""
+    key = ("torch_zero64", r)
+    z = layout._tiles.get(key)
+    if z is None or z.shape[0] < rows:
+        z = layout._tiles[key] = torch.zeros(rows, r, dtype=torch.float64, device=layout.device)
     return z
 
 
@@ -398,29 +407,43 @@ def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out:
     float64 Cholesky-QR (zero rows change no Gram matrix): ``G = XᵀX``, ``G = UᵀU``, ``X·U⁻¹``, the same factor as
     modified Gram-Schmidt (on the columns, or on ``G`` as the Triton kernel) to rounding. Products of float32 values
     are exact in float64, so ``G`` cannot overflow and the result scales exactly with a power-of-two scaling of ``x``.
+    Per batch: one ``cat`` (cast and padding), ``bmm``, ``cholesky_ex``, the check (``addcmul``, ``maximum``,
+    ``amax`` and one host read), ``solve_triangular``, one ``cat`` (or ``copy_``) into ``out``.
 
     Returns False, having written nothing, where the per-group column path must run: a factor the Cholesky
     factorization cannot take as it is -- a zero or dependent column (residual² <= :data:`DEPENDENT_TOL` times its
-    squared norm, the rule of :func:`gram_schmidt_`), an all-zero factor, non-finite values. That test is a host
-    check: the path runs on CPU tensors only."""
+    squared norm, the rule of :func:`gram_schmidt_`, tested as ``‖x_k‖² − residual²/DEPENDENT_TOL > 0``: the exact
+    tie, a rounding-level case, counts as independent here), an all-zero factor, non-finite values (NaN in that
+    margin), a failed factorization (``info > 0``). That test is a host check: the path runs on CPU tensors only."""
     results = []
-    pad_zero = _zero64(layout)
-    for off, (count, rows, r), pad, back in _ortho_plan(layout, which):
-        if pad is None:
-            batch = x[off : off + count * rows * r].to(torch.float64).view(count, rows, r)
+    for off, (count, rows, r), pieces in _ortho_plan(layout, which):
+        if pieces is None:
+            batch = x[off : off + count * rows * r].view(count, rows, r).to(torch.float64)
         else:
-            batch = torch.cat((x, pad_zero)).index_select(0, pad).view(count, rows, r)
+            zero = _zero64(layout, max(pad for _, _, pad in pieces), r)
+            blocks = []
+            for start, rw, pad in pieces:
+                blocks.append(x[start : start + rw * r].view(rw, r))
+                if pad:
+                    blocks.append(zero[:pad])
+            batch = torch.cat(blocks).view(count, rows, r)  # float32 factors and float64 zeros: float64
         gram = torch.bmm(batch.transpose(1, 2), batch)
         u, info = torch.linalg.cholesky_ex(gram, upper=True)
         residual = u.diagonal(dim1=1, dim2=2)
-        if bool(info.any()) or bool(torch.le(residual.square(), gram.diagonal(dim1=1, dim2=2) * DEPENDENT_TOL).any()):
+        margin = torch.addcmul(gram.diagonal(dim1=1, dim2=2), residual, residual, value=-1.0 / DEPENDENT_TOL)
+        # <= 0: every margin negative (or zero: the exact tie counts as independent here) and info 0
+        if not float(torch.maximum(margin, info.unsqueeze(1)).amax()) <= 0:  # dependent, failed, or NaN
             return False
-        results.append((off, (count, rows, r), back, torch.linalg.solve_triangular(u, batch, upper=True, left=False)))
-    for off, (count, rows, r), back, y in results:
-        if back is None:
+        results.append((off, (count, rows, r), pieces, torch.linalg.solve_triangular(u, batch, upper=True,
+                                                                                     left=False)))
+    for off, (count, rows, r), pieces, y in results:
+        if pieces is None:
             out[off : off + count * rows * r].view(count, rows, r).copy_(y)
         else:
-            out.copy_(torch.take(y, back))  # (take reads y in logical order, whatever its strides)
+            first = pieces[0][0]
+            total = sum(rw for _, rw, _ in pieces)
+            torch.cat([y[i, :rw] for i, (_, rw, _) in enumerate(pieces)],
+                      out=out[first : first + total * r].view(total, r))  # float64 rows rounded into out
     return True
 
 
@@ -489,17 +512,30 @@ def reconstruct(
 ) -> None:
     """M_i ← P_i · (scale · Q_i)ᵀ; with ``error`` also E_i ← M_i(before) − P_i · (scale · Q_i)ᵀ.
 
-    ``update_error`` (0-d bool tensor on the device) keeps the old E_i where it is False. With ``local_p``
-    (``local_q``) the error is the local residual E_i ← M_i − P_local,i · Q_iᵀ (M_i − P_i · Q_local,iᵀ).
+    ``update_error`` (0-d bool tensor on the device, or a Python bool) keeps the old E_i where it is False. With
+    ``local_p`` (``local_q``) the error is the local residual E_i ← M_i − P_local,i · Q_iᵀ (M_i − P_i · Q_local,iᵀ).
     ``loss_scale`` (one-element tensor ``s``): the error is stored divided by ``s`` (unscaled units; the batched
     padding's M(before) is ``s·E``).
     """
-    if error is not None and update_error is not None and update_error.device.type == "cpu":
-        # a CPU flag is read for free: skip the error update, or do it without torch.where
+    if error is not None and update_error is not None and (isinstance(update_error, bool)
+                                                           or update_error.device.type == "cpu"):
+        # a CPU flag is read for free (or was, by step_status): skip the error update, or do it without torch.where
         if not bool(update_error):
             error = None
         update_error = None
     runs = _grouped(layout, compute_dtype, buffer, p, q, error, local_p, local_q)
+    if runs is not None and error is not None and update_error is None and local_p is None and local_q is None:
+        # E = (M + E) - P·(sQ)ᵀ without temporaries: E <- M + E, M <- P·(sQ)ᵀ, E -= M (one foreach op each, one
+        # bmm per run), E /= s with a loss scale (CPU flag, or no flag)
+        qs_all = q * scale if scale != 1.0 else q
+        mats, errs = [run.mat(buffer) for run in runs], [run.err(error) for run in runs]
+        torch._foreach_copy_(errs, mats)
+        for run, mat in zip(runs, mats):
+            torch.bmm(run.p(p), run.q(qs_all).transpose(1, 2), out=mat)
+        torch._foreach_sub_(errs, mats)
+        if loss_scale is not None:  # the error memory is kept in unscaled units
+            torch._foreach_div_(errs, loss_scale.to(compute_dtype).reshape(()))
+        return
     if runs is not None:
         qs_all = q * scale if scale != 1.0 else q
         for run in runs:
@@ -596,6 +632,18 @@ def average(
 ) -> torch.Tensor:
     """``factor /= world_size``; the uncompressed gradients divided by it and written into ``buffer`` (from the packed
     ``unc``, or in place); returns the 0-d bool "every element finite" (see :func:`all_finite`)."""
+    return all_finite(factor, average_parts(factor, layout, buffer, unc, world_size))
+
+
+def average_parts(
+    factor: torch.Tensor,
+    layout: BucketLayout,
+    buffer: torch.Tensor,
+    unc: Optional[torch.Tensor],
+    world_size: int,
+) -> Optional[torch.Tensor]:
+    """:func:`average` without the finiteness flag: returns the averaged uncompressed gradients (``unc``, the view
+    of the bucket holding them, or None) for :func:`all_finite` or :func:`step_status`."""
     if world_size != 1:
         factor.div_(world_size)
     part = unc
@@ -608,12 +656,65 @@ def average(
         part = buffer[o : o + n]
         if world_size != 1:
             part.div_(world_size)
-    return all_finite(factor, part)
+    return part
 
 
-def commit_factor(new: torch.Tensor, kept: torch.Tensor, layout: BucketLayout, which: str, ok) -> None:
-    """``kept_i <- new_i`` for every matrix i whose ``new_i`` is not all zero, where ``ok`` (one-element bool)."""
+def _factor_lengths(layout: BucketLayout, which: str) -> torch.Tensor:
+    """int64 ``(num_matrices,)`` on the layout's device: the number of elements of each matrix's factor ``which``
+    (``n_i·r_i`` for P, ``m_i·r_i`` for Q), in packing order. Cached on the layout."""
+    key = ("torch_factor_lengths", which)
+    t = layout._tiles.get(key)
+    if t is None:
+        sizes = [(s.n if which == "p" else s.m) * s.rank for s in layout.matrices]
+        t = layout._tiles[key] = torch.tensor(sizes, dtype=torch.int64, device=layout.device)
+    return t
+
+
+def step_status(factor: torch.Tensor, part: Optional[torch.Tensor], layout: BucketLayout, which: str,
+                per_matrix: bool) -> "tuple[bool, Optional[torch.Tensor]]":
+    """The end of a step on CPU tensors, with one host read in the usual case: ``(finite, fresh)``.
+
+    ``finite``: every element of ``factor`` (the averaged P or Q, ``which``) and of ``part`` (the averaged
+    uncompressed gradients, or None) is finite, :func:`all_finite`'s answer. ``fresh``: None when every matrix's
+    factor has a non-zero element (or ``per_matrix`` is False, or the step is not finite), else the
+    ``(num_matrices,)`` bool tensor telling which do (for :func:`commit_factor`).
+
+    One score: ``Σ_i log(max|factor_i|) + Σ part`` (float64 for ``part``) is finite exactly when every matrix's
+    peak is finite and non-zero and ``part`` is finite (a float64 sum of float32 values cannot overflow; a float32
+    sum of at most 2^31 logs, each within [-104, 89], cannot either); without ``per_matrix``, ``Σ factor`` in
+    float64. Where it is not finite, the finiteness is read apart (:func:`all_finite`) and the peaks tell the
+    zero factors: abs, segment_reduce, log, sum (+ sum, add with ``part``) and one host read in the usual case.
+    """
+    peaks = None
+    if per_matrix:
+        peaks = torch.segment_reduce(factor.abs(), "max", lengths=_factor_lengths(layout, which), unsafe=True)
+        score = peaks.log().sum()
+    else:
+        score = factor.sum(dtype=torch.float64)
+    if part is not None and part.numel():
+        score = score + part.sum(dtype=torch.float64)
+    if math.isfinite(float(score)):
+        return True, None
+    if not bool(all_finite(factor, part)):
+        return False, None
+    return True, None if peaks is None else peaks.ne(0)
+
+
+def commit_factor(new: torch.Tensor, kept: torch.Tensor, layout: BucketLayout, which: str, ok,
+                  fresh: Optional[torch.Tensor] = None) -> None:
+    """``kept_i <- new_i`` for every matrix i whose ``new_i`` is not all zero, where ``ok`` (one-element bool).
+
+    ``ok`` a Python bool (from :func:`step_status`): nothing when False; when True, ``fresh`` (``(num_matrices,)``
+    bool, or None: every matrix) tells which matrices to keep: one ``copy_`` when all."""
     index = layout.factor_matrix_index(which)
+    if isinstance(ok, bool):
+        if not ok:
+            return
+        if fresh is None:
+            kept.copy_(new)
+        else:
+            torch.where(fresh.index_select(0, index), new, kept, out=kept)
+        return
     peak = new.new_zeros(layout.num_matrices).scatter_reduce_(0, index, new.abs(), "amax")
     fresh = peak.ne(0)
     if ok is not None:
