@@ -58,6 +58,18 @@ AVERAGE_TILE_COLUMNS = ("matrix", "src_offset", "dst_offset", "count")
 AVERAGE_MAT, AVERAGE_SRC, AVERAGE_DST, AVERAGE_COUNT = range(4)
 AVERAGE_TILE_WIDTH = len(AVERAGE_TILE_COLUMNS)
 
+# orthogonalize's task tables (triton_ops._OrthoPlan), int64. orthogonalize_gram: one program per GRAM_ROWS rows of a
+# tall factor; "slot": its Gram partial's slot in the float64 workspace, "head_slot": the matrix's head slot (-1 but
+# in the first task), "completion": completion vectors (the smallest power of two >= the matrix's rank).
+ORTHO_GRAM_TASK_COLUMNS = ("matrix", "first_row", "slot", "head_slot", "completion")
+GRAM_MAT, GRAM_ROW0, GRAM_SLOT, GRAM_HEAD, GRAM_RM = range(5)
+ORTHO_GRAM_TASK_WIDTH = len(ORTHO_GRAM_TASK_COLUMNS)
+# orthogonalize: one program per short factor (rows 0..end, no slots: "slots" 0, "head_slot" -1) or per SPLIT_ROWS
+# rows of a tall one ("first_slot".."first_slot" + "slots": its Gram partials).
+ORTHO_TASK_COLUMNS = ("matrix", "first_row", "end_row", "first_slot", "slots", "head_slot", "completion")
+ORTHO_MAT, ORTHO_ROW0, ORTHO_ROW_END, ORTHO_SLOT0, ORTHO_SLOTS, ORTHO_HEAD, ORTHO_RM = range(7)
+ORTHO_TASK_WIDTH = len(ORTHO_TASK_COLUMNS)
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The bucket kernels that take a block-size config (tuned per shape class; the other launches are fixed).
 KERNELS = ("project", "orthogonalize", "project_t", "reconstruct")
@@ -198,7 +210,7 @@ class BucketLayout:
         self.max_rank = max((s.rank for s in matrices), default=0)
         self.groups = _shape_groups(matrices)
         rows = [
-            _table_row(TABLE_WIDTH, {OFF: s.offset, ROWS: s.n, COLS: s.m, NUMEL: s.numel, RANK: s.rank,
+            table_row(TABLE_WIDTH, {OFF: s.offset, ROWS: s.n, COLS: s.m, NUMEL: s.numel, RANK: s.rank,
                                      P_OFF: s.p_offset, Q_OFF: s.q_offset, E_OFF: s.e_offset})
             for s in matrices
         ]
@@ -378,7 +390,7 @@ class BucketLayout:
             ws = 0
 
             def tile(mat, col0, row0, row_end, ws_off):
-                return _table_row(PROJECT_T_TILE_WIDTH, {PROJECT_T_MAT: mat, PROJECT_T_COL0: col0,
+                return table_row(PROJECT_T_TILE_WIDTH, {PROJECT_T_MAT: mat, PROJECT_T_COL0: col0,
                                                          PROJECT_T_ROW0: row0, PROJECT_T_ROW_END: row_end,
                                                          PROJECT_T_WS_OFF: ws_off})
 
@@ -391,7 +403,7 @@ class BucketLayout:
                         for k in range(nsplit):
                             end = min(s.n, (k + 1) * split_rows)
                             tiles.append(tile(i, c, k * split_rows, end, ws + k * s.m * s.rank))
-                        reduce_tiles.append(_table_row(REDUCE_TILE_WIDTH, {REDUCE_MAT: i, REDUCE_COL0: c,
+                        reduce_tiles.append(table_row(REDUCE_TILE_WIDTH, {REDUCE_MAT: i, REDUCE_COL0: c,
                                                                            REDUCE_WS_OFF: ws, REDUCE_SPLITS: nsplit}))
                 if nsplit > 1:
                     ws += nsplit * s.m * s.rank
@@ -418,7 +430,7 @@ class BucketLayout:
                 chunk = split_cols if 0 < split_cols < s.m else s.m
                 for r0 in range(0, s.n, block):
                     for c in range(0, s.m, chunk):
-                        rows.append(_table_row(RECON_TILE_WIDTH, {RECON_MAT: i, RECON_ROW0: r0, RECON_COL0: c,
+                        rows.append(table_row(RECON_TILE_WIDTH, {RECON_MAT: i, RECON_ROW0: r0, RECON_COL0: c,
                                                                   RECON_COL_END: min(s.m, c + chunk)}))
             t = torch.tensor(rows, dtype=torch.int32).reshape(-1, RECON_TILE_WIDTH).to(self.device)
             self._tiles[key] = t
@@ -446,7 +458,7 @@ class BucketLayout:
                 start = s.p_offset if which == "p" else s.q_offset
                 count = (s.n if which == "p" else s.m) * s.rank
                 for c in range(0, count, block):
-                    rows.append(_table_row(AVERAGE_TILE_WIDTH, {AVERAGE_MAT: i, AVERAGE_SRC: start + c,
+                    rows.append(table_row(AVERAGE_TILE_WIDTH, {AVERAGE_MAT: i, AVERAGE_SRC: start + c,
                                                                 AVERAGE_DST: start + c,
                                                                 AVERAGE_COUNT: min(block, count - c)}))
                 first.append(len(rows))
@@ -454,7 +466,7 @@ class BucketLayout:
             for off, n in self.uncompressed:
                 for c in range(0, n, block):
                     src = (pos if packed else off) + c
-                    rows.append(_table_row(AVERAGE_TILE_WIDTH, {AVERAGE_MAT: -1, AVERAGE_SRC: src, AVERAGE_DST: off + c,
+                    rows.append(table_row(AVERAGE_TILE_WIDTH, {AVERAGE_MAT: -1, AVERAGE_SRC: src, AVERAGE_DST: off + c,
                                                                 AVERAGE_COUNT: min(block, n - c)}))
                 pos += n
             cached = (
@@ -540,7 +552,7 @@ class BucketLayout:
         )
 
 
-def _table_row(width: int, values: Dict[int, int]) -> List[int]:
+def table_row(width: int, values: Dict[int, int]) -> List[int]:
     """One row of a kernel table from ``{column index: value}`` naming each of its ``width`` columns once."""
     if sorted(values) != list(range(width)):
         raise ValueError(f"a table row needs columns 0..{width - 1} each once, got {sorted(values)}")

@@ -121,11 +121,11 @@ def test_tables_by_column_name_cover_the_bucket(batched, rng):
 
 
 def test_table_row_needs_every_column_once():
-    assert L._table_row(3, {2: 7, 0: 5, 1: 6}) == [5, 6, 7]
+    assert L.table_row(3, {2: 7, 0: 5, 1: 6}) == [5, 6, 7]
     with pytest.raises(ValueError, match="each once"):
-        L._table_row(3, {0: 1, 1: 2})
+        L.table_row(3, {0: 1, 1: 2})
     with pytest.raises(ValueError, match="each once"):
-        L._table_row(2, {0: 1, 1: 2, 2: 3})
+        L.table_row(2, {0: 1, 1: 2, 2: 3})
 
 
 def test_factor_columns_name_the_factor_and_reject_others(rng):
@@ -142,3 +142,44 @@ def test_factor_columns_name_the_factor_and_reject_others(rng):
     with pytest.raises(ValueError, match="'p' or 'q'"):
         T.orthogonalize(new, lay, "Q", 0.0, kept)
     assert torch.equal(kept, before)
+
+
+@pytest.mark.parametrize("which", ["p", "q"])
+def test_orthogonalize_task_tables_by_column_name_cover_each_factor(which, rng):
+    """orthogonalize's task tables (``layout.ORTHO_GRAM_TASK_COLUMNS``, ``ORTHO_TASK_COLUMNS``): a short factor is one
+    task over all its rows without Gram slots; a tall one has Gram tasks over consecutive GRAM_ROWS row blocks, each in
+    its own slot (the first naming the matrix's head slot), and finish tasks that cover its rows once and read all
+    those slots; completion vectors are the rank's next power of two."""
+    from powersgd_triton.kernels import triton_ops as ops
+
+    cfg = dict(BLOCK=16, SHORT_ROWS=16, GRAM_ROWS=32, SPLIT_ROWS=16, num_warps=4, num_stages=1)
+    for _ in range(4):
+        lay = _random_layout(rng, batched=False)
+        plan = ops._ortho_plan(lay, which, cfg)
+        gram, tasks = (t.numpy() if t is not None else np.zeros((0, L.ORTHO_GRAM_TASK_WIDTH), np.int64)
+                       for t in plan.device_tables("cpu"))
+        assert gram.shape[1] == L.ORTHO_GRAM_TASK_WIDTH and tasks.shape[1] == L.ORTHO_TASK_WIDTH
+        used_slots = set()
+        for i, s in enumerate(lay.matrices):
+            rows = s.n if which == "p" else s.m
+            rm = 1 << (s.rank - 1).bit_length()
+            mine = tasks[tasks[:, L.ORTHO_MAT] == i]
+            covered = sorted((t[L.ORTHO_ROW0], t[L.ORTHO_ROW_END]) for t in mine)
+            assert covered[0][0] == 0 and covered[-1][1] == rows
+            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+            assert (mine[:, L.ORTHO_RM] == rm).all()
+            g = gram[gram[:, L.GRAM_MAT] == i]
+            if rows <= cfg["SHORT_ROWS"]:
+                assert len(mine) == 1 and len(g) == 0
+                assert mine[0, L.ORTHO_SLOTS] == 0 and mine[0, L.ORTHO_HEAD] == -1
+                continue
+            assert list(g[:, L.GRAM_ROW0]) == list(range(0, rows, cfg["GRAM_ROWS"]))
+            slots = list(g[:, L.GRAM_SLOT])
+            assert slots == list(range(slots[0], slots[0] + len(g))) and not used_slots & set(slots)
+            used_slots |= set(slots)
+            head = g[0, L.GRAM_HEAD]
+            assert head >= 0 and (g[1:, L.GRAM_HEAD] == -1).all() and head not in used_slots
+            used_slots.add(head)
+            assert (g[:, L.GRAM_RM] == rm).all()
+            assert (mine[:, L.ORTHO_SLOT0] == slots[0]).all() and (mine[:, L.ORTHO_SLOTS] == len(g)).all()
+            assert (mine[:, L.ORTHO_HEAD] == head).all()

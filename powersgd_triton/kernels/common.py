@@ -57,6 +57,21 @@ AVERAGE_MAT = tl.constexpr(_layout.AVERAGE_MAT)
 AVERAGE_SRC = tl.constexpr(_layout.AVERAGE_SRC)
 AVERAGE_DST = tl.constexpr(_layout.AVERAGE_DST)
 AVERAGE_COUNT = tl.constexpr(_layout.AVERAGE_COUNT)
+# orthogonalize's task tables (int64, layout.ORTHO_GRAM_TASK_COLUMNS and layout.ORTHO_TASK_COLUMNS).
+ORTHO_GRAM_TASK_WIDTH = tl.constexpr(_layout.ORTHO_GRAM_TASK_WIDTH)
+GRAM_MAT = tl.constexpr(_layout.GRAM_MAT)
+GRAM_ROW0 = tl.constexpr(_layout.GRAM_ROW0)
+GRAM_SLOT = tl.constexpr(_layout.GRAM_SLOT)
+GRAM_HEAD = tl.constexpr(_layout.GRAM_HEAD)
+GRAM_RM = tl.constexpr(_layout.GRAM_RM)
+ORTHO_TASK_WIDTH = tl.constexpr(_layout.ORTHO_TASK_WIDTH)
+ORTHO_MAT = tl.constexpr(_layout.ORTHO_MAT)
+ORTHO_ROW0 = tl.constexpr(_layout.ORTHO_ROW0)
+ORTHO_ROW_END = tl.constexpr(_layout.ORTHO_ROW_END)
+ORTHO_SLOT0 = tl.constexpr(_layout.ORTHO_SLOT0)
+ORTHO_SLOTS = tl.constexpr(_layout.ORTHO_SLOTS)
+ORTHO_HEAD = tl.constexpr(_layout.ORTHO_HEAD)
+ORTHO_RM = tl.constexpr(_layout.ORTHO_RM)
 
 
 @triton.jit

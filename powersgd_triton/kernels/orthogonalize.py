@@ -35,7 +35,25 @@ import triton.language as tl
 from triton.language.standard import _sum_combine
 
 from .. import _compat
-from .common import RANK, TABLE_WIDTH, loop_range
+from .common import (
+    GRAM_HEAD,
+    GRAM_MAT,
+    GRAM_RM,
+    GRAM_ROW0,
+    GRAM_SLOT,
+    ORTHO_GRAM_TASK_WIDTH,
+    ORTHO_HEAD,
+    ORTHO_MAT,
+    ORTHO_RM,
+    ORTHO_ROW0,
+    ORTHO_ROW_END,
+    ORTHO_SLOT0,
+    ORTHO_SLOTS,
+    ORTHO_TASK_WIDTH,
+    RANK,
+    TABLE_WIDTH,
+    loop_range,
+)
 from .reference import DEPENDENT_TOL
 
 _TAU = tl.constexpr(DEPENDENT_TOL)
@@ -154,7 +172,7 @@ def _ortho_gram_kernel(
     x_ptr,  # flat factor input (float32), matrix i row-major rows_i x r_i at x_ptr + offset_i
     ws_ptr,  # float64 workspace of [R, R] slots
     table_ptr,  # int64 [L, TABLE_WIDTH] layout table
-    tasks_ptr,  # int64 [T, 5]: matrix, first row, Gram slot, head slot (-1: none), completion vectors rm
+    tasks_ptr,  # int64 [T, ORTHO_GRAM_TASK_WIDTH] (layout.ORTHO_GRAM_TASK_COLUMNS)
     ROWS_COL: tl.constexpr,  # layout-table column of the factor's row count (ROWS: n for P, COLS: m for Q)
     OFF_COL: tl.constexpr,  # layout-table column of the factor's offset (P_OFF, Q_OFF)
     R: tl.constexpr,
@@ -164,12 +182,12 @@ def _ortho_gram_kernel(
     """Split factors, first launch: the float64 Gram of GRAM_ROWS rows, tiles summed in order, into one slot; the
     program of the first rows also writes ``Wᵀ·X`` of the first R rows into the matrix's head slot."""
     pid = tl.program_id(0).to(tl.int64)
-    task = tasks_ptr + pid * 5
-    mat = tl.load(task)
-    row0 = tl.load(task + 1)
-    slot = tl.load(task + 2)
-    head = tl.load(task + 3)
-    rm = tl.load(task + 4)
+    task = tasks_ptr + pid * ORTHO_GRAM_TASK_WIDTH
+    mat = tl.load(task + GRAM_MAT)
+    row0 = tl.load(task + GRAM_ROW0)
+    slot = tl.load(task + GRAM_SLOT)
+    head = tl.load(task + GRAM_HEAD)
+    rm = tl.load(task + GRAM_RM)
     row = table_ptr + mat * TABLE_WIDTH
     n = tl.load(row + ROWS_COL)
     r = tl.load(row + RANK)
@@ -195,7 +213,7 @@ def _orthogonalize_kernel(
     out_ptr,  # flat factor output (float32; may alias x_ptr)
     ws_ptr,  # float64 workspace written by _ortho_gram_kernel (unused when nothing is split)
     table_ptr,  # int64 [L, TABLE_WIDTH] layout table
-    tasks_ptr,  # int64 [T, 7]: matrix, first row, end row, first Gram slot, Gram slots (0: short), head slot, rm
+    tasks_ptr,  # int64 [T, ORTHO_TASK_WIDTH] (layout.ORTHO_TASK_COLUMNS; short factor: 0 slots, head -1)
     eps,  # float32 epsilon added to each norm
     ROWS_COL: tl.constexpr,
     OFF_COL: tl.constexpr,
@@ -214,14 +232,14 @@ def _orthogonalize_kernel(
     Triton 3.6's interpreter.
     """
     pid = tl.program_id(0).to(tl.int64)
-    task = tasks_ptr + pid * 7
-    mat = tl.load(task)
-    row0 = tl.load(task + 1)
-    row_end = tl.load(task + 2)
-    slot = tl.load(task + 3)
-    nparts = tl.load(task + 4)
-    head = tl.load(task + 5)
-    rm = tl.load(task + 6)  # completion vectors: the smallest power of two >= r
+    task = tasks_ptr + pid * ORTHO_TASK_WIDTH
+    mat = tl.load(task + ORTHO_MAT)
+    row0 = tl.load(task + ORTHO_ROW0)
+    row_end = tl.load(task + ORTHO_ROW_END)
+    slot = tl.load(task + ORTHO_SLOT0)
+    nparts = tl.load(task + ORTHO_SLOTS)
+    head = tl.load(task + ORTHO_HEAD)
+    rm = tl.load(task + ORTHO_RM)  # completion vectors: the smallest power of two >= r
     row = table_ptr + mat * TABLE_WIDTH
     n = tl.load(row + ROWS_COL)
     r = tl.load(row + RANK)

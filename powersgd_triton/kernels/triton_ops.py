@@ -33,7 +33,10 @@ import triton
 
 from .. import _env
 from ..layout import KERNELS, MIN_DOT_RANK, BucketLayout, padded_rank  # noqa: F401 - re-exported
-from ..layout import COLS, P_OFF, Q_OFF, ROWS, TABLE_WIDTH
+from ..layout import COLS, P_OFF, Q_OFF, ROWS, TABLE_WIDTH, table_row
+from ..layout import GRAM_HEAD, GRAM_MAT, GRAM_RM, GRAM_ROW0, GRAM_SLOT, ORTHO_GRAM_TASK_WIDTH
+from ..layout import ORTHO_HEAD, ORTHO_MAT, ORTHO_RM, ORTHO_ROW0, ORTHO_ROW_END, ORTHO_SLOT0, ORTHO_SLOTS
+from ..layout import ORTHO_TASK_WIDTH
 from .lowrank_mm import _project_kernel, _project_t_kernel, _reduce_splits_kernel
 from .orthogonalize import _commit_factor_kernel, _ortho_gram_kernel, _orthogonalize_kernel
 from .reconstruct import _reconstruct_kernel
@@ -498,8 +501,8 @@ class _OrthoPlan:
         self.consts = _ortho_constexprs(cfg, self.R)
         short, gram_rows, split = cfg["SHORT_ROWS"], cfg["GRAM_ROWS"], cfg["SPLIT_ROWS"]
         chunk = self.consts["CHUNK_TILES"] * cfg["BLOCK"]
-        self.gram_tasks: List[tuple] = []  # (matrix, first row, slot, head slot, rm)
-        self.tasks: List[tuple] = []  # (matrix, first row, end row, first slot, slots, head slot, rm)
+        self.gram_tasks: List[List[int]] = []  # rows of layout.ORTHO_GRAM_TASK_COLUMNS
+        self.tasks: List[List[int]] = []  # rows of layout.ORTHO_TASK_COLUMNS
         self.tiles: List[int] = []  # per finish task: tiles of BLOCK rows read and written (chunks rounded up)
         self.slot_steps: List[int] = []  # per finish task: steps of the slot sum
         slot = 0
@@ -511,16 +514,22 @@ class _OrthoPlan:
             rm = padded_rank(s.rank)  # completion vectors of this factor (the torch backend's too)
             self.factor_elems += rows * s.rank
             if rows <= short:
-                self.tasks.append((i, 0, rows, 0, 0, -1, rm))
+                self.tasks.append(table_row(ORTHO_TASK_WIDTH, {ORTHO_MAT: i, ORTHO_ROW0: 0, ORTHO_ROW_END: rows,
+                                                               ORTHO_SLOT0: 0, ORTHO_SLOTS: 0, ORTHO_HEAD: -1,
+                                                               ORTHO_RM: rm}))
                 self.tiles.append(2 * -(-rows // chunk) * self.consts["CHUNK_TILES"])
                 self.slot_steps.append(0)
                 continue
             parts = -(-rows // gram_rows)
             head = slot + parts
             for k in range(parts):
-                self.gram_tasks.append((i, k * gram_rows, slot + k, head if k == 0 else -1, rm))
+                self.gram_tasks.append(table_row(ORTHO_GRAM_TASK_WIDTH, {
+                    GRAM_MAT: i, GRAM_ROW0: k * gram_rows, GRAM_SLOT: slot + k, GRAM_HEAD: head if k == 0 else -1,
+                    GRAM_RM: rm}))
             for c in range(0, rows, split):
-                self.tasks.append((i, c, min(c + split, rows), slot, parts, head, rm))
+                self.tasks.append(table_row(ORTHO_TASK_WIDTH, {
+                    ORTHO_MAT: i, ORTHO_ROW0: c, ORTHO_ROW_END: min(c + split, rows), ORTHO_SLOT0: slot,
+                    ORTHO_SLOTS: parts, ORTHO_HEAD: head, ORTHO_RM: rm}))
                 self.tiles.append(-(-(min(c + split, rows) - c) // chunk) * self.consts["CHUNK_TILES"])
                 self.slot_steps.append(-(-parts // self.consts["SLOT_BLOCK"]))
             slot += parts + 1
@@ -534,7 +543,8 @@ class _OrthoPlan:
             def dev(rows, width):
                 return torch.tensor(rows, dtype=torch.int64).reshape(-1, width).to(device)
 
-            self._device_tables = (dev(self.gram_tasks, 5) if self.gram_tasks else None, dev(self.tasks, 7))
+            self._device_tables = (dev(self.gram_tasks, ORTHO_GRAM_TASK_WIDTH) if self.gram_tasks else None,
+                                   dev(self.tasks, ORTHO_TASK_WIDTH))
         return self._device_tables
 
 
@@ -606,11 +616,12 @@ def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] 
     slot_bytes = R * R * 8
     out = []
     if plan.gram_tasks:
-        heads = sum(1 for t in plan.gram_tasks if t[3] >= 0)
+        heads = sum(1 for t in plan.gram_tasks if t[GRAM_HEAD] >= 0)
         out.append(dict(
             kernel="orthogonalize_gram", programs=len(plan.gram_tasks), iterations=plan.consts["GROUP_TILES"],
             rank_steps=0,
-            bytes_read=4 * plan.split_elems + len(plan.gram_tasks) * (table_bytes + 40) + heads * 4 * R * R,
+            bytes_read=4 * plan.split_elems + len(plan.gram_tasks) * (table_bytes + 8 * ORTHO_GRAM_TASK_WIDTH)
+            + heads * 4 * R * R,
             bytes_written=(len(plan.gram_tasks) + heads) * slot_bytes,
             config=dict(cfg), variant=dict(variant), dtype="float32", max_rank=layout.max_rank,
         ))
@@ -618,8 +629,8 @@ def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] 
     out.append(dict(
         kernel="orthogonalize", programs=len(plan.tasks),
         iterations=max(t + k for t, k in zip(plan.tiles, plan.slot_steps)), rank_steps=R,
-        bytes_read=8 * short_elems + 4 * plan.split_elems + len(plan.tasks) * (table_bytes + 56)
-        + sum(t[4] * slot_bytes for t in plan.tasks if t[4] > 0),
+        bytes_read=8 * short_elems + 4 * plan.split_elems + len(plan.tasks) * (table_bytes + 8 * ORTHO_TASK_WIDTH)
+        + sum(t[ORTHO_SLOTS] * slot_bytes for t in plan.tasks if t[ORTHO_SLOTS] > 0),
         bytes_written=4 * plan.factor_elems,
         config=dict(cfg), variant=dict(variant, WITH_GRAM=False), dtype="float32", max_rank=layout.max_rank,
         split_programs=len(plan.tasks) - (layout.num_matrices - plan.split_matrices),
