@@ -26,6 +26,12 @@ Usage (from a checkout)::
     python -m powersgd_triton.readme_tables --check --only digits # tables whose marker contains "digits"
     python -m powersgd_triton.readme_tables --write --append='--timeout 3600'   # train's own 900 s limit raised
 
+The digits depend on the CPU's math kernels: ``powersgd-triton train`` pins them on CPU
+(:data:`powersgd_triton.train.launch.CPU_NUMERICS_ENV`), and ``--write`` records the machine it ran on in a
+``<!-- readme-tables machine: ... -->`` line (CPU vendor, family and model, torch version). ``--check`` on that
+machine type compares exactly; on another one it says so and compares accuracy within ``0.02`` and loss (or
+bits/char) within 15 %, the other columns exactly: a broken hook still shows, the last digits of another CPU do not.
+
 ``--check`` exits 1 and prints each difference (table, row, column, README value, fresh value) when a checked cell
 differs; 2 for a bad README (marker without a table to check, unknown command) or a command that fails.
 """
@@ -41,6 +47,10 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 MARKER = re.compile(r"^<!--\s*readme-table\s+(check|regenerate)\s*:\s*(.+?)\s*-->\s*$")
+MACHINE = re.compile(r"^<!--\s*readme-tables\s+machine\s*:\s*(.+?)\s*-->\s*$")
+# On another machine type: accuracy columns within this much (absolute), loss / bits columns within this fraction
+ACCURACY_TOLERANCE = 0.02
+LOSS_TOLERANCE = 0.15
 # headers of columns that hold timings: never compared
 TIMING_HEADER = re.compile(r"(\bms\b|ms/|speed|median|\bp20\b|\bp80\b|PyTorch/ours|seconds|time)", re.IGNORECASE)
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,6 +74,44 @@ class Table:
     @property
     def label(self) -> str:
         return f"line {self.marker_line + 1}: {self.command}"
+
+
+def machine() -> str:
+    """This machine type as the tables depend on it: architecture, CPU vendor, family and model (Linux'
+    ``/proc/cpuinfo``; ``platform.processor()`` elsewhere), and the torch version."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    cpu = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "cpu family", "model") and key not in cpu:
+                    cpu[key] = value.strip()
+                if not line.strip() and cpu:
+                    break
+    except OSError:
+        pass
+    if len(cpu) == 3:
+        desc = f"{cpu['vendor_id']} family {cpu['cpu family']} model {cpu['model']}"
+    else:
+        desc = platform.processor() or "unknown CPU"
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "none"
+    return f"{platform.machine()} {desc}, torch {torch_version}"
+
+
+def recorded_machine(text: str) -> Optional[str]:
+    """The machine of the ``<!-- readme-tables machine: ... -->`` line of ``text``; None without one."""
+    for line in text.split("\n"):
+        m = MACHINE.match(line.strip())
+        if m:
+            return m.group(1)
+    return None
 
 
 def find_tables(text: str) -> List[Table]:
@@ -120,11 +168,28 @@ def timing_columns(header: Sequence[str]) -> List[int]:
     return [i for i, h in enumerate(header) if TIMING_HEADER.search(h)]
 
 
-def compare_tables(readme: Sequence[str], fresh: Sequence[str]) -> List[str]:
+def _within(header: str, a: str, b: str) -> bool:
+    """Whether cells ``a`` (README) and ``b`` (fresh) of column ``header`` agree within the other-machine
+    tolerance: accuracy columns within :data:`ACCURACY_TOLERANCE`, loss / bits columns within
+    :data:`LOSS_TOLERANCE` relative; other columns and cells that are not numbers only when equal."""
+    h = header.lower()
+    try:
+        x, y = float(a), float(b)
+    except ValueError:
+        return a == b
+    if "acc" in h:
+        return abs(x - y) <= ACCURACY_TOLERANCE
+    if "loss" in h or "bits" in h:
+        return abs(x - y) <= LOSS_TOLERANCE * abs(x)
+    return a == b
+
+
+def compare_tables(readme: Sequence[str], fresh: Sequence[str], tolerant: bool = False) -> List[str]:
     """The differences of a README table and a fresh one, ignoring the timing columns; ``[]`` when they agree.
 
     Headers must be equal (a renamed or added column is a difference); then the number of rows; then every cell
-    of every non-timing column, compared as printed (strings, so ``0.9944`` and ``0.99440`` differ).
+    of every non-timing column, compared as printed (strings, so ``0.9944`` and ``0.99440`` differ), or with
+    ``tolerant`` (a fresh run on another machine type) accuracy and loss within the tolerances of :func:`_within`.
     """
     head_r, rows_r = parse_table(readme)
     head_f, rows_f = parse_table(fresh)
@@ -141,7 +206,7 @@ def compare_tables(readme: Sequence[str], fresh: Sequence[str]) -> List[str]:
                 continue
             a = row_r[c] if c < len(row_r) else "<missing>"
             b = row_f[c] if c < len(row_f) else "<missing>"
-            if a != b:
+            if a != b and not (tolerant and _within(h, a, b)):
                 diffs.append(f"row {r + 1} ({name}), column {h!r}: README {a} vs fresh {b}")
     return diffs
 
@@ -200,9 +265,15 @@ def check(path: str, only: Optional[str] = None, timeout: Optional[float] = None
     command, and when nothing matched ``only``.
     """
     with open(path) as f:
-        tables = select(find_tables(f.read()), only)
+        text = f.read()
+    tables = select(find_tables(text), only)
     if not tables:
         raise ReadmeTableError(f"no marked table in {path}" + (f" whose command contains {only!r}" if only else ""))
+    recorded, here = recorded_machine(text), machine()
+    tolerant = recorded != here
+    if tolerant:
+        log(f"the tables were made on {recorded or 'an unrecorded machine'}, this is {here}: accuracy compared "
+            f"within {ACCURACY_TOLERANCE}, loss within {LOSS_TOLERANCE:.0%}, the other columns exactly")
     diffs = []
     for t in tables:
         if t.mode != "check":
@@ -211,8 +282,10 @@ def check(path: str, only: Optional[str] = None, timeout: Optional[float] = None
         if not t.lines:
             raise ReadmeTableError(f"{path} {t.label}: no table after the marker (run --write)")
         fresh, seconds = run_command(t.command, os.path.dirname(os.path.abspath(path)), timeout, extra)
-        found = compare_tables(t.lines, fresh)
-        log(f"{'agrees' if not found else 'DIFFERS'} ({seconds:.0f} s): {t.label}")
+        found = compare_tables(t.lines, fresh, tolerant=tolerant)
+        exact = not tolerant or not compare_tables(t.lines, fresh)
+        verdict = "DIFFERS" if found else "agrees" if exact else "agrees within the other-machine tolerance"
+        log(f"{verdict} ({seconds:.0f} s): {t.label}")
         diffs += [f"{t.label}: {d}" for d in found]
     return diffs
 
@@ -248,7 +321,27 @@ def write(path: str, only: Optional[str] = None, timeout: Optional[float] = None
             f.write("\n".join(new))
         os.replace(tmp, path)
         log(f"written ({seconds:.0f} s): {t.label}")
+    if any(all_tables[i].mode == "check" for i in wanted):
+        _record_machine(path)
     return times
+
+
+def _record_machine(path: str) -> None:
+    """Set the file's ``<!-- readme-tables machine: ... -->`` line to this machine (inserted before the first
+    marked table when there is none)."""
+    with open(path) as f:
+        lines = f.read().split("\n")
+    line = f"<!-- readme-tables machine: {machine()} -->"
+    at = [i for i, text in enumerate(lines) if MACHINE.match(text.strip())]
+    if at:
+        lines[at[0]] = line
+    else:
+        first = next(i for i, text in enumerate(lines) if MARKER.match(text.strip()))
+        lines.insert(first, line)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("\n".join(lines))
+    os.replace(tmp, path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

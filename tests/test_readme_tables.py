@@ -1,6 +1,6 @@
 """README tables: the marker/table machinery of ``powersgd_triton.readme_tables``, and the README's digits table
 reproduced by a fresh ``powersgd-triton train --compare`` (same seed, same machine type: the same accuracy, loss,
-bytes and calls as printed; ms/step not compared)."""
+bytes and calls as printed; on another CPU type accuracy and loss within a tolerance; ms/step not compared)."""
 
 import os
 
@@ -91,7 +91,8 @@ def test_write_replaces_and_inserts_tables_and_check_reports(tmp_path, rng, monk
                                  "after"]))
     times = RT.write(str(path), log=lambda *a: None)
     assert times == {"powersgd-triton train --compare": 0.5, "python -m powersgd_triton bench": 0.5}
-    expected = (["intro", "<!-- readme-table check: powersgd-triton train --compare -->", ""] + new_a
+    expected = (["intro", f"<!-- readme-tables machine: {RT.machine()} -->",
+                 "<!-- readme-table check: powersgd-triton train --compare -->", ""] + new_a
                 + ["", "between", "<!-- readme-table regenerate: python -m powersgd_triton bench -->"] + new_b
                 + ["", "after"])
     assert path.read_text().split("\n") == expected
@@ -100,14 +101,63 @@ def test_write_replaces_and_inserts_tables_and_check_reports(tmp_path, rng, monk
     assert any(line.startswith("not checked") and "bench" in line for line in logged)
     fresh["powersgd-triton train --compare"] = new_a[:-1]
     assert RT.check(str(path), log=lambda *a: None) == [
-        f"line 2: powersgd-triton train --compare: README has {len(new_a) - 2} rows, the fresh run {len(new_a) - 3}"]
+        f"line 3: powersgd-triton train --compare: README has {len(new_a) - 2} rows, the fresh run {len(new_a) - 3}"]
     with pytest.raises(RT.ReadmeTableError, match="no marked table"):
         RT.check(str(path), only="charlm")
 
 
+def test_another_machine_type_compares_accuracy_and_loss_within_tolerance(tmp_path, rng, monkeypatch):
+    head = ["hook", "final test acc", "test loss", "ms/step", "all-reduced/step/rank"]
+    vals = torch.rand(3, 3, generator=rng, dtype=torch.float64).tolist()
+    body = [[f"hook{i}", f"{0.5 + 0.4 * a:.4f}", f"{0.05 + b:.4f}", f"{100 * c:.1f}", f"{1 + 9 * c:.1f} KiB"]
+            for i, (a, b, c) in enumerate(vals)]
+    table = text_table(head, body).split("\n")
+    r = int(torch.randint(3, (1,), generator=rng))
+
+    def changed(col, value):
+        rows = [row[:] for row in body]
+        rows[r][col] = value
+        return text_table(head, rows).split("\n")
+
+    acc, loss = float(body[r][1]), float(body[r][2])
+    near = [changed(1, f"{acc + 0.015:.4f}"), changed(2, f"{loss * 1.1:.4f}")]
+    far = [changed(1, f"{acc - 0.03:.4f}"), changed(2, f"{loss * 1.2:.4f}"), changed(4, "99.9 KiB")]
+    for fresh in near:
+        assert RT.compare_tables(table, fresh, tolerant=True) == [] and len(RT.compare_tables(table, fresh)) == 1
+    for fresh in far:
+        assert len(RT.compare_tables(table, fresh, tolerant=True)) == 1
+
+    # check() is exact on the recorded machine type, tolerant (and says so) on another one
+    command = "powersgd-triton train --compare"
+    path = tmp_path / "README.md"
+    path.write_text("\n".join([f"<!-- readme-tables machine: {RT.machine()} -->",
+                               f"<!-- readme-table check: {command} -->"] + table))
+    monkeypatch.setattr(RT, "run_command", lambda c, cwd, timeout=None, extra=(): (near[0], 0.1))
+    assert len(RT.check(str(path), log=lambda *a: None)) == 1
+    path.write_text(path.read_text().replace(RT.machine(), "x86_64 GenuineIntel family 6 model 143, torch 2.13.0"))
+    logged = []
+    assert RT.check(str(path), log=logged.append) == []
+    assert "GenuineIntel" in logged[0] and logged[-1].startswith("agrees within the other-machine tolerance")
+    monkeypatch.setattr(RT, "run_command", lambda c, cwd, timeout=None, extra=(): (far[0], 0.1))
+    assert len(RT.check(str(path), log=lambda *a: None)) == 1
+
+
+def test_cpu_runs_pin_the_math_libraries_unless_the_user_set_them():
+    from powersgd_triton.train import launch
+
+    assert launch.cpu_numerics_env({}) == launch.CPU_NUMERICS_ENV
+    mine = {"MKL_CBWR": "AUTO", "PATH": "/bin"}
+    pins = launch.cpu_numerics_env(mine)
+    assert "MKL_CBWR" not in pins and set(pins) == set(launch.CPU_NUMERICS_ENV) - {"MKL_CBWR"}
+    with pytest.raises(launch.LaunchError, match="forkserver"):
+        launch.launch(print, 1, env={"MKL_CBWR": "AUTO"}, start_method="fork")
+
+
 def test_readme_tables_are_marked_filled_and_runnable():
     with open(README) as f:
-        tables = RT.find_tables(f.read())
+        text = f.read()
+    tables = RT.find_tables(text)
+    assert RT.recorded_machine(text), "README: no readme-tables machine line (python -m powersgd_triton.readme_tables --write)"
     commands = [t.command for t in tables]
     assert "powersgd-triton train --workload digits --compare" in commands
     for t in tables:
@@ -125,5 +175,5 @@ def test_readme_digits_table_reproduces():
     (``python -m powersgd_triton.readme_tables --write``) and say why in the commit."""
     logged = []
     diffs = RT.check(README, only="--workload digits --compare", timeout=600, log=logged.append)
-    assert diffs == [], "\n".join(diffs)
-    assert len(logged) == 1 and logged[0].startswith("agrees"), logged
+    assert diffs == [], "\n".join(logged + diffs)
+    assert logged[-1].startswith("agrees"), logged

@@ -9,6 +9,10 @@ killed and :class:`LaunchTimeout` is raised.
 
 :func:`torchrun_env` reads the environment ``torchrun`` exports (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``); under torchrun the caller runs its rank in-process with ``env://``.
+
+:data:`CPU_NUMERICS_ENV` pins the instruction set of the CPU math libraries (ATen's vectorized kernels, oneDNN,
+MKL), so that a CPU run with a given seed prints the same digits on every x86-64 machine with AVX2; ``launch(...,
+env=...)`` hands such settings to the ranks only.
 """
 
 import errno
@@ -22,6 +26,27 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence
 
 HOST = "127.0.0.1"
+
+
+# Which kernels torch's CPU build runs depends on the CPU: ATen's vectorized loops (AVX2 or AVX-512), oneDNN's
+# convolutions (up to AVX-512 / AMX) and MKL's GEMM (its own path per CPU vendor and generation, and, unless
+# conditional numerical reproducibility is on, on the memory alignment). Each changes the rounding, and a training
+# run amplifies one changed bit into different accuracy digits. Measured on this project's 2-core AMD EPYC
+# (family 25, AVX-512) with the digits workload: each of the three settings alone changes the all-reduce or
+# PyTorch-hook row's test loss in the 3rd-4th digit. Capped at AVX2 and MKL's compatible path, the kernels are the
+# same on every x86-64 CPU with AVX2 (at some speed: ~25 % more ms/step on the digits workload).
+CPU_NUMERICS_ENV: Dict[str, str] = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_CBWR": "COMPATIBLE",
+}
+
+
+def cpu_numerics_env(environ=None) -> Dict[str, str]:
+    """The :data:`CPU_NUMERICS_ENV` settings that ``environ`` (default ``os.environ``) does not set itself: a
+    user's own value of any of them wins."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in CPU_NUMERICS_ENV.items() if k not in env}
 
 
 class LaunchError(RuntimeError):
@@ -163,6 +188,7 @@ def launch(
     port: int = 0,
     timeout: float = 600.0,
     start_method: str = "fork",
+    env: Optional[Dict[str, str]] = None,
 ) -> Any:
     """Run ``fn(rank, world_size, "tcp://127.0.0.1:PORT", *args)`` on ``world_size`` local processes.
 
@@ -171,6 +197,9 @@ def launch(
     group can hang its ranks), ``"forkserver"`` (multiprocessing's single-threaded fork server, started once per
     process with torch and ``fn``'s module imported; each rank gets the caller's current environment) or
     ``"spawn"`` (a fresh interpreter per rank; CUDA). ``fn`` must be importable (module level) for the last two.
+    ``env``: variables set for the ranks on top of the caller's environment (e.g. :func:`cpu_numerics_env`), with
+    the fork server and spawn only (they are read by libraries when the rank first uses them; a forked rank has
+    its parent's libraries already set up): ``LaunchError`` with ``"fork"``.
 
     Returns rank 0's return value. Raises :class:`RankFailed` (first failing rank, with its traceback),
     :class:`LaunchTimeout`, :class:`PortInUse` or :class:`LaunchError`.
@@ -182,21 +211,34 @@ def launch(
     else:
         port = free_port()
     init_method = f"tcp://{HOST}:{port}"
-    env = None
+    extra = dict(env or {})
+    if extra and start_method == "fork":
+        raise LaunchError(f"env {sorted(extra)} needs start_method 'forkserver' or 'spawn': a forked rank inherits "
+                          "its parent's libraries as they are")
+    child_env = None
     if start_method == "forkserver":
         ctx = forkserver_context(["torch", "torch.distributed", fn.__module__])
-        env = dict(os.environ)
+        child_env = dict(os.environ, **extra)
     else:
         ctx = mp.get_context(start_method)
     results = ctx.Queue()
     procs = []
-    for rank in range(world_size):
-        p = ctx.Process(
-            target=_child, args=(fn, rank, world_size, init_method, tuple(args), results, env), name=f"rank{rank}",
-            daemon=True,
-        )
-        p.start()
-        procs.append(p)
+    saved = {k: os.environ.get(k) for k in extra}
+    try:
+        os.environ.update(extra)  # a spawned rank starts with the environment of this moment
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_child, args=(fn, rank, world_size, init_method, tuple(args), results, child_env),
+                name=f"rank{rank}", daemon=True,
+            )
+            p.start()
+            procs.append(p)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
     deadline = time.monotonic() + timeout
     done, value = set(), None

@@ -13,6 +13,7 @@ PyTorch's hooks and ours call ``dist.all_reduce`` through the module attribute.
 """
 
 import math
+import os
 import sys
 import threading
 import time
@@ -663,6 +664,10 @@ def rank_main(rank: int, world_size: int, init_method: Optional[str], cfg: Train
 def run_training(config: TrainConfig) -> Dict[str, Any]:
     """Train every hook of ``config.hooks`` on ``config.world_size`` local ranks (or in this torchrun rank).
 
+    On CPU the ranks this starts get :data:`~powersgd_triton.train.launch.CPU_NUMERICS_ENV` (the math libraries
+    capped at AVX2, MKL's compatible path; a variable already set in the environment wins), so a seed gives the same
+    digits on every x86-64 machine; under torchrun the rank runs in the environment it was given.
+
     Returns ``{"runs": {hook: metrics}, "config": {...}}`` on rank 0 (and ``None`` on other torchrun ranks).
     ``config`` is checked by :func:`validate` (once: a configuration :func:`validate` returned is used as it is).
     Raises :class:`~powersgd_triton.train.launch.LaunchError` subclasses when a rank fails or times out, and
@@ -680,12 +685,13 @@ def run_training(config: TrainConfig) -> Dict[str, Any]:
         # CUDA needs a fresh interpreter per rank; on CPU the fork server (not a fork of the caller, which may have
         # threads: a Jupyter kernel, a test runner)
         method = "spawn" if cfg.device == "cuda" else "forkserver"
+        pins = launch.cpu_numerics_env() if cfg.device == "cpu" else {}
         runs = launch.launch(rank_main, cfg.world_size, (cfg,), port=cfg.port, timeout=cfg.timeout,
-                             start_method=method)
-    return {"runs": runs, "config": _config_json(cfg)}
+                             start_method=method, env=pins)
+    return {"runs": runs, "config": _config_json(cfg, pinned=env is None)}
 
 
-def _config_json(cfg: TrainConfig) -> Dict[str, Any]:
+def _config_json(cfg: TrainConfig, pinned: bool = False) -> Dict[str, Any]:
     import platform
 
     out = cfg.to_json()
@@ -695,6 +701,10 @@ def _config_json(cfg: TrainConfig) -> Dict[str, Any]:
         num_threads_per_rank=1,
         hook_labels={h: HOOK_LABELS[h] for h in cfg.hooks},
     )
+    if cfg.device == "cpu":  # what the ranks' CPU math libraries ran with: pinned, the user's own, or unset (None)
+        from .launch import CPU_NUMERICS_ENV
+
+        out["cpu_numerics_env"] = {k: os.environ.get(k, v if pinned else None) for k, v in CPU_NUMERICS_ENV.items()}
     try:
         from importlib.metadata import version
 
