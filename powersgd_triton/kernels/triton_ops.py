@@ -83,6 +83,11 @@ ORTHO_SHORT_BYTES = 128 * 1024
 # Rows per program of the apply pass of a split factor: >= 2 programs per SM of an H100/H200 (132 SMs) for BERT's
 # 30522-row and GPT-2's 50257-row embeddings (318 and 524 programs).
 ORTHO_SPLIT_ROWS = 96
+# From rank 8 on, a factor taller than this many BLOCK tiles is split over rows (with Gram slots of as many tiles):
+# at R 8-32 one program walking a factor's rows costs more than the extra Gram launch and the slot sums (model of
+# an H200, perfmodel: ResNet-50 / GPT-2 / BERT fp32 steps, orthogonalization's share at R 8 23 % -> 16 %, R 16
+# 42 % -> 24 %, R 32 52 % -> 22-27 %); at R <= 4 it changes nothing (the launches' fixed costs dominate).
+ORTHO_WIDE_TILES = {8: 2, 16: 2, 32: 4}
 # Largest [BLOCK, R] tile of an orthogonalize candidate (held in float64 in registers: 64 per thread at 8 warps).
 ORTHO_MAX_TILE = 8192
 
@@ -421,18 +426,22 @@ def _ortho_heuristic(R: int) -> dict:
     * ``BLOCK`` rows per tile: 1-4 KiB of float32 factor per load (256 rows up to R 4, 1024 / R above), held in
       float64 in registers; 8 warps. Chosen from the sm_90 compile (ptxas -v, triton 3.9): no spills at any R <= 32,
       at most 128 registers per thread up to R 16 (a BLOCK of 512 spills 8 bytes at R 1, takes 166 registers at R 2);
-    * ``SHORT_ROWS``: ``ORTHO_SHORT_BYTES`` of factor per program, at most 32 tiles (8192 rows up to R 4:
-      ResNet-50's, BERT's and GPT-2's layers other than the embeddings are one launch; 2048 at R 16);
-    * ``GRAM_ROWS``: rows per float64 Gram slot, 512 up to R 4, 1024 up to R 16, 2048 at R 32. Every program of the
+    * ``SHORT_ROWS``: up to R 4, ``ORTHO_SHORT_BYTES`` of factor per program, at most 32 tiles (8192 rows:
+      ResNet-50's, BERT's and GPT-2's layers other than the embeddings are one launch); from R 8 on
+      ``ORTHO_WIDE_TILES[R]`` tiles (256 rows at R 8, 128 at R 16 and R 32): taller factors are split;
+    * ``GRAM_ROWS``: rows per float64 Gram slot, 512 up to R 4, ``SHORT_ROWS`` from R 8 on. Every program of the
       apply pass sums all slots of its matrix, ``slots·R²·8`` bytes from L2 (GPT-2's 50257 rows: 99 slots, 13 KiB at
-      R 4; 50 slots, 100 KiB at R 16), and the Gram launch has one program per slot (8-64 KiB of factor each);
+      R 4; 393 slots, 800 KiB at R 16), and the Gram launch has one program per slot (8-64 KiB of factor each);
     * ``SPLIT_ROWS``: ``ORTHO_SPLIT_ROWS`` up to R 8 (>= 2 programs per SM for the embeddings), twice that
       above (the slots every program sums grow as R²: half the programs, half the L2 traffic); 3 stages (the row
       loops are software-pipelined, several tiles in flight per SM).
     """
     block = 256 if R <= 4 else max(16, 1024 // R)
-    short = max(block, min(ORTHO_SHORT_BYTES // (4 * R), 32 * block))
-    gram = max(block, 512 if R <= 4 else 1024 if R <= 16 else 2048)
+    if R <= 4:
+        short = max(block, min(ORTHO_SHORT_BYTES // (4 * R), 32 * block))
+        gram = max(block, 512)
+    else:
+        short = gram = ORTHO_WIDE_TILES.get(R, 4) * block
     split = ORTHO_SPLIT_ROWS if R <= 8 else 2 * ORTHO_SPLIT_ROWS
     return dict(BLOCK=block, SHORT_ROWS=short, GRAM_ROWS=gram, SPLIT_ROWS=split, num_warps=8, num_stages=3)
 
