@@ -171,7 +171,8 @@ def main(argv=None):
     finished = args.stop_after is None or args.stop_after >= args.steps
     if rank == 0:
         stats = state.compression_stats() if state is not None else None
-        print(f"step {done}/{args.steps} loss {last_loss:.4f} hook iter {state.iter if state else '-'} "
+        loss_text = f"loss {last_loss:.4f}" if done > start else "nothing left to train (resumed at the last step)"
+        print(f"step {done}/{args.steps} {loss_text} hook iter {state.iter if state else '-'} "
               f"compression {stats[0] if stats else 1:.1f}x {time.perf_counter() - t0:.1f}s", flush=True)
         if args.out and finished:
             torch.save({"params": {k: v.cpu() for k, v in ddp.module.state_dict().items()},

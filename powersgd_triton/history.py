@@ -122,8 +122,12 @@ def append(path: str, records: Sequence[Dict[str, Any]], *, correct: bool, why: 
 
 
 def load(path: str) -> List[Dict[str, Any]]:
-    """Every record of ``path``; ``HistoryError`` naming the file and line for a line that is not a record."""
+    """Every record of ``path``; ``HistoryError`` naming the file and line for a line that is not a record, or
+    saying how the file gets written when there is none."""
     out = []
+    if not os.path.exists(path):
+        raise HistoryError(f"no benchmark history at {path} yet: `powersgd-triton bench` run from this checkout (or "
+                           "with --history PATH) writes it, after checking ours against PyTorch's hook")
     with open(path) as f:
         for i, line in enumerate(f, 1):
             if not line.strip():

@@ -363,13 +363,18 @@ def format_table(rows: Sequence[dict]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", nargs="+", default=["resnet50", "gpt2", "bert-base"])
-    from .cli import RANK_HELP, add_rank_option
+    from .cli import RANK_HELP, add_rank_option, positive
+    from .shapes import MODELS
 
-    add_rank_option(p, plural=True, deprecated="--ranks", dest="ranks", nargs="+", type=int, default=[1, 4, 16],
-                    metavar="R", help=RANK_HELP + " (default 1 4 16)")
-    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
-    p.add_argument("--gpu", default="h200", choices=sorted(GPUS))
+    p.add_argument("--models", nargs="+", default=["resnet50", "gpt2", "bert-base"], choices=sorted(MODELS),
+                   metavar="MODEL", help=f"models whose 25 MB DDP buckets are modelled, of {', '.join(sorted(MODELS))} "
+                                         "(default resnet50 gpt2 bert-base)")
+    add_rank_option(p, plural=True, deprecated="--ranks", dest="ranks", nargs="+", type=positive(int),
+                    default=[1, 4, 16], metavar="R", help=RANK_HELP + " (default 1 4 16)")
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES),
+                   help="gradient (bucket) dtypes (default fp32 bf16)")
+    p.add_argument("--gpu", default="h200", choices=sorted(GPUS),
+                   help="GPU spec: SMs, HBM bandwidth, latencies, registers and shared memory (default h200)")
 
 
 def run(args) -> int:

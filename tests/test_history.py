@@ -96,3 +96,5 @@ def test_refs_resolve_through_git_and_the_cli_compares(tmp_path, capsys):
     assert f"history: {head[:10]} against 9999999999" in out and "| 3 | 1.5 | 0.500 |" in out
     assert H.main(["--path", path, "--ref", "no-such-ref-xyz"]) == 2
     assert "is not a commit" in capsys.readouterr().err
+    assert H.main(["--path", str(tmp_path / "none.jsonl"), "--ref", "9" * 40]) == 2  # a fresh clone has no history
+    assert "no benchmark history at" in capsys.readouterr().err

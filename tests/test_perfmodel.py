@@ -91,6 +91,11 @@ def test_model_table_and_cli(monkeypatch, capsys):
     monkeypatch.setattr(M, "compiled_usage", usage)
     assert M.main(["--models", "resnet50", "--matrix-approximation-ranks", "1", "--dtypes", "fp32"]) == 0
     assert "H200" in capsys.readouterr().out
+    for bad, message in ((["--models", "foo"], "invalid choice: 'foo'"),
+                         (["--matrix-approximation-ranks", "0"], "must be positive, got 0")):
+        with pytest.raises(SystemExit) as exc:
+            M.main(bad)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_makespan_dispatches_programs_in_order_to_free_slots():

@@ -150,6 +150,10 @@ def test_failing_rank_fails_the_run_promptly():
         (["--out", "."], "is a directory; give a file name"),
         (["--out", os.path.join(__file__, "metrics.json")], "is not a directory"),
         (["--out", "no-such-dir/metrics.json"], "does not exist"),
+        (["--seed", "-1"], "--seed must be between 0 and 2**32 - 1, got -1"),
+        (["--seed", str(2**32)], "--seed must be between 0 and 2**32 - 1, got 4294967296"),
+        (["--hook", "reference", "--reference-bucket-cap-mb", "0.01"],
+         "--reference-bucket-cap-mb 0.01 splits the model's 0.58 MB of gradients into several DDP buckets"),
     ],
 )
 def test_bad_options_give_a_clear_message(args, message, capsys):

@@ -148,6 +148,8 @@ class TrainConfig:
             raise ValueError(f"--amp must be fp16 or bf16, got {cfg.amp!r}")
         if cfg.optimizer not in ("sgd", "adam"):
             raise ValueError(f"optimizer must be sgd or adam, got {cfg.optimizer!r}")
+        if not 0 <= cfg.seed < 2**32:  # numpy's and torch's generators take 32-bit seeds
+            raise ValueError(f"--seed must be between 0 and 2**32 - 1, got {cfg.seed}")
         if cfg.fail_rank is not None and not 0 <= cfg.fail_rank < cfg.world_size:
             raise ValueError(f"fail rank {cfg.fail_rank} is not a rank of a world of {cfg.world_size}")
         return cfg
@@ -245,6 +247,16 @@ def check_available(cfg: "TrainConfig") -> None:
         if launch.torchrun_env() is None and cfg.world_size > n:
             raise ValueError(f"--device cuda uses one GPU per rank: --world-size {cfg.world_size} > {n} GPUs")
     training_plan(cfg)  # raises ValueError when a global batch is larger than the training set
+    if ("reference" in cfg.hooks and cfg.backend == "gloo" and cfg.fsdp is None
+            and cfg.reference_bucket_cap_mb != REFERENCE_BUCKET_CAP_MB):
+        data = data_mod.load_workload(cfg.workload, cfg.seed) if cfg.workload == "charlm" else None
+        with torch.device("meta"):
+            grad_mb = sum(p.numel() * p.element_size() for p in build_model(cfg.workload, data).parameters()) / 2**20
+        if cfg.reference_bucket_cap_mb < grad_mb:
+            raise ValueError(
+                f"--reference-bucket-cap-mb {cfg.reference_bucket_cap_mb:g} splits the model's {grad_mb:.2f} MB of "
+                "gradients into several DDP buckets: PyTorch's powerSGD_hook on gloo then issues collectives from "
+                "callback threads in a rank-dependent order and hangs; give at least the model's size")
 
 
 _VALIDATED = "_validated_fields"  # set by validate() on its result (not a dataclass field: to_json leaves it out)
