@@ -285,6 +285,8 @@ def run(args: argparse.Namespace) -> int:
         tr = launch.torchrun_env()
     except launch.LaunchError as exc:
         return _error(str(exc), 2)
+    if tr is not None and args.device == "cpu":  # this process is the rank: pin its CPU math libraries before they
+        os.environ.update(launch.cpu_numerics_env())  # first run (as launch() does for the ranks it starts)
     try:
         resolved = validate(config_from_args(args), tr)  # every check of the configuration, before starting anything
         if args.out and (tr is None or tr.rank == 0):  # only rank 0 writes it (the directory may be on its node only)

@@ -678,7 +678,8 @@ def run_training(config: TrainConfig) -> Dict[str, Any]:
 
     On CPU the ranks this starts get :data:`~powersgd_triton.train.launch.CPU_NUMERICS_ENV` (the math libraries
     capped at AVX2, MKL's compatible path; a variable already set in the environment wins), so a seed gives the same
-    digits on every x86-64 machine; under torchrun the rank runs in the environment it was given.
+    digits on every x86-64 machine; under torchrun this process is the rank and runs in its environment as it is
+    (``powersgd-triton train`` sets them there before the libraries first run).
 
     Returns ``{"runs": {hook: metrics}, "config": {...}}`` on rank 0 (and ``None`` on other torchrun ranks).
     ``config`` is checked by :func:`validate` (once: a configuration :func:`validate` returned is used as it is).
