@@ -135,10 +135,13 @@ def test_plan_program_iterations_follow_the_tile_tables(dtype, monkeypatch):
         elif kernel == "reconstruct":
             tiles = layout.reconstruct_tiles(cfg["BLOCK_N"], main["split_cols"]).tolist()
             want = [-(-(c1 - c0) // bk) for _, _, c0, c1 in tiles]
-        else:
-            tiles, reduce_tiles, _ = layout.project_t_tiles(cfg["BLOCK_M"], main["split_rows"])
-            want = [-(-(r1 - r0) // bk) for _, _, r0, r1, _ in tiles.tolist()]
-            sb = T.reduce_split_block(cfg["BLOCK_M"], T.padded_rank(layout.max_rank))
+        else:  # the loop runs whole trips of steps_per_trip steps (the last trip's extra steps are masked)
+            R = T.padded_rank(layout.max_rank, cfg["USE_DOT"])
+            tiles, reduce_tiles, _ = layout.project_t_tiles(cfg["BLOCK_M"], main["split_rows"], T.reduce_block_m(cfg, R))
+            trip = main["steps_per_trip"]
+            assert trip == (1 if cfg["USE_DOT"] else 1 + cfg.get("PREFETCH", 0))
+            want = [-(-(r1 - r0) // (bk * trip)) * trip for _, _, r0, r1, _ in tiles.tolist()]
+            sb = T.reduce_split_block(T.reduce_block_m(cfg, R), R)
             assert launches[1]["program_iterations"] == [-(-ns // sb) for *_, ns in reduce_tiles.tolist()]
         assert main["program_iterations"] == want and main["programs"] == len(want)
         assert main["programs"] >= 2 * 132  # >= 2 programs per SM of an H100/H200
