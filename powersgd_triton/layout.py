@@ -372,7 +372,7 @@ class BucketLayout:
             self._tiles[key] = t
         return t
 
-    def project_t_tiles(self, block: int, split_rows: int = 0):
+    def project_t_tiles(self, block: int, split_rows: int = 0, reduce_block: Optional[int] = None):
         """Tile tables of project_t for ``block`` columns per tile and at most ``split_rows`` rows per program.
 
         Returns ``(tiles, reduce_tiles, workspace_numel)``: ``tiles`` is a device ``int32 (T, 5)`` table
@@ -380,10 +380,11 @@ class BucketLayout:
         matrices with ``n > split_rows`` (when ``split_rows > 0``) are split over rows and write partial sums to a
         float32 workspace of ``workspace_numel`` elements, which the reduce_splits launch sums in a fixed order from
         ``reduce_tiles`` (``int32 (T2, 4)``, :data:`REDUCE_TILE_COLUMNS`: matrix, first column, workspace offset,
-        number of splits; None when nothing is split). Cached per arguments. Raises ``ValueError`` when the
-        workspace would exceed int32 offsets.
+        number of splits; one per ``reduce_block`` columns of a split matrix, default ``block``; None when nothing
+        is split). Cached per arguments. Raises ``ValueError`` when the workspace would exceed int32 offsets.
         """
-        key = ("cols5", int(block), int(split_rows))
+        reduce_block = int(reduce_block or block)
+        key = ("cols5", int(block), int(split_rows), reduce_block)
         cached = self._tiles.get(key)
         if cached is None:
             tiles, reduce_tiles = [], []
@@ -403,9 +404,10 @@ class BucketLayout:
                         for k in range(nsplit):
                             end = min(s.n, (k + 1) * split_rows)
                             tiles.append(tile(i, c, k * split_rows, end, ws + k * s.m * s.rank))
+                if nsplit > 1:
+                    for c in range(0, s.m, reduce_block):
                         reduce_tiles.append(table_row(REDUCE_TILE_WIDTH, {REDUCE_MAT: i, REDUCE_COL0: c,
                                                                            REDUCE_WS_OFF: ws, REDUCE_SPLITS: nsplit}))
-                if nsplit > 1:
                     ws += nsplit * s.m * s.rank
             if ws >= 2**31:
                 raise ValueError("project_t workspace exceeds int32 offsets; use a larger split_rows")

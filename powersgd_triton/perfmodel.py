@@ -12,7 +12,8 @@ Inputs of the model, per launch: the tile plan (:func:`powersgd_triton.kernels.t
 program), ``bytes_read``, ``bytes_written``, ``config``, ``variant``; optional ``flops``, ``l2_bytes``, ``serial``),
 the compiled kernel's metadata for ``sm_<arch>`` (registers and spills from ``ptxas -v``, shared memory, warps,
 stages, whether the loop's loads are software-pipelined: ``cp.async`` in the PTX; through
-:func:`powersgd_triton.autotune.aot.resource_usage`), and a :class:`GPUSpec`.
+:func:`powersgd_triton.autotune.aot.resource_usage`; the replay of its loop's SASS,
+:func:`powersgd_triton.autotune.aot.main_loop`), and a :class:`GPUSpec`.
 
 The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_check.py``):
 
@@ -20,10 +21,16 @@ The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_chec
    arithmetic); ``slots = blocks_per_sm * SMs`` programs are resident at once.
 2. Latency hiding (Little's law per program): a loop step waits for its loads once, but ``depth`` steps of loads
    are in flight at a time, so a step costs ``dram_latency_s / depth``: ``depth = num_stages`` when the compiled
-   loop is software-pipelined (``cp.async`` in the PTX: the ``tl.dot`` paths), else ``1 + PREFETCH`` (the kernels'
-   own register prefetch of the next steps' tiles, a constexpr of the compiled variant). A program's length is
+   loop is software-pipelined (``cp.async`` in the PTX: the ``tl.dot`` paths), else measured on the SASS of the
+   compiled loop (:func:`powersgd_triton.autotune.aot.sass_loops`: a replay in which each global load takes one
+   latency and an instruction waits for the loads whose registers it reads or overwrites) as the loop steps of one
+   trip (the plan's ``steps_per_trip``: project_t's broadcast loop is unrolled ``1 + PREFETCH`` times) over the
+   latencies one trip waits. (The model used to take ``1 + PREFETCH`` for every register-prefetching loop; the
+   SASS shows that a prefetch carried to the next trip in the same registers waits for its loads within the trip
+   -- the loop-carried copy reads them -- so project's and reconstruct's loops have one step in flight.) Without
+   a replay (a hand-made ``usage``) it is ``1 + PREFETCH``. A program's length is
    ``2 * dram_latency_s`` (table look-ups before the loop) plus its loop trips (the plan's ``program_iterations``,
-   per program, in launch order) times that step cost. Bytes in flight per SM are then ``resident programs x depth
+   per program, in launch order, in loop steps) times that step cost. Bytes in flight per SM are then ``resident programs x depth
    x tile bytes`` per ``dram_latency_s``: the occupancy, the prefetch depth and the tile size all enter.
 3. Programs are dispatched in program-id order, each to the first free slot (:func:`makespan`, the block
    scheduler's in-order dispatch): a launch's latency time is when its last program ends. The launch takes the
@@ -107,6 +114,8 @@ def compiled_usage(launch: dict, arch: int) -> dict:
         usage = aot.resource_usage(compiled, arch)
         ptx = compiled.asm["ptx"]
         usage["pipelined"] = bool(re.search(r"cp\.async|cp\.async\.bulk", ptx if isinstance(ptx, str) else ptx.decode()))
+        usage["loop"] = aot.main_loop(compiled, arch)
+        usage["trip_latencies"] = usage["loop"]["trip_latencies"] if usage["loop"] else None
         _USAGE[key] = usage
     return dict(_USAGE[key])
 
@@ -149,12 +158,18 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
     return out
 
 
-def depth(launch: dict, usage: dict) -> int:
-    """Loop iterations whose loads are in flight at once in one program: ``num_stages`` when the compiled loop is
-    software-pipelined (``cp.async`` in the PTX), else ``1 + PREFETCH`` (the kernel's own register prefetch of the
-    next ``PREFETCH`` tiles, a constexpr of the compiled variant: ``config["PREFETCH"]``), else 1."""
+def depth(launch: dict, usage: dict) -> float:
+    """Loop steps whose loads are in flight at once in one program: ``num_stages`` when the compiled loop is
+    software-pipelined (``cp.async`` in the PTX); else, from the SASS replay of the compiled loop
+    (``usage["trip_latencies"]``, :func:`powersgd_triton.autotune.aot.sass_loops`), the plan's
+    ``steps_per_trip`` (loop steps one trip of the compiled loop does, default 1) over the DRAM latencies one trip
+    waits; without a replay (a hand-made ``usage``), ``1 + PREFETCH`` (the kernel's register prefetch of the next
+    ``PREFETCH`` tiles, ``config["PREFETCH"]``)."""
     if usage.get("pipelined"):
         return max(1, int(usage.get("num_stages", 1)))
+    trip = usage.get("trip_latencies")
+    if trip:
+        return max(1, int(launch.get("steps_per_trip", 1))) / trip
     return 1 + max(0, int(launch.get("config", {}).get("PREFETCH", 0)))
 
 

@@ -106,3 +106,47 @@ def test_resource_usage_heuristic_vs_register_heavy_config(tmp_path):
     assert light["registers"] < heavy["registers"] and light["spill_bytes"] == 0, (light, heavy)
     assert heavy["registers"] == 255 or heavy["spill_bytes"] == 0, heavy  # spills only once at the register cap
     assert heavy["blocks_per_sm"] < light["blocks_per_sm"]
+
+
+def _sass(*instructions):
+    """cuobjdump -sass lines for ``instructions`` at addresses 0x0100, 0x0110, ... (a backward BRA closes a loop)."""
+    return "\n".join(f"        /*{0x100 + 16 * i:04x}*/                   {text} ;     /* 0x000000000000 */"
+                     for i, text in enumerate(instructions))
+
+
+@pytest.mark.parametrize("name, body, loads, trip", [
+    # a register prefetch rotated by a copy: the copy waits for the load issued at the top of the same trip
+    ("rotated", ["LDG.E R4, desc[UR4][R2.64]", "FFMA R10, R6, R7, R10", "IMAD.MOV.U32 R6, RZ, RZ, R4"], 1, 1.0),
+    # the next step's load sunk below the arithmetic that uses the last one, into the same register
+    ("sunk", ["FFMA R10, R4, R7, R10", "@P1 LDG.E R4, desc[UR4][R2.64+0x10]"], 1, 1.0),
+    # unrolled twice with two register sets: b's load is in flight while a is used, a's next while b is
+    ("two sets", ["LDG.E R4, desc[UR4][R2.64]", "FFMA R10, R6, R7, R10", "LDG.E R6, desc[UR4][R2.64+0x10]",
+                  "FFMA R10, R4, R7, R10"], 2, 1.0),
+    # loads interleaved with the waits: two latencies per trip
+    ("serial", ["LDG.E R4, desc[UR4][R2.64]", "FADD R10, R4, R10", "LDG.E R5, desc[UR4][R2.64+0x4]",
+                "FADD R10, R5, R10"], 2, 2.0),
+    # a 128-bit load writes 4 registers: a reader of its last one waits; a store reads its data register
+    ("wide", ["LDG.E.128 R4, desc[UR4][R2.64]", "STG.E desc[UR4][R8.64], R7"], 1, 1.0),
+    # an overwrite of a register whose load is pending waits too (the masked load's zero fill before the load)
+    ("overwrite", ["@P0 LDG.E.U16 R4, desc[UR4][R2.64]", "PRMT R4, RZ, 0x7610, R4"], 1, 1.0),
+])
+def test_sass_loop_replay(name, body, loads, trip):
+    """aot.sass_loops on hand-written loops: the DRAM latencies one trip waits in steady state."""
+    from powersgd_triton.autotune.aot import sass_loops
+
+    text = _sass("MOV R10, RZ", *body, "@P0 BRA 0x110", "EXIT", "BRA 0x" + f"{0x100 + 16 * (len(body) + 3):04x}")
+    loops = sass_loops(text)
+    assert [(lp["start"], lp["instructions"]) for lp in loops] == [(0x110, len(body) + 1), (0x100 + 16 * (len(body) + 3), 1)]
+    assert loops[0]["global_loads"] == loads and loops[0]["trip_latencies"] == pytest.approx(trip), loops[0]
+    assert loops[1]["global_loads"] == 0 and loops[1]["trip_latencies"] == 0  # the end-of-kernel self-branch
+
+
+def test_sass_loop_counts_barriers_shuffles_shared_and_local():
+    from powersgd_triton.autotune.aot import sass_loops
+
+    text = _sass("LDG.E R4, desc[UR4][R2.64]", "STS [R9], R4", "BAR.SYNC.DEFER_BLOCKING 0x0", "LDS R5, [R9+0x4]",
+                 "SHFL.BFLY PT, R6, R5, 0x1, 0x1f", "STL [R1], R6", "LDL R7, [R1]", "FADD R10, R7, R10",
+                 "@P0 BRA 0x100")
+    (loop,) = sass_loops(text)
+    assert (loop["barriers"], loop["shuffles"], loop["shared"], loop["local"], loop["global_loads"]) == (1, 1, 2, 2, 1)
+    assert loop["trip_latencies"] == 1.0  # the shared store of the loaded register waits for it

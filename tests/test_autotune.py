@@ -76,11 +76,21 @@ def tile(c):
     return max(v for k, v in c.items() if k.startswith("BLOCK"))
 
 
+def _project_t_broadcast(kernel, c):
+    """project_t's broadcast space (padded rank <= 8) has only 4 warps and 256-1024 column tiles
+    (``triton_ops._PROJECT_T_TILES``): the preferences below take one of its configs, present at every rank <= 8."""
+    return kernel == "project_t" and not c.get("USE_DOT", False)
+
+
 def prefer_64_w8(kernel, c):
+    if _project_t_broadcast(kernel, c):
+        return (c["BLOCK_M"], c["BLOCK_K"], c.get("PREFETCH", 0), c.get("maxnreg")) == (256, 4, 0, 96)
     return tile(c) == 64 and c["num_warps"] == 8
 
 
 def prefer_128_w4(kernel, c):
+    if _project_t_broadcast(kernel, c):
+        return (c["BLOCK_M"], c["BLOCK_K"], c.get("PREFETCH", 0), c.get("maxnreg")) == (512, 2, 0, 96)
     return tile(c) == 128 and c["num_warps"] == 4 and not c.get("USE_DOT", False)
 
 

@@ -314,15 +314,20 @@ ALT_CONFIGS = {
     },
     "small_tiles_split": {
         "project": dict(BLOCK_N=8, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1),
-        "project_t": dict(BLOCK_M=16, BLOCK_K=8, SPLIT_ROWS=16, USE_DOT=False, num_warps=4, num_stages=1),
+        # project_t: one step in flight ahead (PREFETCH 1: 16 rows per loop trip), 20-row splits end in masked steps;
+        # maxnreg (a compile option) is ignored by the interpreter
+        "project_t": dict(BLOCK_M=16, BLOCK_K=8, SPLIT_ROWS=20, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=1,
+                          maxnreg=80),
         "orthogonalize": dict(BLOCK=16, SHORT_ROWS=256, GRAM_ROWS=64, SPLIT_ROWS=16, num_warps=4, num_stages=1),
         "reconstruct": dict(BLOCK_N=8, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1),
     },
     # the GPU heuristics' register prefetch: the next step's tiles (project_t: the next two) loaded a step early;
-    # several loop steps per program, the last prefetch past the end of each row or column range (masked)
+    # several loop steps per program, the last prefetch past the end of each row or column range (masked);
+    # project_t's 128-column tiles are summed by reduce_splits in 64-column programs
     "prefetch_split": {
         "project": dict(BLOCK_N=4, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=1),
-        "project_t": dict(BLOCK_M=16, BLOCK_K=4, SPLIT_ROWS=24, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=2),
+        "project_t": dict(BLOCK_M=128, BLOCK_K=4, SPLIT_ROWS=24, USE_DOT=False, num_warps=4, num_stages=1,
+                          PREFETCH=2),
         "orthogonalize": dict(BLOCK=16, SHORT_ROWS=256, GRAM_ROWS=64, SPLIT_ROWS=16, num_warps=4, num_stages=1),
         "reconstruct": dict(BLOCK_N=8, BLOCK_K=16, SPLIT_COLS=32, USE_DOT=False, num_warps=4, num_stages=1,
                             PREFETCH=1),
@@ -355,6 +360,45 @@ def test_full_step_with_other_configs(configs, rank, rng):
     assert_per_matrix(buf, buf64, layout, "m", 1e-4)
     assert guards_intact(q_whole, layout.q_numel) and guards_intact(p_whole, layout.p_numel)
     assert guards_intact(whole, layout.numel, fill=CANARY)
+
+
+@pytest.mark.parametrize("configs", ["interpreter", *ALT_CONFIGS], ids=str)
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")], ids=["finite", "inf", "nan"])
+@pytest.mark.parametrize("view", ["layerwise", "batched"])
+def test_project_t_reads_only_its_matrices(configs, bad, view, rng):
+    """project_t adds nothing from outside its matrices nor from past a row range's end (the unrolled loops' extra
+    steps, the clamped rows and columns of unmasked loads): the bucket's other gradients and the memory around it
+    are NaN, yet Q is finite and right. A non-finite element at the last row and column of a matrix (the end of a
+    row range, where the extra steps re-read it) leaves exactly the oracle's non-finite elements of Q."""
+    config = None if configs == "interpreter" else ALT_CONFIGS[configs]["project_t"]
+    if view == "layerwise":  # the 1-D gradients stay uncompressed at PyTorch's rate 2
+        buf, whole, grads = make_bucket([(50, 13), (7,), (41, 30), (3,), (9, 25), (2,)], torch.float32, rng)
+        layout = layerwise(buf, grads, 3, min_rate=2)
+        assert len(layout.uncompressed) == 3
+        if bad is not None:  # at (n - 1, m - 1) of every matrix
+            for s in layout.matrices:
+                grads[s.grad_index].view(-1)[-1] = bad
+        for off, length in layout.uncompressed:
+            buf[off : off + length] = float("nan")
+    else:
+        buf, whole, _ = make_bucket([(1000,)], torch.float32, rng)
+        layout = BucketLayout.batched(buf.numel(), 3, "cpu", torch.float32)
+        if bad is not None:
+            buf[-1] = bad  # the last valid element; the padding after it is not in the bucket
+    whole[: buf.storage_offset()] = float("nan")
+    whole[buf.storage_offset() + buf.numel() :] = float("nan")
+    p = torch.randn(layout.p_numel, generator=rng)
+    q64 = torch.zeros(layout.q_numel, dtype=torch.float64)
+    reference.project_t(buf.double(), layout, p.double(), q64, torch.float64)
+
+    q, q_whole = guarded(layout.q_numel)
+    ops.project_t(buf, layout, p, q, backend="triton", config=config)
+
+    finite = torch.isfinite(q64)
+    assert torch.equal(torch.isfinite(q), finite)
+    assert bool(finite.all()) == (bad is None) and finite.sum() >= layout.q_numel - 3 * len(layout.matrices)
+    assert rel_err(q[finite], q64[finite]) < FP32_TOL
+    assert guards_intact(q_whole, layout.q_numel)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch", "triton-prefetch"])

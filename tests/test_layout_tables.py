@@ -76,8 +76,10 @@ def test_tables_by_column_name_cover_the_bucket(batched, rng):
                 hits[r0 : r0 + block, c0:c1] += 1
             assert (hits == 1).all()
 
-        # project_t: every element in exactly one (column block, row range); split tiles and their reduce tile agree
-        t, red, ws = lay.project_t_tiles(block, split)
+        # project_t: every element in exactly one (column block, row range); the reduce tiles (reduce_block
+        # columns each, at most the column block) cover every column of a split matrix once, with its splits
+        reduce_block = (block, max(1, block // 2), 3)[_randint(rng, 0, 3)]
+        t, red, ws = lay.project_t_tiles(block, split, reduce_block)
         t = t.numpy()
         assert t.shape[1] == L.PROJECT_T_TILE_WIDTH
         red = np.zeros((0, L.REDUCE_TILE_WIDTH), dtype=np.int32) if red is None else red.numpy()
@@ -90,13 +92,18 @@ def test_tables_by_column_name_cover_the_bucket(batched, rng):
                 r0, r1, c0 = row[L.PROJECT_T_ROW0], row[L.PROJECT_T_ROW_END], row[L.PROJECT_T_COL0]
                 hits[r0:r1, c0 : c0 + block] += 1
             assert (hits == 1).all()
+            reduced = np.zeros(s.m, dtype=np.int64)
             for row in red[red[:, L.REDUCE_MAT] == i]:
-                parts = mine[mine[:, L.PROJECT_T_COL0] == row[L.REDUCE_COL0]]
+                c0 = row[L.REDUCE_COL0]
+                reduced[c0 : c0 + reduce_block] += 1
+                tile0 = c0 - c0 % block  # the project_t column tile holding these columns
+                parts = mine[mine[:, L.PROJECT_T_COL0] == tile0]
                 assert len(parts) == row[L.REDUCE_SPLITS] > 1
                 assert parts[0, L.PROJECT_T_WS_OFF] == row[L.REDUCE_WS_OFF]
                 assert list(np.diff(parts[:, L.PROJECT_T_WS_OFF])) == [s.m * s.rank] * (len(parts) - 1)
             splits = -(-s.n // split) if split and s.n > split else 1
-            assert len(red[red[:, L.REDUCE_MAT] == i]) == (-(-s.m // block) if splits > 1 else 0)
+            assert len(red[red[:, L.REDUCE_MAT] == i]) == (-(-s.m // reduce_block) if splits > 1 else 0)
+            assert (reduced == (1 if splits > 1 else 0)).all()
             if splits == 1:
                 assert (mine[:, L.PROJECT_T_WS_OFF] == -1).all()
             else:

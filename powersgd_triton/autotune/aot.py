@@ -98,6 +98,98 @@ def _nvidia_tool(name: str, arch: int) -> Optional[str]:
 
 _USAGE_CACHE: Dict[tuple, dict] = {}
 
+# One SASS instruction of ``cuobjdump -sass``: "/*0a60*/  @P4 LDG.E R108, desc[UR6][R6.64] ;"
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_SASS_REG = re.compile(r"(?<![\w.])R(\d+)(?:\.(64|128))?")
+_SASS_BRANCH = re.compile(r"^BRA(?:\.\w+)*\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
+
+
+def _sass_registers(operand: str) -> List[int]:
+    out = []
+    for m in _SASS_REG.finditer(operand):
+        first, width = int(m.group(1)), {None: 1, "64": 2, "128": 4}[m.group(2)]
+        out += range(first, first + width)
+    return out
+
+
+def _sass_instruction(text: str):
+    """(opcode, registers written, registers read) of one SASS instruction (its guard predicate dropped). The
+    first operand is the destination when it is a register (stores, branches, barriers and compares into
+    predicates have none); a load or a wide multiply writes as many registers as its width."""
+    text = re.sub(r"^@!?U?P[T\d]+\s+", "", text)
+    op, _, rest = text.partition(" ")
+    operands = [o.strip() for o in rest.split(",")] if rest.strip() else []
+    if operands and re.match(r"^R\d+", operands[0]):
+        first = _sass_registers(operands[0])[0]
+        width = 4 if ".128" in op else 2 if (".64" in op and op.startswith("LD")) or op.startswith("IMAD.WIDE") else 1
+        written = list(range(first, first + width))
+        read = [r for o in operands[1:] for r in _sass_registers(o)]
+    else:
+        written, read = [], [r for o in operands for r in _sass_registers(o)]
+    return op, written, read
+
+
+def sass_loops(sass: str, trips: int = 16) -> List[dict]:
+    """Every loop of a kernel's SASS (``cuobjdump -sass`` text; a loop is a backward branch and the instructions
+    from its target to it) replayed for its global loads in flight.
+
+    The replay: every instruction takes no time, every global load (``LDG``) one unit (a DRAM latency), and an
+    instruction that reads or overwrites a register a load has not yet written waits for that load (the
+    scoreboard); the loop body runs ``trips`` times and ``trip_latencies`` is the steady-state time of one trip
+    (the average over the second half), in latencies. A loop whose loads are all issued before it waits for any
+    of them takes 1; one that waits for part of its loads before issuing the rest takes more; one that consumes a
+    load only a trip later (register prefetch without a copy) can take less. Loads into shared memory
+    (``cp.async``, ``LDGSTS``) are not replayed. Returns per loop: ``start``, ``end`` (addresses),
+    ``instructions``, ``global_loads``, ``trip_latencies``, and counts of ``barriers`` (BAR), ``shuffles``
+    (SHFL), ``shared`` (LDS/STS), ``local`` (LDL/STL: spills) inside the loop."""
+    code = [(int(m.group(1), 16), m.group(2).strip()) for line in sass.splitlines()
+            for m in [_SASS_LINE.match(line)] if m]
+    out = []
+    for addr, text in code:
+        m = _SASS_BRANCH.match(re.sub(r"^@!?U?P[T\d]+\s+", "", text))
+        if not m or int(m.group(1), 16) > addr:
+            continue
+        start = int(m.group(1), 16)
+        body = [_sass_instruction(t) for a, t in code if start <= a <= addr]
+        pending: Dict[int, float] = {}
+        t, ends = 0.0, []
+        for _ in range(trips):
+            for op, written, read in body:
+                for reg in set(read) | set(written):
+                    if reg in pending:
+                        t = max(t, pending.pop(reg) + 1.0)
+                if op.startswith("LDG"):
+                    for reg in written:
+                        pending[reg] = t
+            ends.append(t)
+        half = trips // 2
+        ops = [op for op, _, _ in body]
+        out.append(dict(
+            start=start, end=addr, instructions=len(body), global_loads=sum(o.startswith("LDG") for o in ops),
+            trip_latencies=(ends[-1] - ends[half - 1]) / (trips - half),
+            barriers=sum(o.startswith("BAR") for o in ops), shuffles=sum(o.startswith("SHFL") for o in ops),
+            shared=sum(o.startswith(("LDS", "STS")) for o in ops), local=sum(o.startswith(("LDL", "STL")) for o in ops),
+        ))
+    return out
+
+
+def main_loop(compiled, arch: int) -> Optional[dict]:
+    """:func:`sass_loops` of a kernel compiled by ``triton_ops.compile_aot`` for ``sm_<arch>`` (its cubin through
+    the ``cuobjdump`` Triton ships), the loop with the most instructions (the streaming loop of the bucket
+    kernels); None when the kernel has no loop. Raises ``RuntimeError`` when cuobjdump is missing or fails."""
+    tool = _nvidia_tool("cuobjdump", arch)
+    if tool is None:
+        raise RuntimeError("cuobjdump not found (triton ships it under triton/backends/nvidia/bin)")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        proc = subprocess.run([tool, "-sass", path], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"cuobjdump -sass failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    found = sass_loops(proc.stdout)
+    return max(found, key=lambda lp: lp["instructions"]) if found else None
+
 
 def resource_usage(compiled, arch: int) -> dict:
     """Registers, spills, shared memory and occupancy of a kernel compiled by ``triton_ops.compile_aot`` (no GPU).

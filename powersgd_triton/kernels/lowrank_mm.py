@@ -9,9 +9,10 @@ products as in PyTorch's batched hook.
 Both kernels stream M once and keep the thin factor (``m x r`` or ``n x r``, float32) in cache; they are
 memory-bound for every r we use (arithmetic intensity ≈ 2r / sizeof(M) flop/byte). Loads are upcast to float32 right
 away and accumulation is float32. ``R`` is the bucket's largest rank padded to a power of two; columns ``>= r_i``
-are masked. ``USE_DOT`` picks ``tl.dot`` (fp32 ``ieee``, needs ``R >= 16``) or a broadcast multiply whose
+are masked. ``USE_DOT`` picks ``tl.dot`` (fp32 ``ieee``, needs ``R >= 16``) or a broadcast multiply: project's
 ``[rows, k, R]`` products are accumulated elementwise over the loop and summed once after it (no cross-thread
-reduction inside the loop).
+reduction inside the loop); project_t keeps a ``[R, columns]`` accumulator and sums each step's rows inside the
+thread that loaded them (see :func:`_project_t_kernel`).
 
 Tiles: ``project`` has one program per ``BLOCK_N`` rows of a matrix (the sum over the columns stays in the program);
 ``project_t`` one per ``BLOCK_M`` columns and row range: a matrix whose rows are split over several programs writes
@@ -138,16 +139,63 @@ def _project_kernel(
 
 
 @triton.jit
-def _project_t_loads(m_ptr, e_ptr, p_ptr, cols, col_ok, ranks, k0, row_end, m, numel, r, PAD_ERROR: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """The tiles one project_t step reads at rows ``k0:k0 + BLOCK_K`` (masked past ``row_end``): M's ``[k, cols]``,
-    the padding's error (``PAD_ERROR``, else zeros) and P's ``[k, R]``; as stored."""
+def _project_t_loads(m_ptr, e_ptr, p_ptr, col0, last_col, ranks, rank_ok, k0, row_end, m, numel, r,
+                     PADDED: tl.constexpr, PAD_ERROR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                     P_T: tl.constexpr):
+    """The tiles one project_t step reads at rows ``k0:k0 + BLOCK_K`` and columns ``col0:col0 + BLOCK_M``: M's
+    ``[BLOCK_K, BLOCK_M]``, the padding's error (``PAD_ERROR``, else zeros) and P's ``[BLOCK_K, R]`` (``P_T``:
+    its transpose ``[R, BLOCK_K]``), as stored; P is zero past ``row_end`` and at ranks ``>= r``.
+
+    Without ``PADDED`` (every matrix has ``n * m`` elements) M is read unmasked: a row past ``row_end`` reads row
+    ``row_end - 1`` again and a column past ``m`` column ``m - 1`` (``last_col``: ``min(j, m - 1 - col0)`` per tile
+    column), so every address is inside the matrix; their products are zero (P is zero there) or land in columns
+    that are not stored (a non-finite element there is a non-finite element of M: the result is non-finite anyway).
+    With ``PADDED`` (the batched view, whose padding starts inside its last row and may lie past the buffer) the
+    mask compares each column with its row's count of valid columns, ``min(m, numel - row * m) - col0``."""
     rows = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
     row_ok = rows < row_end
-    x, e = _load_m_and_pad_error(m_ptr, e_ptr, rows, row_ok, cols, col_ok, m, numel, PAD_ERROR)
-    p_mask = row_ok[:, None] & (ranks[None, :] < r)
-    p = tl.load(p_ptr + rows[:, None] * r + ranks[None, :], mask=p_mask, other=0.0)
+    if PADDED:
+        j = tl.arange(0, BLOCK_M)
+        row_first = rows * m + col0  # flat index of each row's first element in the tile
+        valid = tl.where(row_ok, tl.minimum(tl.maximum(numel - rows * m, 0), m) - col0, 0).to(tl.int32)
+        x = tl.load((m_ptr + row_first)[:, None] + j[None, :], mask=j[None, :] < valid[:, None], other=0.0)
+        if PAD_ERROR:
+            end = tl.where(row_ok, m - col0, 0).to(tl.int32)
+            pad = (j[None, :] >= valid[:, None]) & (j[None, :] < end[:, None])
+            e = tl.load((e_ptr + row_first)[:, None] + j[None, :], mask=pad, other=0.0)
+        else:
+            e = tl.zeros((1, 1), dtype=tl.float32)
+    else:
+        row_first = tl.minimum(rows, row_end - 1) * m + col0
+        x = tl.load((m_ptr + row_first)[:, None] + last_col[None, :])
+        e = tl.zeros((1, 1), dtype=tl.float32)
+    if P_T:
+        p = tl.load(p_ptr + rows[None, :] * r + ranks[:, None], mask=row_ok[None, :] & rank_ok[:, None], other=0.0)
+    else:
+        p = tl.load(p_ptr + rows[:, None] * r + ranks[None, :], mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
     return x, e, p
+
+
+@triton.jit
+def _project_t_tile(x_raw, e_raw, ls_ptr, PAD_ERROR: tl.constexpr, LOSS_SCALE: tl.constexpr):
+    """M's tile in float32, plus the padding's (loss-scaled) error with ``PAD_ERROR``."""
+    x = x_raw.to(tl.float32)
+    if PAD_ERROR:
+        e = e_raw.to(tl.float32)
+        if LOSS_SCALE:
+            e = e * tl.load(ls_ptr)
+        x += e
+    return x
+
+
+@triton.jit
+def _project_t_step(acc_t, x_raw, e_raw, p_raw, ls_ptr, PAD_ERROR: tl.constexpr, LOSS_SCALE: tl.constexpr):
+    """``acc_t[R, BLOCK_M] + P[rows]ᵀ · M[rows, cols]`` for one step of the broadcast path: the ``[R, BLOCK_K,
+    BLOCK_M]`` products are summed over the step's rows at once, in the thread that holds them (every row of a
+    column's tile lies in one thread: the threads of the program spread over the columns)."""
+    x = _project_t_tile(x_raw, e_raw, ls_ptr, PAD_ERROR, LOSS_SCALE)
+    p = p_raw.to(tl.float32)
+    return acc_t + tl.sum(p[:, :, None] * x[None, :, :], axis=1)
 
 
 @triton.jit
@@ -167,10 +215,20 @@ def _project_t_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,  # 1 (2): the next step's (and the one after's) tiles are in flight during this step
+    PREFETCH: tl.constexpr = 0,  # broadcast path: 1 (2) more steps' tiles in flight while one step is summed
     LOSS_SCALE: tl.constexpr = False,
+    PADDED: tl.constexpr = False,  # the batched view: M has numel < n * m elements (implied by PAD_ERROR)
 ):
     """Q_i[cols] = M_i[rows, cols]ᵀ · P_i[rows] for one tile of BLOCK_M columns and one row range.
+
+    Broadcast path (``USE_DOT`` false): a ``[R, BLOCK_M]`` float32 accumulator; each step of ``BLOCK_K`` rows adds
+    its products summed over the rows inside one thread (no shuffles, no shared memory in the loop). With
+    ``PREFETCH`` p the loop is unrolled p + 1 times, one register set per step: the tiles of the next p steps are
+    loaded before a step is summed, and each loaded register is consumed where it was loaded (a loop-carried copy
+    would wait for its load and leave one step in flight). A row range that is not a multiple of (p + 1) x
+    ``BLOCK_K`` rows ends with steps past its end, and the last trip loads p steps that are never summed: P is
+    zero there, and M is read at the range's last row (a cache hit; masked with ``PADDED``), so their products
+    are zero for finite M. ``tl.dot`` path: one step per trip; Triton pipelines its loads (``num_stages``).
 
     A program whose row range is not the whole matrix writes its partial sums to the workspace;
     :func:`_reduce_splits_kernel` adds them up in a fixed order (no atomics).
@@ -186,46 +244,64 @@ def _project_t_kernel(
     cols = col0 + tl.arange(0, BLOCK_M).to(tl.int64)
     ranks = tl.arange(0, R)
     col_ok = cols < m
+    rank_ok = ranks < r
+    last_col = tl.minimum(tl.arange(0, BLOCK_M), (m - 1 - col0).to(tl.int32))
+    mp = buf_ptr + off  # this matrix's M, padding error and P
+    ep = e_ptr + e_off
+    pp = p_ptr + p_off
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for k0 in loop_range(row_begin, row_end, BLOCK_K):
+            x_raw, e_raw, p_raw = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0, row_end, m,
+                                                   numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, False)
+            x = _project_t_tile(x_raw, e_raw, ls_ptr, PAD_ERROR, LOSS_SCALE)  # [BLOCK_K, BLOCK_M]
+            acc += tl.dot(tl.trans(x), p_raw.to(tl.float32), input_precision="ieee")
+        q_mask = col_ok[:, None] & (ranks[None, :] < r)
+        local = cols[:, None] * r + ranks[None, :]
     else:
-        acc3 = tl.zeros((BLOCK_K, BLOCK_M, R), dtype=tl.float32)
-    if PREFETCH >= 1:
-        x_next, e_next, p_next = _project_t_loads(buf_ptr + off, e_ptr + e_off, p_ptr + p_off, cols, col_ok, ranks,
-                                                  row_begin, row_end, m, numel, r, PAD_ERROR, BLOCK_K)
-    if PREFETCH >= 2:
-        x_after, e_after, p_after = _project_t_loads(buf_ptr + off, e_ptr + e_off, p_ptr + p_off, cols, col_ok,
-                                                     ranks, row_begin + BLOCK_K, row_end, m, numel, r, PAD_ERROR,
-                                                     BLOCK_K)
-    for k0 in loop_range(row_begin, row_end, BLOCK_K):
-        if PREFETCH >= 2:  # this step's tiles were loaded two steps ago; the one after next goes out now
-            x_raw, e_raw, p_raw = x_next, e_next, p_next
-            x_next, e_next, p_next = x_after, e_after, p_after
-            x_after, e_after, p_after = _project_t_loads(buf_ptr + off, e_ptr + e_off, p_ptr + p_off, cols, col_ok,
-                                                         ranks, k0 + 2 * BLOCK_K, row_end, m, numel, r, PAD_ERROR,
-                                                         BLOCK_K)
-        elif PREFETCH == 1:  # this step's tiles arrived during the last step; the next step's go out now
-            x_raw, e_raw, p_raw = x_next, e_next, p_next
-            x_next, e_next, p_next = _project_t_loads(buf_ptr + off, e_ptr + e_off, p_ptr + p_off, cols, col_ok,
-                                                      ranks, k0 + BLOCK_K, row_end, m, numel, r, PAD_ERROR, BLOCK_K)
+        acc = tl.zeros((R, BLOCK_M), dtype=tl.float32)  # Qᵀ's tile: stored as is (no layout change)
+        if PREFETCH == 0:
+            for k0 in loop_range(row_begin, row_end, BLOCK_K):
+                x_a, e_a, p_a = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0, row_end, m,
+                                                 numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
+                acc = _project_t_step(acc, x_a, e_a, p_a, ls_ptr, PAD_ERROR, LOSS_SCALE)
+        elif PREFETCH == 1:  # register sets a, b: a's loads go out while b's step is summed, and b's during a's
+            x_a, e_a, p_a = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, row_begin, row_end, m,
+                                             numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
+            for k0 in loop_range(row_begin, row_end, 2 * BLOCK_K):
+                x_b, e_b, p_b = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0 + BLOCK_K,
+                                                 row_end, m, numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
+                acc = _project_t_step(acc, x_a, e_a, p_a, ls_ptr, PAD_ERROR, LOSS_SCALE)
+                x_a, e_a, p_a = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0 + 2 * BLOCK_K,
+                                                 row_end, m, numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
+                acc = _project_t_step(acc, x_b, e_b, p_b, ls_ptr, PAD_ERROR, LOSS_SCALE)
+        else:  # three register sets: two steps' loads in flight while one is summed
+            x_a, e_a, p_a = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, row_begin, row_end, m,
+                                             numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
+            x_b, e_b, p_b = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, row_begin + BLOCK_K,
+                                             row_end, m, numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
+            for k0 in loop_range(row_begin, row_end, 3 * BLOCK_K):
+                x_c, e_c, p_c = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0 + 2 * BLOCK_K,
+                                                 row_end, m, numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
+                acc = _project_t_step(acc, x_a, e_a, p_a, ls_ptr, PAD_ERROR, LOSS_SCALE)
+                x_a, e_a, p_a = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0 + 3 * BLOCK_K,
+                                                 row_end, m, numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
+                acc = _project_t_step(acc, x_b, e_b, p_b, ls_ptr, PAD_ERROR, LOSS_SCALE)
+                x_b, e_b, p_b = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0 + 4 * BLOCK_K,
+                                                 row_end, m, numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
+                acc = _project_t_step(acc, x_c, e_c, p_c, ls_ptr, PAD_ERROR, LOSS_SCALE)
+        # Qᵀ's tile at Q + (col0 + j) * r + rank: int32 offsets from the tile's first element
+        j = tl.arange(0, BLOCK_M)
+        q_mask = (j < (m - col0).to(tl.int32))[None, :] & rank_ok[:, None]
+        local = j[None, :] * r.to(tl.int32) + ranks[:, None]
+        first = col0 * r
+        if ws_off >= 0:
+            tl.store(ws_ptr + (ws_off + first) + local, acc, mask=q_mask)
         else:
-            x_raw, e_raw, p_raw = _project_t_loads(buf_ptr + off, e_ptr + e_off, p_ptr + p_off, cols, col_ok, ranks,
-                                                   k0, row_end, m, numel, r, PAD_ERROR, BLOCK_K)
-        x = x_raw.to(tl.float32)  # [BLOCK_K, BLOCK_M]
-        if PAD_ERROR:
-            e = e_raw.to(tl.float32)
-            if LOSS_SCALE:
-                e = e * tl.load(ls_ptr)
-            x += e
-        p = p_raw.to(tl.float32)
-        if USE_DOT:
-            acc += tl.dot(tl.trans(x), p, input_precision="ieee")
-        else:
-            acc3 += x[:, :, None] * p[:, None, :]
-    if not USE_DOT:
-        acc = tl.sum(acc3, axis=0)
-    q_mask = col_ok[:, None] & (ranks[None, :] < r)
-    local = cols[:, None] * r + ranks[None, :]
+            tl.store(q_ptr + (q_off + first) + local, _cast_for_store(acc, q_ptr), mask=q_mask)
+            if HAS_Q2:
+                tl.store(q2_ptr + (q_off + first) + local, _cast_for_store(acc, q2_ptr), mask=q_mask)
+        return
     if ws_off >= 0:
         tl.store(ws_ptr + ws_off + local, acc, mask=q_mask)
     else:

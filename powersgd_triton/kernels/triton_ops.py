@@ -4,14 +4,16 @@ Each launcher issues exactly ONE kernel launch for the whole bucket (no torch op
 PowerSGD step costs a constant number of launches whatever the number of matrices L. Shapes and dtypes are those of
 :mod:`powersgd_triton.ops`, which validates its inputs before calling here.
 
-A config is a dict of the kernel's block sizes plus ``num_warps``/``num_stages``:
+A config is a dict of the kernel's block sizes plus ``num_warps``/``num_stages`` (and optionally ``maxnreg``, the
+registers per thread ptxas may use: a compile option, passed at launch and to :func:`compile_aot`):
 
 =================  ===================================================
 kernel             keys
 =================  ===================================================
 ``project``        ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``USE_DOT``
-``project_t``      ``BLOCK_M`` columns per tile, ``BLOCK_K`` rows per step, ``SPLIT_ROWS`` rows per
-                   program at most (0: no split), ``USE_DOT``
+``project_t``      ``BLOCK_M`` columns per tile, ``BLOCK_K`` rows per step, ``PREFETCH`` further steps
+                   in flight (broadcast path), ``SPLIT_ROWS`` rows per program at most (0: no split),
+                   ``USE_DOT``
 ``orthogonalize``  ``BLOCK`` rows per tile, ``SHORT_ROWS`` most rows of a factor done by one program (taller
                    ones are split: two launches), ``GRAM_ROWS`` rows per float64 Gram slot of a split
                    factor (with ``BLOCK`` it fixes the summation order), ``SPLIT_ROWS`` rows per program
@@ -68,10 +70,36 @@ PROGRAMS_PER_SM = 2
 # Columns per step of project (its programs walk whole rows: a long row is a long loop; 128 columns per step keeps
 # ResNet-50's 4608-column layers at 36 steps).
 PROJECT_BLOCK_K = 128
-# project_t's row splits aim at this many programs per SM: its tiles are small (the [rows, columns, R] accumulator
-# takes R registers per loaded element), so more of them must be resident to keep enough bytes in flight; each
-# split adds m x r float32 of workspace (written, then read by reduce_splits).
+# project_t's row splits aim at one round of resident programs: blocks per SM at the config's maxnreg
+# (project_t_programs_per_sm), else this many (the tl.dot heuristic: 80 registers, 6 blocks of 4 warps per SM on
+# sm_90). Each split adds m x r float32 of workspace (written, then read by reduce_splits).
 PROJECT_T_PROGRAMS_PER_SM = 6
+# project_t's broadcast path (R <= 8), 4 warps, per (padded rank, gradient element size): (BLOCK_M, BLOCK_K,
+# PREFETCH, maxnreg). Each thread holds BLOCK_M / 128 columns and every row of a step, so a step's rows are summed
+# inside the thread; the loop is unrolled 1 + PREFETCH times. Chosen on the sm_90 compile (triton 3.9: ptxas -v and
+# the SASS replay of powersgd_triton.autotune.aot.sass_loops) for the plain and the second-Q-output variants: no
+# spills, <= 128 registers, and one DRAM latency per loop trip, i.e. 1 + PREFETCH steps of loads in flight. ptxas
+# is erratic near a register cap: the same tile one notch tighter (or in the other variant) interleaves its loads
+# with the waits (2-10 latencies per trip) or spills, so each entry was picked from a sweep of tiles x maxnreg
+# (72-128) that checks both variants. Loaded bytes in flight per SM (blocks x steps x tile):
+# R 1: 112 KiB fp32, 56 bf16; R 2: 84 / 42; R 4: 60 / 32; R 8: 20 / 10.
+PROJECT_T_TILES = {
+    (1, 4): (512, 4, 1, 72), (1, 2): (256, 8, 1, 72),
+    (2, 4): (512, 2, 2, 72), (2, 2): (512, 2, 2, 72),
+    (4, 4): (512, 2, 2, 96), (4, 2): (512, 4, 1, 128),
+    (8, 4): (256, 2, 1, 96), (8, 2): (256, 2, 1, 96),
+}
+# project_t on the batched view (one padded s x s matrix: the PADDED and PAD_ERROR variants, whose masks and
+# padding-error loads take more registers): one tile for every R <= 8, no unrolling (one step in flight), chosen
+# like PROJECT_T_TILES for both variants (no spills, one latency per step at R 1-8, fp32 and bf16).
+PROJECT_T_BATCHED_TILE = (512, 4, 0, 128)
+# reduce_splits (project_t's second launch for split matrices): each program sums REDUCE_TILE_ELEMENTS float32 of
+# the partial sums (BLOCK_M columns x R, at most project_t's BLOCK_M columns) over the splits, loading up to
+# REDUCE_MAX_SPLITS splits per step, all in flight at once (32 float32 per thread of 4 warps): a tall matrix split
+# into hundreds of row ranges (GPT-2's 50257-row embedding) is summed in a few steps by many programs.
+REDUCE_TILE_ELEMENTS = 64
+REDUCE_MAX_SPLITS = 64
+REDUCE_STEP_ELEMENTS = 32 * 32 * 4
 # SM count used for plans when the device has none to ask (CPU, interpreter): 1 keeps interpreted grids small. The
 # GPU's own count is read from CUDA (132 on H100/H200).
 DEFAULT_NUM_SMS = 1
@@ -108,8 +136,12 @@ _BROADCAST_TILES = {
     "project": [(2, 128), (4, 64), (4, 128), (8, 16), (8, 32), (8, 64), (8, 128), (16, 16), (16, 32), (16, 64),
                 (32, 32)],
     "reconstruct": [(4, 64), (4, 128), (8, 16), (8, 32), (8, 64), (16, 16), (16, 32), (16, 64), (32, 32)],
-    "project_t": [(32, 4), (32, 8), (32, 16), (64, 2), (64, 4), (64, 8), (64, 16), (128, 4), (128, 8)],
 }
+# project_t's broadcast candidates (BLOCK_M, BLOCK_K) x PREFETCH x maxnreg (4 warps), kept while the data one
+# thread holds, (1 + PREFETCH) x BLOCK_K x (BLOCK_M / 128 + R) loaded and R x BLOCK_M / 128 accumulated elements,
+# is at most 5/8 of maxnreg (the rest: addresses, masks, products); plus the heuristic tiles of the rank.
+_PROJECT_T_TILES = [(256, 2), (256, 4), (512, 2), (512, 4), (1024, 2)]
+_PROJECT_T_MAXNREG = (96, 128)
 _DOT_TILES = [(16, 32), (16, 64), (32, 32), (64, 32)]
 # (num_stages, PREFETCH) of the broadcast candidates: Triton's pipeliner leaves these loops alone (it pipelines the
 # loads that feed tl.dot), so the loads of later steps are put in flight by the kernels' own register prefetch.
@@ -133,6 +165,9 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     Every broadcast tile comes with ``num_stages`` 1, 2 and 3, and with ``PREFETCH`` 1 and 2 (the kernel loads the
     tiles of the next one or two loop steps before this step's arithmetic: 2 or 3 steps of loads in flight); every
     ``tl.dot`` tile with ``num_stages`` 1, 2 and 3 (Triton's software pipelining of the loads feeding the dot).
+    project_t's broadcast path (R <= 8) instead: its heuristic tiles for 4- and 2-byte gradients
+    (:data:`PROJECT_T_TILES`) and for the batched view (:data:`PROJECT_T_BATCHED_TILE`), and the tiles of
+    ``_PROJECT_T_TILES`` with ``PREFETCH`` 0-2 and ``maxnreg`` 96 or 128 whose held data fits (see there).
     Orthogonalize: the heuristics of every rank at 8 and 4 warps whose float64 tile fits (:func:`_ortho_configs`).
     The row or column splits are not part of a config: they are planned per bucket from the GPU's SM count.
     Raises ``ValueError`` for an unknown kernel name.
@@ -144,7 +179,9 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     tile = _tile_key(kernel)
     out = []
     r = padded_rank(max_rank)
-    for (bt, bk), warps, (stages, prefetch) in itertools.product(_BROADCAST_TILES[kernel], (4, 8), _DEPTHS):
+    if kernel == "project_t":
+        out = _project_t_broadcast_configs(r)
+    for (bt, bk), warps, (stages, prefetch) in itertools.product(_BROADCAST_TILES.get(kernel, ()), (4, 8), _DEPTHS):
         if bt * bk * r > BROADCAST_ELEMENTS_PER_THREAD * 32 * warps or bt * bk > TILE_ELEMENTS_PER_THREAD * 32 * warps:
             continue
         cfg = {tile: bt, "BLOCK_K": bk, "USE_DOT": False, "num_warps": warps, "num_stages": stages}
@@ -157,6 +194,29 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     if not out:  # very large rank: smallest broadcast tile
         out.append({tile: 4 if kernel != "project_t" else 32, "BLOCK_K": 16 if kernel != "project_t" else 2,
                     "USE_DOT": False, "num_warps": 4, "num_stages": 2})
+    return out
+
+
+def _project_t_broadcast(bm: int, bk: int, prefetch: int, maxnreg: int) -> dict:
+    cfg = dict(BLOCK_M=bm, BLOCK_K=bk, USE_DOT=False, num_warps=4, num_stages=1)
+    if prefetch:
+        cfg["PREFETCH"] = prefetch
+    cfg["maxnreg"] = maxnreg
+    return cfg
+
+
+def _project_t_broadcast_configs(R: int) -> List[dict]:
+    """project_t's broadcast candidates at padded rank ``R`` (see ``_PROJECT_T_TILES``); none above R 8."""
+    if R > 8:
+        return []
+    out = [_project_t_broadcast(*PROJECT_T_TILES[(R, es)]) for es in (4, 2)]
+    if _project_t_broadcast(*PROJECT_T_BATCHED_TILE) not in out:
+        out.append(_project_t_broadcast(*PROJECT_T_BATCHED_TILE))
+    for (bm, bk), prefetch, maxnreg in itertools.product(_PROJECT_T_TILES, (0, 1, 2), _PROJECT_T_MAXNREG):
+        held = (1 + prefetch) * bk * (bm // 128 + R) + R * bm // 128
+        cfg = _project_t_broadcast(bm, bk, prefetch, maxnreg)
+        if 8 * held <= 5 * maxnreg and cfg not in out:
+            out.append(cfg)
     return out
 
 
@@ -175,8 +235,11 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
 
     GPU heuristic (sized with :mod:`powersgd_triton.perfmodel` for an H100/H200): rank <= 8 broadcast multiply with
     16 accumulator elements per thread (no spills, <= 128 registers on sm_90) and the kernels' register prefetch
-    (``PREFETCH`` 1, project_t 2 from rank 4 on, reconstruct none at rank 8: Triton does not pipeline these
-    loops); ``project`` walks whole
+    (``PREFETCH`` 1, reconstruct none at rank 8: Triton does not pipeline these loops); project_t takes
+    :data:`PROJECT_T_TILES` by padded rank and gradient element size (wide column tiles, a ``[R, BLOCK_M]``
+    accumulator, an unrolled loop with 2-3 steps of loads in flight, ``maxnreg`` for 4-7 blocks per SM), on the
+    batched view :data:`PROJECT_T_BATCHED_TILE`; ``project``
+    walks whole
     rows, so it takes ``PROJECT_BLOCK_K`` columns per step and as many rows as the budget allows (8 rows at rank
     <= 2, 4 at rank 4, 2 at rank 8). ``tl.dot`` tiles from rank 16 on, software-pipelined (``num_stages`` 3;
     project at rank 32: 32 columns, 2 stages, no spills). The row and column splits are planned at launch from the
@@ -199,8 +262,10 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
     budget = BROADCAST_ELEMENTS_PER_THREAD * 32 * 4  # accumulator / product elements per program (4 warps)
     tile_max = TILE_ELEMENTS_PER_THREAD * 32 * 4
     if kernel == "project_t":
-        bk = max(2, min(tile_max // 64, budget // (64 * r)))
-        return dict(BLOCK_M=64, BLOCK_K=bk, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=1 if r <= 2 else 2)
+        if getattr(layout, "batched", False):
+            return _project_t_broadcast(*PROJECT_T_BATCHED_TILE)
+        es = 4 if torch.empty((), dtype=dtype).element_size() >= 4 else 2
+        return _project_t_broadcast(*PROJECT_T_TILES[(r, es)])
     if kernel == "project":
         bn = max(1, min(tile_max, budget // r) // PROJECT_BLOCK_K)
         return {"BLOCK_N": bn, "BLOCK_K": PROJECT_BLOCK_K, "USE_DOT": False, "num_warps": 4, "num_stages": 1,
@@ -219,7 +284,10 @@ def _resolve(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Opti
 
 
 def _launch_options(cfg: dict) -> dict:
-    return {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 1)}
+    out = {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 1)}
+    if cfg.get("maxnreg"):
+        out["maxnreg"] = cfg["maxnreg"]
+    return out
 
 
 def _pow2_split(work_per_program: float, align: int, extent: int) -> int:
@@ -231,19 +299,67 @@ def _pow2_split(work_per_program: float, align: int, extent: int) -> int:
     return 0 if split >= extent else split
 
 
+def project_t_steps_per_trip(cfg: dict) -> int:
+    """Loop steps (``BLOCK_K`` rows each) one trip of project_t's loop does: ``1 + PREFETCH`` on the broadcast
+    path (the loop is unrolled once per step in flight), 1 with ``tl.dot``."""
+    return 1 if cfg.get("USE_DOT") else 1 + int(cfg.get("PREFETCH", 0))
+
+
+def project_t_programs_per_sm(cfg: dict) -> int:
+    """Programs per SM project_t's row splits aim at: the blocks of ``num_warps`` warps that fit on one SM at
+    ``cfg["maxnreg"]`` registers per thread (the compile's cap: one round of resident programs), else
+    :data:`PROJECT_T_PROGRAMS_PER_SM`."""
+    if cfg.get("maxnreg"):
+        from ..autotune.aot import blocks_per_sm
+
+        return max(1, blocks_per_sm(int(cfg["maxnreg"]), int(cfg.get("num_warps", 4)), 0, 90)["blocks_per_sm"])
+    return PROJECT_T_PROGRAMS_PER_SM
+
+
 def split_rows(layout: BucketLayout, cfg: dict, num_sms: int) -> int:
-    """Rows per project_t program: ``cfg["SPLIT_ROWS"]`` if given, else planned so that the bucket gets about
-    ``PROGRAMS_PER_SM * num_sms`` programs of balanced length (a power-of-two multiple of ``BLOCK_K``; 0: none)."""
+    """Rows per project_t program: ``cfg["SPLIT_ROWS"]`` if given, else planned from the SM count (0: no split).
+
+    The target is ``project_t_programs_per_sm(cfg) * num_sms`` programs (one round of resident programs). When the
+    column tiles alone reach it, no split, unless one matrix is much taller than the rest (then rows of about
+    work / target). Else the smallest multiple of one loop trip's rows (``BLOCK_K * steps per trip``) for which the
+    bucket has at most the target: all programs start at once and the longest is as short as the target allows.
+    Cached on the layout per tile width, trip rows and target (it runs at every launch).
+    """
     if "SPLIT_ROWS" in cfg:
         return int(cfg["SPLIT_ROWS"])
     bm = cfg["BLOCK_M"]
-    tiles = sum(-(-s.m // bm) for s in layout.matrices)
-    target = PROJECT_T_PROGRAMS_PER_SM * num_sms
-    work = sum(s.n * -(-s.m // bm) for s in layout.matrices)  # rows walked by all column tiles
-    tallest = max(s.n for s in layout.matrices)
-    if tiles >= target and tallest * tiles <= 2 * work:  # enough programs and no matrix much longer than the rest
-        return 0
-    return _pow2_split(work / target, cfg["BLOCK_K"], tallest)
+    unit = cfg["BLOCK_K"] * project_t_steps_per_trip(cfg)
+    target = project_t_programs_per_sm(cfg) * num_sms
+    key = ("split_rows", bm, unit, target)
+    cached = layout._tiles.get(key)
+    if cached is None:
+        cached = layout._tiles[key] = _plan_split_rows(layout, bm, unit, target)
+    return cached
+
+
+def _plan_split_rows(layout: BucketLayout, bm: int, unit: int, target: int) -> int:
+    shapes = [(s.n, -(-s.m // bm)) for s in layout.matrices]
+    tiles = sum(ct for _, ct in shapes)
+    work = sum(n * ct for n, ct in shapes)  # rows walked by all column tiles
+    tallest = max(n for n, _ in shapes)
+    if tiles >= target:
+        if tallest * tiles <= 2 * work:  # enough programs and no matrix much longer than the rest
+            return 0
+        split = -(-int(work / target) // unit) * unit
+        return 0 if split >= tallest else max(unit, split)
+
+    def programs(split: int) -> int:
+        return sum(ct * -(-n // split) for n, ct in shapes)
+
+    lo, hi = 1, -(-tallest // unit)  # in trips; programs(hi * unit) == tiles <= target
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if programs(mid * unit) <= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    split = lo * unit
+    return 0 if split >= tallest else split
 
 
 def split_cols(layout: BucketLayout, cfg: dict, num_sms: int) -> int:
@@ -260,11 +376,18 @@ def split_cols(layout: BucketLayout, cfg: dict, num_sms: int) -> int:
     return _pow2_split(work / target, cfg["BLOCK_K"], widest)
 
 
+def reduce_block_m(cfg: dict, R: int) -> int:
+    """Columns per reduce_splits program for project_t's ``cfg`` at padded rank ``R``: ``REDUCE_TILE_ELEMENTS // R``,
+    at most ``BLOCK_M``, at least 1 (a power of two)."""
+    return max(1, min(int(cfg["BLOCK_M"]), REDUCE_TILE_ELEMENTS // R))
+
+
 def reduce_split_block(block_m: int, R: int) -> int:
-    """Partial sums of project_t that ``reduce_splits`` loads per step (all in flight at once): 16 float32
-    elements per thread of 4 warps (``[SPLIT_BLOCK, BLOCK_M, R]``), at most 16, at least 1 (a power of two)."""
+    """Partial sums of project_t that ``reduce_splits`` loads per step (all in flight at once): a power of two, at
+    most :data:`REDUCE_MAX_SPLITS`, with ``SPLIT_BLOCK x block_m x R <= REDUCE_STEP_ELEMENTS`` (32 float32 per
+    thread of 4 warps), at least 1."""
     sb = 1
-    while sb < 16 and 2 * sb * block_m * R <= BROADCAST_ELEMENTS_PER_THREAD * 32 * 4:
+    while sb < REDUCE_MAX_SPLITS and 2 * sb * block_m * R <= REDUCE_STEP_ELEMENTS:
         sb *= 2
     return sb
 
@@ -325,24 +448,31 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         R = _factor_rank(layout, cfg)
         bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
         split = split_rows(layout, cfg, num_sms)
+        steps = project_t_steps_per_trip(cfg)
         per, ws, red, red_per = [], 0, 0, []
+
+        def loop_steps(rows):  # steps the loop runs: whole trips (the last one's extra steps are masked)
+            return -(-rows // (bk * steps)) * steps
+
         for s in mats:  # project_t_tiles' order: per column tile, its row splits
             ns = -(-s.n // split) if split and s.n > split else 1
             ct = -(-s.m // bm)
             for _ in range(ct):
-                per += [-(-(min(s.n, (k + 1) * split) - k * split) // bk) for k in range(ns)] if ns > 1 else [
-                    -(-s.n // bk)]
+                per += [loop_steps(min(s.n, (k + 1) * split) - k * split) for k in range(ns)] if ns > 1 else [
+                    loop_steps(s.n)]
             if ns > 1:
                 ws += ns * s.m * s.rank * 4
-                red += ct
-                red_per += [ns] * ct
+                rt = -(-s.m // reduce_block_m(cfg, R))
+                red += rt
+                red_per += [ns] * rt
         programs, iters = len(per), max(per)
         out = [dict(base, kernel="project_t", programs=programs, iterations=iters, program_iterations=per,
+                    steps_per_trip=steps,
                     bytes_read=mn * es + p4, bytes_written=q4 + ws,
                     flops=2 * R * sum(s.n * s.m for s in mats),
                     l2_bytes=sum(-(-s.m // bm) * s.n * s.rank * 4 for s in mats), split_rows=split)]
         if red:
-            sb = reduce_split_block(bm, R)
+            sb = reduce_split_block(reduce_block_m(cfg, R), R)
             red_per = [-(-ns // sb) for ns in red_per]
             out.append(dict(base, kernel="reduce_splits", programs=red, iterations=max(red_per),
                             program_iterations=red_per, bytes_read=ws, bytes_written=q4,
@@ -402,8 +532,8 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_s
     padding's part is the padding's M + E); ``q2``: a second copy of Q."""
     cfg = _resolve("project_t", layout, buffer.dtype, config)
     split = split_rows(layout, cfg, device_sms(layout.device))
-    tiles, reduce_tiles, ws_numel = layout.project_t_tiles(cfg["BLOCK_M"], split)
     R = _factor_rank(layout, cfg)
+    tiles, reduce_tiles, ws_numel = layout.project_t_tiles(cfg["BLOCK_M"], split, reduce_block_m(cfg, R))
     ws = layout.workspace(ws_numel) if reduce_tiles is not None else p
     pad = layout.batched and error is not None
     _project_t_kernel[(tiles.shape[0],)](
@@ -411,12 +541,13 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_s
         loss_scale if loss_scale is not None else p,
         PAD_ERROR=pad, HAS_Q2=q2 is not None, R=R, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
         USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0), LOSS_SCALE=pad and loss_scale is not None,
-        **_launch_options(cfg),
+        PADDED=layout.batched, **_launch_options(cfg),
     )
     if reduce_tiles is not None:
         _reduce_splits_kernel[(reduce_tiles.shape[0],)](
             ws, q, q2 if q2 is not None else q, layout.table, reduce_tiles, HAS_Q2=q2 is not None, R=R,
-            BLOCK_M=cfg["BLOCK_M"], SPLIT_BLOCK=reduce_split_block(cfg["BLOCK_M"], R), num_warps=4, num_stages=1,
+            BLOCK_M=reduce_block_m(cfg, R), SPLIT_BLOCK=reduce_split_block(reduce_block_m(cfg, R), R), num_warps=4,
+            num_stages=1,
         )
 
 
@@ -775,8 +906,8 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
         c.update(ROWS_COL=variant.get("ROWS_COL", ROWS), OFF_COL=variant.get("OFF_COL", P_OFF))
         return c
     if kernel == "reduce_splits":
-        c.update(BLOCK_M=config["BLOCK_M"], HAS_Q2=variant.get("HAS_Q2", False),
-                 SPLIT_BLOCK=reduce_split_block(config["BLOCK_M"], c["R"]))
+        c.update(BLOCK_M=reduce_block_m(config, c["R"]), HAS_Q2=variant.get("HAS_Q2", False),
+                 SPLIT_BLOCK=reduce_split_block(reduce_block_m(config, c["R"]), c["R"]))
         return c
     if kernel == "copy_segments":
         return {"BLOCK": SEGMENT_BLOCK}
@@ -793,6 +924,7 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
         c["HAS_P2"] = variant.get("HAS_P2", False)
     if kernel == "project_t":
         c["HAS_Q2"] = variant.get("HAS_Q2", False)
+        c["PADDED"] = variant.get("PADDED", c["PAD_ERROR"])
     if kernel == "reconstruct":
         c["HAS_ERROR"] = variant.get("HAS_ERROR", True)
         c["HAS_FLAG"] = variant.get("HAS_FLAG", True)
@@ -821,7 +953,10 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
     for name in constexprs:
         signature[name] = "constexpr"
     src = ast_source(fn, signature, constexprs)
-    options = {"num_warps": config.get("num_warps", 4), "num_stages": config.get("num_stages", 1)}
+    if kernel == "reduce_splits":  # launched with its own options, whatever project_t's config
+        options = {"num_warps": 4, "num_stages": 1}
+    else:
+        options = _launch_options(config)
     compiled = triton.compile(src, target=gpu_target(arch), options=options)
     if kernel == "project_t" and variant is not None and variant.get("split"):  # the split path's reducer too
         compile_aot("reduce_splits", config, grad_dtype, max_rank, arch, dict(HAS_Q2=variant.get("HAS_Q2", False)))
@@ -836,7 +971,8 @@ def variants(kernel: str) -> Iterable[dict]:
     ``project``: error feedback or not, the alternating hook's second P output, the batched view's padding error,
     the loss scale of unscaled error memory (``LOSS_SCALE``, ``PowerSGDState(grad_scaler=)``; also in
     ``reconstruct`` and, for the padding error, ``project_t``).
-    ``project_t``: plain, with the reducer of split matrices (``split``), second Q output, padding error.
+    ``project_t``: plain, with the reducer of split matrices (``split``), second Q output, the batched view
+    (``PADDED``: M has fewer than n x m elements), its padding error (``PAD_ERROR``, implies ``PADDED``).
     ``reconstruct``: the standard hooks (error feedback and/or warm-start commit of Q, gated by the step flags), the
     alternating hook's P and Q steps (local error, commit of P or Q), the batched view's padding error.
     """
@@ -863,7 +999,7 @@ def variants(kernel: str) -> Iterable[dict]:
     if kernel in ("orthogonalize", "orthogonalize_gram", "commit_factor"):
         return [factor_columns("p"), factor_columns("q")]
     if kernel == "project_t":
-        return [dict(split=True, HAS_Q2=True), dict(split=True), dict(), dict(PAD_ERROR=True),
+        return [dict(split=True, HAS_Q2=True), dict(split=True), dict(), dict(PADDED=True), dict(PAD_ERROR=True),
                 dict(PAD_ERROR=True, LOSS_SCALE=True)]
     if kernel == "copy_segments":
         return [dict(to_packed=True), dict(to_packed=False)]
