@@ -68,6 +68,19 @@ def _project_loads(m_ptr, e_ptr, q_ptr, rows, row_ok, ranks, k0, m, numel, r, HA
 
 
 @triton.jit
+def _m_plus_error(x_raw, e_raw, ls_ptr, WITH_ERROR: tl.constexpr, LOSS_SCALE: tl.constexpr):
+    """M's tile in float32, plus the (loss-scaled) error memory's tile with ``WITH_ERROR`` (project: every
+    element's; project_t: the padding's)."""
+    x = x_raw.to(tl.float32)
+    if WITH_ERROR:
+        e = e_raw.to(tl.float32)
+        if LOSS_SCALE:
+            e = e * tl.load(ls_ptr)
+        x += e
+    return x
+
+
+@triton.jit
 def _project_kernel(
     buf_ptr,  # bucket buffer (fp32/fp16/bf16), M_i at buf_ptr + off, row-major n x m
     q_ptr,  # flat Q (float32), Q_i row-major m x r at q_ptr + q_off
@@ -117,12 +130,8 @@ def _project_kernel(
         else:
             x_raw, e_raw, q_raw = _project_loads(buf_ptr + off, e_ptr + e_off, q_ptr + q_off, rows, row_ok, ranks,
                                                  k0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K)
-        x = x_raw.to(tl.float32)
+        x = _m_plus_error(x_raw, e_raw, ls_ptr, HAS_ERROR, LOSS_SCALE)
         if HAS_ERROR:
-            e = e_raw.to(tl.float32)
-            if LOSS_SCALE:
-                e = e * tl.load(ls_ptr)
-            x += e
             tl.store(buf_ptr + off + lin, _cast_for_store(x, buf_ptr), mask=mask)
         q = q_raw.to(tl.float32)
         if USE_DOT:
@@ -177,23 +186,11 @@ def _project_t_loads(m_ptr, e_ptr, p_ptr, col0, last_col, ranks, rank_ok, k0, ro
 
 
 @triton.jit
-def _project_t_tile(x_raw, e_raw, ls_ptr, PAD_ERROR: tl.constexpr, LOSS_SCALE: tl.constexpr):
-    """M's tile in float32, plus the padding's (loss-scaled) error with ``PAD_ERROR``."""
-    x = x_raw.to(tl.float32)
-    if PAD_ERROR:
-        e = e_raw.to(tl.float32)
-        if LOSS_SCALE:
-            e = e * tl.load(ls_ptr)
-        x += e
-    return x
-
-
-@triton.jit
 def _project_t_step(acc_t, x_raw, e_raw, p_raw, ls_ptr, PAD_ERROR: tl.constexpr, LOSS_SCALE: tl.constexpr):
     """``acc_t[R, BLOCK_M] + P[rows]ᵀ · M[rows, cols]`` for one step of the broadcast path: the ``[R, BLOCK_K,
     BLOCK_M]`` products are summed over the step's rows at once, in the thread that holds them (every row of a
     column's tile lies in one thread: the threads of the program spread over the columns)."""
-    x = _project_t_tile(x_raw, e_raw, ls_ptr, PAD_ERROR, LOSS_SCALE)
+    x = _m_plus_error(x_raw, e_raw, ls_ptr, PAD_ERROR, LOSS_SCALE)
     p = p_raw.to(tl.float32)
     return acc_t + tl.sum(p[:, :, None] * x[None, :, :], axis=1)
 
@@ -254,7 +251,7 @@ def _project_t_kernel(
         for k0 in loop_range(row_begin, row_end, BLOCK_K):
             x_raw, e_raw, p_raw = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0, row_end, m,
                                                    numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, False)
-            x = _project_t_tile(x_raw, e_raw, ls_ptr, PAD_ERROR, LOSS_SCALE)  # [BLOCK_K, BLOCK_M]
+            x = _m_plus_error(x_raw, e_raw, ls_ptr, PAD_ERROR, LOSS_SCALE)  # [BLOCK_K, BLOCK_M]
             acc += tl.dot(tl.trans(x), p_raw.to(tl.float32), input_precision="ieee")
         q_mask = col_ok[:, None] & (ranks[None, :] < r)
         local = cols[:, None] * r + ranks[None, :]
