@@ -319,7 +319,8 @@ ALT_CONFIGS = {
         "project_t": dict(BLOCK_M=16, BLOCK_K=8, SPLIT_ROWS=20, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=1,
                           maxnreg=80),
         "orthogonalize": dict(BLOCK=16, SHORT_ROWS=256, GRAM_ROWS=64, SPLIT_ROWS=16, num_warps=4, num_stages=1),
-        "reconstruct": dict(BLOCK_N=8, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1),
+        # reconstruct: three register sets (PREFETCH 2: 48 columns per loop trip), rows end in masked steps
+        "reconstruct": dict(BLOCK_N=8, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=2),
     },
     # the GPU heuristics' register prefetch: the next step's tiles (project_t: the next two) loaded a step early;
     # several loop steps per program, the last prefetch past the end of each row or column range (masked);
@@ -331,6 +332,14 @@ ALT_CONFIGS = {
         "orthogonalize": dict(BLOCK=16, SHORT_ROWS=256, GRAM_ROWS=64, SPLIT_ROWS=16, num_warps=4, num_stages=1),
         "reconstruct": dict(BLOCK_N=8, BLOCK_K=16, SPLIT_COLS=32, USE_DOT=False, num_warps=4, num_stages=1,
                             PREFETCH=1),
+    },
+    # reconstruct's loop-carried prefetch (CARRY: rank 1 in 2-byte gradients), the next step loaded past each range
+    "carry_split": {
+        "project": dict(BLOCK_N=4, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=1),
+        "project_t": dict(BLOCK_M=16, BLOCK_K=8, USE_DOT=False, num_warps=4, num_stages=1),
+        "orthogonalize": dict(BLOCK=16, SHORT_ROWS=256, GRAM_ROWS=64, SPLIT_ROWS=16, num_warps=4, num_stages=1),
+        "reconstruct": dict(BLOCK_N=8, BLOCK_K=16, SPLIT_COLS=48, USE_DOT=False, num_warps=4, num_stages=1,
+                            PREFETCH=1, CARRY=True),
     },
 }
 

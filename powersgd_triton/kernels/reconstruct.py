@@ -69,6 +69,47 @@ def _reconstruct_loads(m_ptr, e_ptr, q_ptr, lf_ptr, rows, row_ok, ranks, rank_ok
 
 
 @triton.jit
+def _reconstruct_step(q_in, ql_in, m_in, e_in, p, p_loc, bp, ep, kp, ls_ptr, rows, row_ok, ranks, rank_ok, keep,
+                      commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR: tl.constexpr, LOCAL_ERR: tl.constexpr,
+                      PAD_ERROR: tl.constexpr, COMMIT: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                      LOSS_SCALE: tl.constexpr):
+    """One step at columns ``k0:k0 + BLOCK_K`` from its loaded tiles (:func:`_reconstruct_loads`): the Q commit
+    (``COMMIT == 2``), the error and the output; every store is masked past ``c_end`` (a step past the range's end,
+    in the last trip of an unrolled loop, stores nothing)."""
+    cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+    col_ok = cols < c_end
+    q_raw = q_in.to(tl.float32)
+    if COMMIT == 2:
+        q_mask = col_ok[:, None] & rank_ok[None, :]
+        tl.store(kp + cols[:, None] * r + ranks[None, :], _cast_for_store(q_raw, kp), mask=q_mask & commit_q)
+    approx = _outer(p, q_raw * scale, USE_DOT)
+    lin = rows[:, None] * m + cols[None, :]
+    inside = row_ok[:, None] & col_ok[None, :]
+    mask = inside & (lin < numel)
+    if HAS_ERROR:
+        before = m_in.to(tl.float32)
+        if PAD_ERROR:  # the padding's M + E is its error memory (the bucket holds no padding)
+            e_pad = e_in.to(tl.float32)
+            if LOSS_SCALE:
+                e_pad = e_pad * tl.load(ls_ptr)
+            before += e_pad
+            e_mask = inside & keep
+        else:
+            e_mask = mask & keep
+        if LOCAL_ERR == 1:
+            approx_e = _outer(p_loc, q_raw, USE_DOT)
+        elif LOCAL_ERR == 2:
+            approx_e = _outer(p, ql_in.to(tl.float32), USE_DOT)
+        else:
+            approx_e = approx
+        e_new = before - approx_e
+        if LOSS_SCALE:  # the error memory is kept in unscaled units
+            e_new = e_new / tl.load(ls_ptr)
+        tl.store(ep + lin, _cast_for_store(e_new, ep), mask=e_mask)
+    tl.store(bp + lin, _cast_for_store(approx, bp), mask=mask)
+
+
+@triton.jit
 def _reconstruct_kernel(
     buf_ptr,  # bucket buffer, M_i row-major n x m at buf_ptr + off (overwritten with the approximation)
     p_ptr,  # flat P (float32), P_i row-major n x r
@@ -92,9 +133,17 @@ def _reconstruct_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,  # 1: the next step's tiles are loaded before this step's arithmetic
+    PREFETCH: tl.constexpr = 0,  # broadcast path: 1 (2) more steps' tiles loaded while one step is computed
     LOSS_SCALE: tl.constexpr = False,
+    CARRY: tl.constexpr = False,  # PREFETCH 1 as a loop-carried register copy (one step per trip; see below)
 ):
+    """The broadcast path (``USE_DOT`` false) with ``PREFETCH`` p unrolls its loop p + 1 times, one register set
+    per step: the tiles of the next p steps are loaded before a step is computed, and each loaded register is
+    consumed where it was loaded (no loop-carried copy, which waits for its loads within the trip). A column range
+    that is not a multiple of (p + 1) x ``BLOCK_K`` columns ends with steps past its end: their loads and stores
+    are masked (``c_end``). ``CARRY`` (with ``PREFETCH`` 1) keeps the older form, one step per trip whose next
+    tiles are copied into this step's registers: fewer registers (kept where the unrolled loop would cost a block
+    per SM, :data:`powersgd_triton.kernels.triton_ops.RECONSTRUCT_TILES`)."""
     pid = tl.program_id(0)
     mat = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_MAT).to(tl.int64)
     row0 = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_ROW0).to(tl.int64)
@@ -108,6 +157,7 @@ def _reconstruct_kernel(
     rank_ok = ranks < r
     p_mask = row_ok[:, None] & rank_ok[None, :]
     p = tl.load(p_ptr + p_off + rows[:, None] * r + ranks[None, :], mask=p_mask, other=0.0).to(tl.float32)
+    p_loc = p
     if LOCAL_ERR == 1:
         p_loc = tl.load(lf_ptr + p_off + rows[:, None] * r + ranks[None, :], mask=p_mask, other=0.0).to(tl.float32)
     ok = 1
@@ -115,6 +165,7 @@ def _reconstruct_kernel(
         ok = _flags_all(flags_ptr, n_flags, 256)
     # block masks from scalars (a scalar bool in a mask expression is not portable to the interpreter)
     keep = (tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32) + ok) != 0
+    commit_q = keep  # unused unless COMMIT == 2
     if COMMIT != 0:
         fresh = ok & _flags_any_nonzero(flags_ptr, first_ptr, mat, 64)
         if COMMIT == 1:
@@ -125,49 +176,59 @@ def _reconstruct_kernel(
         else:
             mine = fresh * (row0 == 0).to(tl.int32)
             commit_q = (tl.zeros((BLOCK_K, R), dtype=tl.int32) + mine) != 0
-    if PREFETCH:
-        q_next, ql_next, m_next, e_next = _reconstruct_loads(
-            buf_ptr + off, e_ptr + e_off, q_ptr + q_off, lf_ptr + q_off, rows, row_ok, ranks, rank_ok, c_begin, c_end,
-            m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
-    for k0 in loop_range(c_begin, c_end, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        col_ok = cols < c_end
-        q_mask = col_ok[:, None] & rank_ok[None, :]
-        if PREFETCH:  # this step's tiles arrived during the last step; the next step's go out now
-            q_in, ql_in, m_in, e_in = q_next, ql_next, m_next, e_next
-            q_next, ql_next, m_next, e_next = _reconstruct_loads(
-                buf_ptr + off, e_ptr + e_off, q_ptr + q_off, lf_ptr + q_off, rows, row_ok, ranks, rank_ok,
-                k0 + BLOCK_K, c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
-        else:
-            q_in, ql_in, m_in, e_in = _reconstruct_loads(
-                buf_ptr + off, e_ptr + e_off, q_ptr + q_off, lf_ptr + q_off, rows, row_ok, ranks, rank_ok, k0, c_end,
-                m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
-        q_raw = q_in.to(tl.float32)
-        if COMMIT == 2:
-            tl.store(kept_ptr + q_off + cols[:, None] * r + ranks[None, :], _cast_for_store(q_raw, kept_ptr),
-                     mask=q_mask & commit_q)
-        approx = _outer(p, q_raw * scale, USE_DOT)
-        lin = rows[:, None] * m + cols[None, :]
-        inside = row_ok[:, None] & col_ok[None, :]
-        mask = inside & (lin < numel)
-        if HAS_ERROR:
-            before = m_in.to(tl.float32)
-            if PAD_ERROR:  # the padding's M + E is its error memory (the bucket holds no padding)
-                e_pad = e_in.to(tl.float32)
-                if LOSS_SCALE:
-                    e_pad = e_pad * tl.load(ls_ptr)
-                before += e_pad
-                e_mask = inside & keep
-            else:
-                e_mask = mask & keep
-            if LOCAL_ERR == 1:
-                approx_e = _outer(p_loc, q_raw, USE_DOT)
-            elif LOCAL_ERR == 2:
-                approx_e = _outer(p, ql_in.to(tl.float32), USE_DOT)
-            else:
-                approx_e = approx
-            e_new = before - approx_e
-            if LOSS_SCALE:  # the error memory is kept in unscaled units
-                e_new = e_new / tl.load(ls_ptr)
-            tl.store(e_ptr + e_off + lin, _cast_for_store(e_new, e_ptr), mask=e_mask)
-        tl.store(buf_ptr + off + lin, _cast_for_store(approx, buf_ptr), mask=mask)
+    bp = buf_ptr + off  # this matrix's M, error, Q and local Q
+    ep = e_ptr + e_off
+    qp = q_ptr + q_off
+    lp = lf_ptr + q_off
+    if CARRY:  # this step's tiles arrived during the last step; the next step's go out now
+        q_n, ql_n, m_n, e_n = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, c_begin, c_end, m,
+                                                 numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+        for k0 in loop_range(c_begin, c_end, BLOCK_K):
+            q_a, ql_a, m_a, e_a = q_n, ql_n, m_n, e_n
+            q_n, ql_n, m_n, e_n = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + BLOCK_K,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                              rank_ok, keep, commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR, PAD_ERROR,
+                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+    elif PREFETCH == 0:
+        for k0 in loop_range(c_begin, c_end, BLOCK_K):
+            q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0, c_end, m,
+                                                     numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                              rank_ok, keep, commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR, PAD_ERROR,
+                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+    elif PREFETCH == 1:  # register sets a, b: a's loads go out while b's step is computed, and b's during a's
+        q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, c_begin, c_end, m,
+                                                 numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+        for k0 in loop_range(c_begin, c_end, 2 * BLOCK_K):
+            q_b, ql_b, m_b, e_b = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + BLOCK_K,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                              rank_ok, keep, commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR, PAD_ERROR,
+                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+            q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + 2 * BLOCK_K,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+            _reconstruct_step(q_b, ql_b, m_b, e_b, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                              rank_ok, keep, commit_q, k0 + BLOCK_K, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR,
+                              PAD_ERROR, COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+    else:  # three register sets: two steps' loads in flight while one is computed
+        q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, c_begin, c_end, m,
+                                                 numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+        q_b, ql_b, m_b, e_b = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, c_begin + BLOCK_K,
+                                                 c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+        for k0 in loop_range(c_begin, c_end, 3 * BLOCK_K):
+            q_c, ql_c, m_c, e_c = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + 2 * BLOCK_K,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                              rank_ok, keep, commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR, PAD_ERROR,
+                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+            q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + 3 * BLOCK_K,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+            _reconstruct_step(q_b, ql_b, m_b, e_b, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                              rank_ok, keep, commit_q, k0 + BLOCK_K, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR,
+                              PAD_ERROR, COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+            q_b, ql_b, m_b, e_b = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + 4 * BLOCK_K,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+            _reconstruct_step(q_c, ql_c, m_c, e_c, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                              rank_ok, keep, commit_q, k0 + 2 * BLOCK_K, c_end, m, numel, r, scale, HAS_ERROR,
+                              LOCAL_ERR, PAD_ERROR, COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)

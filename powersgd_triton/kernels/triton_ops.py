@@ -89,6 +89,24 @@ PROJECT_T_TILES = {
     (4, 4): (512, 2, 2, 96), (4, 2): (512, 4, 1, 128),
     (8, 4): (256, 2, 1, 96), (8, 2): (256, 2, 1, 96),
 }
+# reconstruct's broadcast path (R <= 8): (BLOCK_N, BLOCK_K, PREFETCH, maxnreg) by (padded rank, gradient element
+# size), 4 warps; PREFETCH p unrolls the loop p + 1 times, one register set per step (no loop-carried copy); -1:
+# PREFETCH 1 as the loop-carried copy (CARRY, one step per trip), 0 maxnreg: no cap. Seen on the sm_90 compile
+# (triton 3.9: ptxas -v and the SASS replay of powersgd_triton.autotune.aot.sass_loops) for all 12 variants x
+# fp32/bf16/fp16: no spills, <= 128 registers (but for R 1 2-byte's loop-carried tile: 136-168 in the two LOCAL_ERR
+# 1 variants, as before the unrolled loop). The replay is 1.0-1.375 latencies per trip at PREFETCH 2, not always
+# 1: the compiled loop converts the next step's Q tile (shared memory, barriers) before the loads after it go out.
+# Picked from a sweep of tiles x PREFETCH x maxnreg (72-128), checked on the heaviest variants, by the performance
+# model: R 4 goes from 1 to 2.2-2.4 steps in flight at 4 blocks per SM (53 % -> 86 % fp32,
+# 34-46 % -> 85-93 % bf16 on ResNet-50 / GPT-2 / BERT). R 1 in 2-byte gradients keeps the loop-carried form (80
+# registers, 6 blocks per SM): every unrolled tile there spills in a variant or drops to 4-5 blocks per SM, which
+# the model puts below it.
+RECONSTRUCT_TILES = {
+    (1, 4): (16, 32, 2, 128), (1, 2): (16, 64, -1, 0),
+    (2, 4): (16, 32, 2, 128), (2, 2): (16, 32, 2, 128),
+    (4, 4): (8, 64, 2, 128), (4, 2): (8, 64, 2, 128),
+    (8, 4): (16, 32, 2, 128), (8, 2): (16, 32, 2, 128),
+}
 # project_t on the batched view (one padded s x s matrix: the PADDED and PAD_ERROR variants, whose masks and
 # padding-error loads take more registers): one tile for every R <= 8, no unrolling (one step in flight), chosen
 # like PROJECT_T_TILES for both variants (no spills, one latency per step at R 1-8, fp32 and bf16).
@@ -168,6 +186,7 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     project_t's broadcast path (R <= 8) instead: its heuristic tiles for 4- and 2-byte gradients
     (:data:`PROJECT_T_TILES`) and for the batched view (:data:`PROJECT_T_BATCHED_TILE`), and the tiles of
     ``_PROJECT_T_TILES`` with ``PREFETCH`` 0-2 and ``maxnreg`` 96 or 128 whose held data fits (see there).
+    reconstruct's broadcast path (R <= 8) also has its heuristic tiles (:data:`RECONSTRUCT_TILES`).
     Orthogonalize: the heuristics of every rank at 8 and 4 warps whose float64 tile fits (:func:`_ortho_configs`).
     The row or column splits are not part of a config: they are planned per bucket from the GPU's SM count.
     Raises ``ValueError`` for an unknown kernel name.
@@ -181,6 +200,11 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     r = padded_rank(max_rank)
     if kernel == "project_t":
         out = _project_t_broadcast_configs(r)
+    if kernel == "reconstruct" and r <= 8:  # its heuristic tiles for 4- and 2-byte gradients
+        for es in (4, 2):
+            cfg = _reconstruct_broadcast(*RECONSTRUCT_TILES[(r, es)])
+            if cfg not in out:
+                out.append(cfg)
     for (bt, bk), warps, (stages, prefetch) in itertools.product(_BROADCAST_TILES.get(kernel, ()), (4, 8), _DEPTHS):
         if bt * bk * r > BROADCAST_ELEMENTS_PER_THREAD * 32 * warps or bt * bk > TILE_ELEMENTS_PER_THREAD * 32 * warps:
             continue
@@ -235,7 +259,9 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
 
     GPU heuristic (sized with :mod:`powersgd_triton.perfmodel` for an H100/H200): rank <= 8 broadcast multiply with
     16 accumulator elements per thread (no spills, <= 128 registers on sm_90) and the kernels' register prefetch
-    (``PREFETCH`` 1, reconstruct none at rank 8: Triton does not pipeline these loops); project_t takes
+    (``PREFETCH`` 1: Triton does not pipeline these loops); reconstruct takes :data:`RECONSTRUCT_TILES` by padded
+    rank and gradient element size (an unrolled loop, ``PREFETCH`` 2, ``maxnreg`` 128; rank 1 in 2-byte gradients
+    the loop-carried ``CARRY`` form); project_t takes
     :data:`PROJECT_T_TILES` by padded rank and gradient element size (wide column tiles, a ``[R, BLOCK_M]``
     accumulator, an unrolled loop with 2-3 steps of loads in flight, ``maxnreg`` for 4-7 blocks per SM), on the
     batched view :data:`PROJECT_T_BATCHED_TILE`; ``project``
@@ -270,11 +296,19 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
         bn = max(1, min(tile_max, budget // r) // PROJECT_BLOCK_K)
         return {"BLOCK_N": bn, "BLOCK_K": PROJECT_BLOCK_K, "USE_DOT": False, "num_warps": 4, "num_stages": 1,
                 "PREFETCH": 1}
-    bn = 16
-    bk = max(16, min(tile_max // bn, budget // (bn * r)))
-    if r >= 8:  # a prefetched 16 x 16 tile at rank 8 spills 8 bytes (sm_90): no prefetch there
-        return {"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False, "num_warps": 4, "num_stages": 1}
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False, "num_warps": 4, "num_stages": 1, "PREFETCH": 1}
+    es = 4 if torch.empty((), dtype=dtype).element_size() >= 4 else 2
+    return _reconstruct_broadcast(*RECONSTRUCT_TILES[(r, es)])
+
+
+def _reconstruct_broadcast(bn: int, bk: int, prefetch: int, maxnreg: int) -> dict:
+    cfg = dict(BLOCK_N=bn, BLOCK_K=bk, USE_DOT=False, num_warps=4, num_stages=1)
+    if prefetch < 0:  # the loop-carried copy (see RECONSTRUCT_TILES)
+        cfg["PREFETCH"], cfg["CARRY"] = 1, True
+    elif prefetch:
+        cfg["PREFETCH"] = prefetch
+    if maxnreg:
+        cfg["maxnreg"] = maxnreg
+    return cfg
 
 
 def _resolve(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional[dict]) -> dict:
@@ -373,7 +407,13 @@ def split_cols(layout: BucketLayout, cfg: dict, num_sms: int) -> int:
     widest = max(s.m for s in layout.matrices)
     if tiles >= target and widest * tiles <= 2 * work:
         return 0
-    return _pow2_split(work / target, cfg["BLOCK_K"], widest)
+    return _pow2_split(work / target, cfg["BLOCK_K"] * reconstruct_steps_per_trip(cfg), widest)
+
+
+def reconstruct_steps_per_trip(cfg: dict) -> int:
+    """Loop steps (``BLOCK_K`` columns each) one trip of reconstruct's loop does: ``1 + PREFETCH`` on the broadcast
+    path (the loop is unrolled once per step in flight), 1 with ``tl.dot`` or ``CARRY``."""
+    return 1 if cfg.get("USE_DOT") or cfg.get("CARRY") else 1 + int(cfg.get("PREFETCH", 0))
 
 
 def reduce_block_m(cfg: dict, R: int) -> int:
@@ -483,10 +523,12 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
         split = split_cols(layout, cfg, num_sms)
         err = variant.get("HAS_ERROR", True)
+        steps = reconstruct_steps_per_trip(cfg)
         per = []
-        for s in mats:  # reconstruct_tiles' order: per row block, its column ranges
+        for s in mats:  # reconstruct_tiles' order: per row block, its column ranges (whole trips of the loop)
             chunk = split if 0 < split < s.m else s.m
-            per += [-(-(min(s.m, c + chunk) - c) // bk) for c in range(0, s.m, chunk)] * -(-s.n // bn)
+            per += [-(-(min(s.m, c + chunk) - c) // (bk * steps)) * steps
+                    for c in range(0, s.m, chunk)] * -(-s.n // bn)
         programs, iters = len(per), max(per)
         commit = {1: p4, 2: q4}.get(variant.get("COMMIT", 0), 0)
         local = {1: p4, 2: q4}.get(variant.get("LOCAL_ERR", 0), 0)
@@ -495,7 +537,7 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
                      bytes_written=mn * es + (4 * e_numel if err else 0) + commit,
                      flops=2 * R * sum(s.n * s.m for s in mats) * (2 if local else 1),
                      l2_bytes=programs * bn * R * 4 + sum(-(-s.n // bn) * s.m * s.rank * 4 for s in mats),
-                     split_cols=split)]
+                     split_cols=split, steps_per_trip=steps)]
     if kernel in ("average", "copy_segments"):
         which = variant.get("which", "q")
         factor = 0 if kernel == "copy_segments" else (layout.p_numel if which == "p" else layout.q_numel)
@@ -826,7 +868,7 @@ def reconstruct(
         HAS_ERROR=error is not None, HAS_FLAG=update_error is not None, LOCAL_ERR=local_err,
         PAD_ERROR=layout.batched and error is not None, COMMIT=commit_mode,
         R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0),
-        LOSS_SCALE=loss_scale is not None and error is not None,
+        LOSS_SCALE=loss_scale is not None and error is not None, CARRY=bool(cfg.get("CARRY", False)),
         **_launch_options(cfg),
     )
 
@@ -930,6 +972,7 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
         c["HAS_FLAG"] = variant.get("HAS_FLAG", True)
         c["LOCAL_ERR"] = variant.get("LOCAL_ERR", 0)
         c["COMMIT"] = variant.get("COMMIT", 0)
+        c["CARRY"] = bool(config.get("CARRY", False))
     return c
 
 
