@@ -24,10 +24,11 @@ The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_chec
    loop is software-pipelined (``cp.async`` in the PTX: the ``tl.dot`` paths), else measured on the SASS of the
    compiled loop (:func:`powersgd_triton.autotune.aot.sass_loops`: a replay in which each global load takes one
    latency and an instruction waits for the loads whose registers it reads or overwrites) as the loop steps of one
-   trip (the plan's ``steps_per_trip``: project_t's broadcast loop is unrolled ``1 + PREFETCH`` times) over the
-   latencies one trip waits. (The model used to take ``1 + PREFETCH`` for every register-prefetching loop; the
-   SASS shows that a prefetch carried to the next trip in the same registers waits for its loads within the trip
-   -- the loop-carried copy reads them -- so project's and reconstruct's loops have one step in flight.) Without
+   trip (the plan's ``steps_per_trip``: project_t's and reconstruct's broadcast loops are unrolled ``1 + PREFETCH``
+   times) over the latencies one trip waits. (The model used to take ``1 + PREFETCH`` for every
+   register-prefetching loop; the SASS shows that a prefetch carried to the next trip in the same registers waits
+   for its loads within the trip -- the loop-carried copy reads them -- so project's loop, and reconstruct's
+   ``CARRY`` form, have one step in flight.) Without
    a replay (a hand-made ``usage``) it is ``1 + PREFETCH``. A program's length is
    ``2 * dram_latency_s`` (table look-ups before the loop) plus its loop trips (the plan's ``program_iterations``,
    per program, in launch order, in loop steps) times that step cost. Bytes in flight per SM are then ``resident programs x depth

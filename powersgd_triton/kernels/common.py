@@ -120,9 +120,10 @@ def _load_m_and_pad_error(m_ptr, e_ptr, rows, row_ok, cols, col_ok, m, numel, PA
     """The ``[rows, cols]`` tile of a row-major ``n x m`` matrix M with ``numel`` valid elements (masked where
     ``row_ok``/``col_ok`` are false and at flat indices ``>= numel``), and, with ``PAD_ERROR`` (the batched view),
     the error memory of its padding: E at the flat indices ``>= numel`` inside the tile, zeros elsewhere (else one
-    ``[1, 1]`` zero). As stored (not upcast). Used by project_t and reconstruct, for which the padding's ``M + E``
-    is its error memory; project reads the error of the whole matrix instead
-    (:func:`powersgd_triton.kernels.lowrank_mm._project_loads`)."""
+    ``[1, 1]`` zero). As stored (not upcast). Used by reconstruct, for which the padding's ``M + E`` is its error
+    memory; project reads the error of the whole matrix instead
+    (:func:`powersgd_triton.kernels.lowrank_mm._project_loads`), and project_t masks its wide tiles per row
+    (:func:`powersgd_triton.kernels.lowrank_mm._project_t_loads`)."""
     lin = rows[:, None] * m + cols[None, :]
     inside = row_ok[:, None] & col_ok[None, :]
     x = tl.load(m_ptr + lin, mask=inside & (lin < numel), other=0.0)

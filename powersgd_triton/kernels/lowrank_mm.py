@@ -38,7 +38,6 @@ from .common import (  # noqa: F401 - re-exported
     TILE_MAT,
     TILE_WIDTH,
     _cast_for_store,
-    _load_m_and_pad_error,
     _load_matrix_row,
     loop_range,
 )

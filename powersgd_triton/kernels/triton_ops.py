@@ -202,7 +202,7 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
         out = _project_t_broadcast_configs(r)
     if kernel == "reconstruct" and r <= 8:  # its heuristic tiles for 4- and 2-byte gradients
         for es in (4, 2):
-            cfg = _reconstruct_broadcast(*RECONSTRUCT_TILES[(r, es)])
+            cfg = _broadcast_config("reconstruct", *RECONSTRUCT_TILES[(r, es)])
             if cfg not in out:
                 out.append(cfg)
     for (bt, bk), warps, (stages, prefetch) in itertools.product(_BROADCAST_TILES.get(kernel, ()), (4, 8), _DEPTHS):
@@ -221,11 +221,16 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     return out
 
 
-def _project_t_broadcast(bm: int, bk: int, prefetch: int, maxnreg: int) -> dict:
-    cfg = dict(BLOCK_M=bm, BLOCK_K=bk, USE_DOT=False, num_warps=4, num_stages=1)
-    if prefetch:
+def _broadcast_config(kernel: str, tile: int, bk: int, prefetch: int, maxnreg: int) -> dict:
+    """The 4-warp broadcast-path config of one entry of :data:`PROJECT_T_TILES` / :data:`RECONSTRUCT_TILES`
+    (``prefetch`` -1: ``PREFETCH`` 1 as reconstruct's loop-carried ``CARRY`` form; ``maxnreg`` 0: no cap)."""
+    cfg = {_tile_key(kernel): tile, "BLOCK_K": bk, "USE_DOT": False, "num_warps": 4, "num_stages": 1}
+    if prefetch < 0:
+        cfg["PREFETCH"], cfg["CARRY"] = 1, True
+    elif prefetch:
         cfg["PREFETCH"] = prefetch
-    cfg["maxnreg"] = maxnreg
+    if maxnreg:
+        cfg["maxnreg"] = maxnreg
     return cfg
 
 
@@ -233,12 +238,12 @@ def _project_t_broadcast_configs(R: int) -> List[dict]:
     """project_t's broadcast candidates at padded rank ``R`` (see ``_PROJECT_T_TILES``); none above R 8."""
     if R > 8:
         return []
-    out = [_project_t_broadcast(*PROJECT_T_TILES[(R, es)]) for es in (4, 2)]
-    if _project_t_broadcast(*PROJECT_T_BATCHED_TILE) not in out:
-        out.append(_project_t_broadcast(*PROJECT_T_BATCHED_TILE))
+    out = [_broadcast_config("project_t", *PROJECT_T_TILES[(R, es)]) for es in (4, 2)]
+    if _broadcast_config("project_t", *PROJECT_T_BATCHED_TILE) not in out:
+        out.append(_broadcast_config("project_t", *PROJECT_T_BATCHED_TILE))
     for (bm, bk), prefetch, maxnreg in itertools.product(_PROJECT_T_TILES, (0, 1, 2), _PROJECT_T_MAXNREG):
         held = (1 + prefetch) * bk * (bm // 128 + R) + R * bm // 128
-        cfg = _project_t_broadcast(bm, bk, prefetch, maxnreg)
+        cfg = _broadcast_config("project_t", bm, bk, prefetch, maxnreg)
         if 8 * held <= 5 * maxnreg and cfg not in out:
             out.append(cfg)
     return out
@@ -287,28 +292,16 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
         return {"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": True, "num_warps": 4, "num_stages": 2}
     budget = BROADCAST_ELEMENTS_PER_THREAD * 32 * 4  # accumulator / product elements per program (4 warps)
     tile_max = TILE_ELEMENTS_PER_THREAD * 32 * 4
+    es = 4 if dtype.itemsize >= 4 else 2  # the tile tables' element-size column (runs at every launch: no tensor)
     if kernel == "project_t":
         if getattr(layout, "batched", False):
-            return _project_t_broadcast(*PROJECT_T_BATCHED_TILE)
-        es = 4 if torch.empty((), dtype=dtype).element_size() >= 4 else 2
-        return _project_t_broadcast(*PROJECT_T_TILES[(r, es)])
+            return _broadcast_config("project_t", *PROJECT_T_BATCHED_TILE)
+        return _broadcast_config("project_t", *PROJECT_T_TILES[(r, es)])
     if kernel == "project":
         bn = max(1, min(tile_max, budget // r) // PROJECT_BLOCK_K)
         return {"BLOCK_N": bn, "BLOCK_K": PROJECT_BLOCK_K, "USE_DOT": False, "num_warps": 4, "num_stages": 1,
                 "PREFETCH": 1}
-    es = 4 if torch.empty((), dtype=dtype).element_size() >= 4 else 2
-    return _reconstruct_broadcast(*RECONSTRUCT_TILES[(r, es)])
-
-
-def _reconstruct_broadcast(bn: int, bk: int, prefetch: int, maxnreg: int) -> dict:
-    cfg = dict(BLOCK_N=bn, BLOCK_K=bk, USE_DOT=False, num_warps=4, num_stages=1)
-    if prefetch < 0:  # the loop-carried copy (see RECONSTRUCT_TILES)
-        cfg["PREFETCH"], cfg["CARRY"] = 1, True
-    elif prefetch:
-        cfg["PREFETCH"] = prefetch
-    if maxnreg:
-        cfg["maxnreg"] = maxnreg
-    return cfg
+    return _broadcast_config("reconstruct", *RECONSTRUCT_TILES[(r, es)])
 
 
 def _resolve(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional[dict]) -> dict:
@@ -333,10 +326,11 @@ def _pow2_split(work_per_program: float, align: int, extent: int) -> int:
     return 0 if split >= extent else split
 
 
-def project_t_steps_per_trip(cfg: dict) -> int:
-    """Loop steps (``BLOCK_K`` rows each) one trip of project_t's loop does: ``1 + PREFETCH`` on the broadcast
-    path (the loop is unrolled once per step in flight), 1 with ``tl.dot``."""
-    return 1 if cfg.get("USE_DOT") else 1 + int(cfg.get("PREFETCH", 0))
+def steps_per_trip(cfg: dict) -> int:
+    """Loop steps (``BLOCK_K`` rows of project_t, columns of reconstruct) one trip of the kernel's loop does:
+    ``1 + PREFETCH`` on the broadcast path (the loop is unrolled once per step in flight), 1 with ``tl.dot`` or
+    reconstruct's loop-carried ``CARRY`` form."""
+    return 1 if cfg.get("USE_DOT") or cfg.get("CARRY") else 1 + int(cfg.get("PREFETCH", 0))
 
 
 def project_t_programs_per_sm(cfg: dict) -> int:
@@ -362,7 +356,7 @@ def split_rows(layout: BucketLayout, cfg: dict, num_sms: int) -> int:
     if "SPLIT_ROWS" in cfg:
         return int(cfg["SPLIT_ROWS"])
     bm = cfg["BLOCK_M"]
-    unit = cfg["BLOCK_K"] * project_t_steps_per_trip(cfg)
+    unit = cfg["BLOCK_K"] * steps_per_trip(cfg)
     target = project_t_programs_per_sm(cfg) * num_sms
     key = ("split_rows", bm, unit, target)
     cached = layout._tiles.get(key)
@@ -407,13 +401,7 @@ def split_cols(layout: BucketLayout, cfg: dict, num_sms: int) -> int:
     widest = max(s.m for s in layout.matrices)
     if tiles >= target and widest * tiles <= 2 * work:
         return 0
-    return _pow2_split(work / target, cfg["BLOCK_K"] * reconstruct_steps_per_trip(cfg), widest)
-
-
-def reconstruct_steps_per_trip(cfg: dict) -> int:
-    """Loop steps (``BLOCK_K`` columns each) one trip of reconstruct's loop does: ``1 + PREFETCH`` on the broadcast
-    path (the loop is unrolled once per step in flight), 1 with ``tl.dot`` or ``CARRY``."""
-    return 1 if cfg.get("USE_DOT") or cfg.get("CARRY") else 1 + int(cfg.get("PREFETCH", 0))
+    return _pow2_split(work / target, cfg["BLOCK_K"] * steps_per_trip(cfg), widest)
 
 
 def reduce_block_m(cfg: dict, R: int) -> int:
@@ -488,7 +476,7 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         R = _factor_rank(layout, cfg)
         bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
         split = split_rows(layout, cfg, num_sms)
-        steps = project_t_steps_per_trip(cfg)
+        steps = steps_per_trip(cfg)
         per, ws, red, red_per = [], 0, 0, []
 
         def loop_steps(rows):  # steps the loop runs: whole trips (the last one's extra steps are masked)
@@ -523,7 +511,7 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
         split = split_cols(layout, cfg, num_sms)
         err = variant.get("HAS_ERROR", True)
-        steps = reconstruct_steps_per_trip(cfg)
+        steps = steps_per_trip(cfg)
         per = []
         for s in mats:  # reconstruct_tiles' order: per row block, its column ranges (whole trips of the loop)
             chunk = split if 0 < split < s.m else s.m
@@ -575,7 +563,8 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_s
     cfg = _resolve("project_t", layout, buffer.dtype, config)
     split = split_rows(layout, cfg, device_sms(layout.device))
     R = _factor_rank(layout, cfg)
-    tiles, reduce_tiles, ws_numel = layout.project_t_tiles(cfg["BLOCK_M"], split, reduce_block_m(cfg, R))
+    reduce_bm = reduce_block_m(cfg, R)
+    tiles, reduce_tiles, ws_numel = layout.project_t_tiles(cfg["BLOCK_M"], split, reduce_bm)
     ws = layout.workspace(ws_numel) if reduce_tiles is not None else p
     pad = layout.batched and error is not None
     _project_t_kernel[(tiles.shape[0],)](
@@ -588,8 +577,7 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_s
     if reduce_tiles is not None:
         _reduce_splits_kernel[(reduce_tiles.shape[0],)](
             ws, q, q2 if q2 is not None else q, layout.table, reduce_tiles, HAS_Q2=q2 is not None, R=R,
-            BLOCK_M=reduce_block_m(cfg, R), SPLIT_BLOCK=reduce_split_block(reduce_block_m(cfg, R), R), num_warps=4,
-            num_stages=1,
+            BLOCK_M=reduce_bm, SPLIT_BLOCK=reduce_split_block(reduce_bm, R), num_warps=4, num_stages=1,
         )
 
 

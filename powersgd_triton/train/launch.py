@@ -215,17 +215,18 @@ def launch(
     if extra and start_method == "fork":
         raise LaunchError(f"env {sorted(extra)} needs start_method 'forkserver' or 'spawn': a forked rank inherits "
                           "its parent's libraries as they are")
-    child_env = None
     if start_method == "forkserver":
         ctx = forkserver_context(["torch", "torch.distributed", fn.__module__])
-        child_env = dict(os.environ, **extra)
     else:
         ctx = mp.get_context(start_method)
     results = ctx.Queue()
     procs = []
     saved = {k: os.environ.get(k) for k in extra}
     try:
-        os.environ.update(extra)  # a spawned rank starts with the environment of this moment
+        # a spawned rank, and the fork server when this starts it, begin with the environment of this moment; a
+        # fork-server child adopts it explicitly (the server's own is that of its start)
+        os.environ.update(extra)
+        child_env = dict(os.environ) if start_method == "forkserver" else None
         for rank in range(world_size):
             p = ctx.Process(
                 target=_child, args=(fn, rank, world_size, init_method, tuple(args), results, child_env),
