@@ -61,13 +61,17 @@ AVERAGE_TILE_WIDTH = len(AVERAGE_TILE_COLUMNS)
 # orthogonalize's task tables (triton_ops._OrthoPlan), int64. orthogonalize_gram: one program per GRAM_ROWS rows of a
 # tall factor; "slot": its Gram partial's slot in the float64 workspace, "head_slot": the matrix's head slot (-1 but
 # in the first task), "completion": completion vectors (the smallest power of two >= the matrix's rank).
-ORTHO_GRAM_TASK_COLUMNS = ("matrix", "first_row", "slot", "head_slot", "completion")
-GRAM_MAT, GRAM_ROW0, GRAM_SLOT, GRAM_HEAD, GRAM_RM = range(5)
+ORTHO_GRAM_TASK_COLUMNS = ("matrix", "first_row", "slot", "head_slot", "completion", "rows", "rank", "offset")
+GRAM_MAT, GRAM_ROW0, GRAM_SLOT, GRAM_HEAD, GRAM_RM, GRAM_N, GRAM_R, GRAM_OFF = range(8)
 ORTHO_GRAM_TASK_WIDTH = len(ORTHO_GRAM_TASK_COLUMNS)
 # orthogonalize: one program per short factor (rows 0..end, no slots: "slots" 0, "head_slot" -1) or per SPLIT_ROWS
-# rows of a tall one ("first_slot".."first_slot" + "slots": its Gram partials).
-ORTHO_TASK_COLUMNS = ("matrix", "first_row", "end_row", "first_slot", "slots", "head_slot", "completion")
-ORTHO_MAT, ORTHO_ROW0, ORTHO_ROW_END, ORTHO_SLOT0, ORTHO_SLOTS, ORTHO_HEAD, ORTHO_RM = range(7)
+# rows of a tall one ("first_slot".."first_slot" + "slots": its Gram partials). Both tables also carry the factor's
+# row count, rank and offset in the flat factor ("rows", "rank", "offset"), so that a program reads its whole
+# task in one load instead of following "matrix" into the layout table (one DRAM latency less per program).
+ORTHO_TASK_COLUMNS = ("matrix", "first_row", "end_row", "first_slot", "slots", "head_slot", "completion", "rows",
+                      "rank", "offset")
+ORTHO_MAT, ORTHO_ROW0, ORTHO_ROW_END, ORTHO_SLOT0, ORTHO_SLOTS, ORTHO_HEAD, ORTHO_RM, ORTHO_N, ORTHO_R, ORTHO_OFF = (
+    range(10))
 ORTHO_TASK_WIDTH = len(ORTHO_TASK_COLUMNS)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

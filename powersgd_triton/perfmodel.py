@@ -29,9 +29,10 @@ The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_chec
    register-prefetching loop; the SASS shows that a prefetch carried to the next trip in the same registers waits
    for its loads within the trip -- the loop-carried copy reads them -- so project's loop, and reconstruct's
    ``CARRY`` form, have one step in flight.) Without
-   a replay (a hand-made ``usage``) it is ``1 + PREFETCH``. A program's length is
-   ``2 * dram_latency_s`` (table look-ups before the loop) plus its loop trips (the plan's ``program_iterations``,
-   per program, in launch order, in loop steps) times that step cost. Bytes in flight per SM are then ``resident programs x depth
+   a replay (a hand-made ``usage``) it is ``1 + PREFETCH``. A program's length is ``lookups * dram_latency_s``
+   (the dependent table look-ups before the loop: the plan's ``lookups``, default 2, a tile row then the layout
+   table's row; orthogonalize's task rows are self-contained: 1) plus its loop trips (the plan's
+   ``program_iterations``, per program, in launch order, in loop steps) times that step cost. Bytes in flight per SM are then ``resident programs x depth
    x tile bytes`` per ``dram_latency_s``: the occupancy, the prefetch depth and the tile size all enter.
 3. Programs are dispatched in program-id order, each to the first free slot (:func:`makespan`, the block
    scheduler's in-order dispatch): a launch's latency time is when its last program ends. The launch takes the
@@ -212,7 +213,8 @@ def predict(launch: dict, spec: GPUSpec, usage: Optional[dict] = None) -> dict:
     l2 = float(launch.get("l2_bytes", 0)) + spill_traffic
     stages = depth(launch, usage)
     latency = spec.l2_latency_s if launch.get("serial") else spec.dram_latency_s
-    durations = [2 * spec.dram_latency_s + max(1, int(it)) * latency / stages for it in per_program]
+    lookups = int(launch.get("lookups", 2))
+    durations = [lookups * spec.dram_latency_s + max(1, int(it)) * latency / stages for it in per_program]
     parts = {
         "latency": makespan(durations, slots),
         "bandwidth": total / spec.copy_bandwidth,

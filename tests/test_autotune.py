@@ -85,12 +85,16 @@ def _project_t_broadcast(kernel, c):
 def prefer_64_w8(kernel, c):
     if _project_t_broadcast(kernel, c):
         return (c["BLOCK_M"], c["BLOCK_K"], c.get("PREFETCH", 0), c.get("maxnreg")) == (256, 4, 0, 96)
+    if kernel == "orthogonalize":  # (its candidates at R 4: 32-1024 rows, 4-16 warps)
+        return c["BLOCK"] == 256 and c["num_warps"] == 8
     return tile(c) == 64 and c["num_warps"] == 8
 
 
 def prefer_128_w4(kernel, c):
     if _project_t_broadcast(kernel, c):
         return (c["BLOCK_M"], c["BLOCK_K"], c.get("PREFETCH", 0), c.get("maxnreg")) == (512, 2, 0, 96)
+    if kernel == "orthogonalize":
+        return c["BLOCK"] == 32 and c["num_warps"] == 4
     return tile(c) == 128 and c["num_warps"] == 4 and not c.get("USE_DOT", False)
 
 

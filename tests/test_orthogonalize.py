@@ -114,6 +114,28 @@ def test_split_factors_match_float64_and_do_not_depend_on_program_count(which, r
         assert (f_out.double().t() @ f_out.double() - eye).abs().max() < EYE_TOL
 
 
+@pytest.mark.parametrize("which", ["p", "q"])
+def test_gram_launch_tiles_narrower_than_apply_tiles(which, monkeypatch, rng):
+    """The Gram launch of split factors reads ``min(BLOCK, ORTHO_GRAM_BLOCK)`` rows per tile (the GPU heuristic's wide
+    apply tiles would spill there): with 8-row Gram tiles under a 16-row config the plan counts 4 tiles per 32-row
+    slot and the result still matches float64 Gram-Schmidt."""
+    pytest.importorskip("triton")
+    from powersgd_triton.kernels import triton_ops
+
+    monkeypatch.setattr(triton_ops, "ORTHO_GRAM_BLOCK", 8)
+    buf, _, grads = make_bucket(SPLIT_SHAPES, torch.float32, rng)
+    layout = layerwise(buf, grads, 3)
+    x = _random_factor(layout, which, rng, cond=100.0)
+    out, whole = guarded(x.numel())
+    cfg = SPLIT_CONFIGS[0]
+    ops.orthogonalize(x, layout, which, out=out, backend="triton", config=cfg)
+    plan = triton_ops.orthogonalize_plan(layout, which, cfg)
+    assert plan[0]["kernel"] == "orthogonalize_gram" and plan[0]["iterations"] == cfg["GRAM_ROWS"] // 8
+    assert guards_intact(whole, x.numel())
+    for f_out, f_in in zip(_factors(out, layout, which), _factors(x, layout, which)):
+        assert rel_err64(f_out, gs64(f_in.double(), 0.0)) < 1e-6
+
+
 @pytest.mark.parametrize("epsilon", [0.0, 1e-8])
 def test_split_factors_zero_dependent_and_non_finite(epsilon, rng):
     """The split path keeps the rules: an all-zero tall factor stays zero (no NaN), a tall factor with duplicate
@@ -174,7 +196,7 @@ def test_launches_match_plan_and_split_only_tall_factors(rng):
         assert plan[-1]["bytes_written"] == 4 * lay.p_numel
         if launches == 2:
             assert plan[-1]["programs"] >= 2 * 132 or rank > 8  # >= 2 programs per SM of an H100/H200
-            assert plan[0]["iterations"] == cfg["GRAM_ROWS"] // cfg["BLOCK"]
+            assert plan[0]["iterations"] == cfg["GRAM_ROWS"] // min(cfg["BLOCK"], triton_ops.ORTHO_GRAM_BLOCK)
 
 
 # --------------------------------------------------------------------------------- ill-conditioned factors

@@ -37,13 +37,17 @@ from triton.language.standard import _sum_combine
 from .. import _compat
 from .common import (
     GRAM_HEAD,
-    GRAM_MAT,
+    GRAM_N,
+    GRAM_OFF,
+    GRAM_R,
     GRAM_RM,
     GRAM_ROW0,
     GRAM_SLOT,
     ORTHO_GRAM_TASK_WIDTH,
     ORTHO_HEAD,
-    ORTHO_MAT,
+    ORTHO_N,
+    ORTHO_OFF,
+    ORTHO_R,
     ORTHO_RM,
     ORTHO_ROW0,
     ORTHO_ROW_END,
@@ -171,10 +175,7 @@ def _head_gram(x_ptr, base, n, r, rm, enabled, R: tl.constexpr):
 def _ortho_gram_kernel(
     x_ptr,  # flat factor input (float32), matrix i row-major rows_i x r_i at x_ptr + offset_i
     ws_ptr,  # float64 workspace of [R, R] slots
-    table_ptr,  # int64 [L, TABLE_WIDTH] layout table
-    tasks_ptr,  # int64 [T, ORTHO_GRAM_TASK_WIDTH] (layout.ORTHO_GRAM_TASK_COLUMNS)
-    ROWS_COL: tl.constexpr,  # layout-table column of the factor's row count (ROWS: n for P, COLS: m for Q)
-    OFF_COL: tl.constexpr,  # layout-table column of the factor's offset (P_OFF, Q_OFF)
+    tasks_ptr,  # int64 [T, ORTHO_GRAM_TASK_WIDTH] (layout.ORTHO_GRAM_TASK_COLUMNS, with the factor's rows/rank/offset)
     R: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUP_TILES: tl.constexpr,  # tiles of BLOCK rows per Gram slot (GRAM_ROWS / BLOCK)
@@ -183,15 +184,13 @@ def _ortho_gram_kernel(
     program of the first rows also writes ``Wᵀ·X`` of the first R rows into the matrix's head slot."""
     pid = tl.program_id(0).to(tl.int64)
     task = tasks_ptr + pid * ORTHO_GRAM_TASK_WIDTH
-    mat = tl.load(task + GRAM_MAT)
     row0 = tl.load(task + GRAM_ROW0)
     slot = tl.load(task + GRAM_SLOT)
     head = tl.load(task + GRAM_HEAD)
     rm = tl.load(task + GRAM_RM)
-    row = table_ptr + mat * TABLE_WIDTH
-    n = tl.load(row + ROWS_COL)
-    r = tl.load(row + RANK)
-    base = tl.load(row + OFF_COL)
+    n = tl.load(task + GRAM_N)
+    r = tl.load(task + GRAM_R)
+    base = tl.load(task + GRAM_OFF)
     ranks = tl.arange(0, R)
     col_ok = ranks < r
     ar = tl.arange(0, BLOCK).to(tl.int64)
@@ -212,11 +211,8 @@ def _orthogonalize_kernel(
     x_ptr,  # flat factor input (float32)
     out_ptr,  # flat factor output (float32; may alias x_ptr)
     ws_ptr,  # float64 workspace written by _ortho_gram_kernel (unused when nothing is split)
-    table_ptr,  # int64 [L, TABLE_WIDTH] layout table
     tasks_ptr,  # int64 [T, ORTHO_TASK_WIDTH] (layout.ORTHO_TASK_COLUMNS; short factor: 0 slots, head -1)
     eps,  # float32 epsilon added to each norm
-    ROWS_COL: tl.constexpr,
-    OFF_COL: tl.constexpr,
     R: tl.constexpr,
     BLOCK: tl.constexpr,
     CHUNK_TILES: tl.constexpr,  # tiles of BLOCK rows per chunk (an unconditional, software-pipelined inner loop)
@@ -233,17 +229,15 @@ def _orthogonalize_kernel(
     """
     pid = tl.program_id(0).to(tl.int64)
     task = tasks_ptr + pid * ORTHO_TASK_WIDTH
-    mat = tl.load(task + ORTHO_MAT)
     row0 = tl.load(task + ORTHO_ROW0)
     row_end = tl.load(task + ORTHO_ROW_END)
     slot = tl.load(task + ORTHO_SLOT0)
     nparts = tl.load(task + ORTHO_SLOTS)
     head = tl.load(task + ORTHO_HEAD)
     rm = tl.load(task + ORTHO_RM)  # completion vectors: the smallest power of two >= r
-    row = table_ptr + mat * TABLE_WIDTH
-    n = tl.load(row + ROWS_COL)
-    r = tl.load(row + RANK)
-    base = tl.load(row + OFF_COL)
+    n = tl.load(task + ORTHO_N)
+    r = tl.load(task + ORTHO_R)
+    base = tl.load(task + ORTHO_OFF)
     ranks = tl.arange(0, R)
     col_ok = ranks < r
     ar = tl.arange(0, BLOCK).to(tl.int64)

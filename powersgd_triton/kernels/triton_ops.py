@@ -36,8 +36,9 @@ import triton
 from .. import _env
 from ..layout import KERNELS, MIN_DOT_RANK, BucketLayout, padded_rank  # noqa: F401 - re-exported
 from ..layout import COLS, P_OFF, Q_OFF, ROWS, TABLE_WIDTH, table_row
-from ..layout import GRAM_HEAD, GRAM_MAT, GRAM_RM, GRAM_ROW0, GRAM_SLOT, ORTHO_GRAM_TASK_WIDTH
-from ..layout import ORTHO_HEAD, ORTHO_MAT, ORTHO_RM, ORTHO_ROW0, ORTHO_ROW_END, ORTHO_SLOT0, ORTHO_SLOTS
+from ..layout import GRAM_HEAD, GRAM_MAT, GRAM_N, GRAM_OFF, GRAM_R, GRAM_RM, GRAM_ROW0, GRAM_SLOT, ORTHO_GRAM_TASK_WIDTH
+from ..layout import ORTHO_HEAD, ORTHO_MAT, ORTHO_N, ORTHO_OFF, ORTHO_R, ORTHO_RM, ORTHO_ROW0, ORTHO_ROW_END
+from ..layout import ORTHO_SLOT0, ORTHO_SLOTS
 from ..layout import ORTHO_TASK_WIDTH
 from .lowrank_mm import _project_kernel, _project_t_kernel, _reduce_splits_kernel
 from .orthogonalize import _commit_factor_kernel, _ortho_gram_kernel, _orthogonalize_kernel
@@ -134,8 +135,20 @@ ORTHO_SPLIT_ROWS = 96
 # an H200, perfmodel: ResNet-50 / GPT-2 / BERT fp32 steps, orthogonalization's share at R 8 23 % -> 16 %, R 16
 # 42 % -> 24 %, R 32 52 % -> 22-27 %); at R <= 4 it changes nothing (the launches' fixed costs dominate).
 ORTHO_WIDE_TILES = {8: 2, 16: 2, 32: 4}
-# Largest [BLOCK, R] tile of an orthogonalize candidate (held in float64 in registers: 64 per thread at 8 warps).
-ORTHO_MAX_TILE = 8192
+# Rows per tile (BLOCK) and warps of the heuristic by padded rank (others: 1024 / R rows, 8 warps). Few programs run
+# (one per short factor), so each takes a whole SM's worth of threads and as many rows per tile as 128 registers
+# allow: a 4608-row Q (ResNet-50's 3x3 convolutions) is 5 tiles per pass at R 4 instead of 18. Seen on the sm_90
+# compile (triton 3.9, ptxas -v) of both launches: no spills, 64-128 registers; ptxas is erratic here (R 2 at 2048
+# rows spills 40 bytes, R 4 at 512 rows and 4 warps too), so each entry was checked. Model (perfmodel, H200):
+# orthogonalization's share of the step at R 1-4 goes from 14-22 % to 9-13 %, at R 16 from 19-24 % to 14-19 %.
+ORTHO_BLOCKS = {1: 2048, 2: 1024, 4: 1024, 8: 512, 16: 256}
+ORTHO_WARPS = {1: 16, 2: 16, 4: 16, 8: 16, 16: 16}
+# Rows per tile of the Gram launch of split factors (orthogonalize_gram): at most this many, whatever BLOCK (its
+# [BLOCK, R]ᵀ·[BLOCK, R] float64 dot at 1024-2048 rows spills 0.1-2.8 KiB at R <= 4; it has many programs anyway).
+ORTHO_GRAM_BLOCK = 256
+# Largest [BLOCK, R] tile of an orthogonalize candidate, in float64 elements per thread (held in registers): 8, as
+# in every heuristic (twice that spills 0.2-15 KiB on the sm_90 compile at R 4 and R 16).
+ORTHO_MAX_TILE_PER_THREAD = 8
 
 INTERPRETER_CONFIGS: Dict[str, dict] = {
     "project": dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=False, num_warps=4, num_stages=1),
@@ -421,9 +434,9 @@ def reduce_split_block(block_m: int, R: int) -> int:
 
 
 def factor_columns(which: str) -> dict:
-    """The layout-table columns of factor ``which`` ("p" or "q") as the constexprs of the orthogonalize and
-    commit_factor kernels: ``ROWS_COL`` (its row count: ``ROWS`` n for P, ``COLS`` m for Q) and ``OFF_COL`` (its
-    offset in the flat factor: ``P_OFF``, ``Q_OFF``). Raises ``ValueError`` for another ``which``."""
+    """The layout-table columns of factor ``which`` ("p" or "q") as the constexprs of the commit_factor kernel:
+    ``ROWS_COL`` (its row count: ``ROWS`` n for P, ``COLS`` m for Q) and ``OFF_COL`` (its offset in the flat factor:
+    ``P_OFF``, ``Q_OFF``). Raises ``ValueError`` for another ``which``."""
     if which == "p":
         return dict(ROWS_COL=ROWS, OFF_COL=P_OFF)
     if which == "q":
@@ -584,39 +597,43 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_s
 def _ortho_heuristic(R: int) -> dict:
     """Orthogonalize default at padded rank R, from a model of an H100/H200 (132 SMs, ~4 TB/s, 64K registers/SM).
 
-    * ``BLOCK`` rows per tile: 1-4 KiB of float32 factor per load (256 rows up to R 4, 1024 / R above), held in
-      float64 in registers; 8 warps. Chosen from the sm_90 compile (ptxas -v, triton 3.9): no spills at any R <= 32,
-      at most 128 registers per thread up to R 16 (a BLOCK of 512 spills 8 bytes at R 1, takes 166 registers at R 2);
-    * ``SHORT_ROWS``: up to R 4, ``ORTHO_SHORT_BYTES`` of factor per program, at most 32 tiles (8192 rows:
-      ResNet-50's, BERT's and GPT-2's layers other than the embeddings are one launch); from R 8 on
-      ``ORTHO_WIDE_TILES[R]`` tiles (256 rows at R 8, 128 at R 16 and R 32): taller factors are split;
-    * ``GRAM_ROWS``: rows per float64 Gram slot, 512 up to R 4, ``SHORT_ROWS`` from R 8 on. Every program of the
-      apply pass sums all slots of its matrix, ``slots·R²·8`` bytes from L2 (GPT-2's 50257 rows: 99 slots, 13 KiB at
-      R 4; 393 slots, 800 KiB at R 16), and the Gram launch has one program per slot (8-64 KiB of factor each);
+    * ``BLOCK`` rows per tile and warps: :data:`ORTHO_BLOCKS` and :data:`ORTHO_WARPS` (2048 rows at R 1, 1024 at
+      R 2-4, 512 at R 8, 256 at R 16, 16 warps; R 32: 32 rows, 8 warps), held in float64 in registers. Chosen from
+      the sm_90 compile (ptxas -v, triton 3.9): no spills at any R <= 32, at most 128 registers per thread up to
+      R 16; the Gram launch reads at most :data:`ORTHO_GRAM_BLOCK` rows per tile;
+    * ``SHORT_ROWS``: up to R 4, ``ORTHO_SHORT_BYTES`` of factor per program, at most 32 tiles (8192 rows at R 4,
+      16384 at R 2, 32768 at R 1: ResNet-50's, BERT's and GPT-2's layers other than the embeddings are one launch);
+      from R 8 on ``ORTHO_WIDE_TILES[R]`` tiles (1024 rows at R 8, 512 at R 16, 128 at R 32): taller factors are
+      split;
+    * ``GRAM_ROWS``: rows per float64 Gram slot, ``max(BLOCK, 512)`` up to R 4, ``SHORT_ROWS`` from R 8 on. Every
+      program of the apply pass sums all slots of its matrix, ``slots·R²·8`` bytes from L2 (GPT-2's 50257 rows: 50
+      slots, 6 KiB at R 4; 99 slots, 200 KiB at R 16), and the Gram launch has one program per slot (4-64 KiB of
+      factor each);
     * ``SPLIT_ROWS``: ``ORTHO_SPLIT_ROWS`` up to R 8 (>= 2 programs per SM for the embeddings), twice that
       above (the slots every program sums grow as R²: half the programs, half the L2 traffic); 3 stages (the row
       loops are software-pipelined, several tiles in flight per SM).
     """
-    block = 256 if R <= 4 else max(16, 1024 // R)
+    block = ORTHO_BLOCKS.get(R, max(16, 1024 // R))
     if R <= 4:
         short = max(block, min(ORTHO_SHORT_BYTES // (4 * R), 32 * block))
         gram = max(block, 512)
     else:
         short = gram = ORTHO_WIDE_TILES.get(R, 4) * block
     split = ORTHO_SPLIT_ROWS if R <= 8 else 2 * ORTHO_SPLIT_ROWS
-    return dict(BLOCK=block, SHORT_ROWS=short, GRAM_ROWS=gram, SPLIT_ROWS=split, num_warps=8, num_stages=3)
+    return dict(BLOCK=block, SHORT_ROWS=short, GRAM_ROWS=gram, SPLIT_ROWS=split, num_warps=ORTHO_WARPS.get(R, 8),
+                num_stages=3)
 
 
 def _ortho_configs(R: int) -> List[dict]:
-    """Orthogonalize candidates at padded rank R: the heuristic of every rank 1..32, at 8 and 4 warps, whose float64
-    tile fits (``BLOCK * R <= ORTHO_MAX_TILE``); the rank's own heuristic first. Every rank's candidates are a subset
-    of rank 4's (all of them), so compiling rank 4's covers them all."""
+    """Orthogonalize candidates at padded rank R: the heuristic of every rank 1..32, at its own warps and at 8 (or 4
+    where it has 8), whose float64 tile fits (``BLOCK * R <= ORTHO_MAX_TILE_PER_THREAD * 32 * num_warps``); the
+    rank's own heuristic first. Rank 1's candidates include every other rank's."""
     own = _ortho_heuristic(R)
     out = [own]
     for r in (1, 2, 4, 8, 16, 32):
         h = _ortho_heuristic(r)
-        for c in (h, dict(h, num_warps=4)):
-            if c["BLOCK"] * R <= ORTHO_MAX_TILE and c not in out:
+        for c in (h, dict(h, num_warps=4 if h["num_warps"] == 8 else 8)):
+            if c["BLOCK"] * R <= ORTHO_MAX_TILE_PER_THREAD * 32 * c["num_warps"] and c not in out:
                 out.append(c)
     return out
 
@@ -651,11 +668,13 @@ def _ortho_constexprs(cfg: dict, R: int) -> dict:
     ``APPLY_CHUNKS`` and ``SLOT_BLOCK``."""
     _check_ortho_config(cfg)
     block = cfg["BLOCK"]
+    gram_block = min(block, ORTHO_GRAM_BLOCK)
     chunk_tiles = min(4, cfg["SHORT_ROWS"] // block)
     chunk = chunk_tiles * block
     return dict(
         BLOCK=block,
-        GROUP_TILES=cfg["GRAM_ROWS"] // block,
+        GRAM_BLOCK=gram_block,
+        GROUP_TILES=cfg["GRAM_ROWS"] // gram_block,
         CHUNK_TILES=chunk_tiles,
         SHORT_CHUNKS=-(-cfg["SHORT_ROWS"] // chunk),
         APPLY_CHUNKS=-(-max(cfg["SHORT_ROWS"], cfg["SPLIT_ROWS"]) // chunk),
@@ -682,11 +701,12 @@ class _OrthoPlan:
         for i, s in enumerate(layout.matrices):
             rows = s.n if which == "p" else s.m
             rm = padded_rank(s.rank)  # completion vectors of this factor (the torch backend's too)
+            factor = {ORTHO_N: rows, ORTHO_R: s.rank, ORTHO_OFF: s.p_offset if which == "p" else s.q_offset}
             self.factor_elems += rows * s.rank
             if rows <= short:
                 self.tasks.append(table_row(ORTHO_TASK_WIDTH, {ORTHO_MAT: i, ORTHO_ROW0: 0, ORTHO_ROW_END: rows,
                                                                ORTHO_SLOT0: 0, ORTHO_SLOTS: 0, ORTHO_HEAD: -1,
-                                                               ORTHO_RM: rm}))
+                                                               ORTHO_RM: rm, **factor}))
                 self.tiles.append(2 * -(-rows // chunk) * self.consts["CHUNK_TILES"])
                 self.slot_steps.append(0)
                 continue
@@ -695,11 +715,11 @@ class _OrthoPlan:
             for k in range(parts):
                 self.gram_tasks.append(table_row(ORTHO_GRAM_TASK_WIDTH, {
                     GRAM_MAT: i, GRAM_ROW0: k * gram_rows, GRAM_SLOT: slot + k, GRAM_HEAD: head if k == 0 else -1,
-                    GRAM_RM: rm}))
+                    GRAM_RM: rm, GRAM_N: rows, GRAM_R: s.rank, GRAM_OFF: factor[ORTHO_OFF]}))
             for c in range(0, rows, split):
                 self.tasks.append(table_row(ORTHO_TASK_WIDTH, {
                     ORTHO_MAT: i, ORTHO_ROW0: c, ORTHO_ROW_END: min(c + split, rows), ORTHO_SLOT0: slot,
-                    ORTHO_SLOTS: parts, ORTHO_HEAD: head, ORTHO_RM: rm}))
+                    ORTHO_SLOTS: parts, ORTHO_HEAD: head, ORTHO_RM: rm, **factor}))
                 self.tiles.append(-(-(min(c + split, rows) - c) // chunk) * self.consts["CHUNK_TILES"])
                 self.slot_steps.append(-(-parts // self.consts["SLOT_BLOCK"]))
             slot += parts + 1
@@ -743,21 +763,22 @@ def _ortho_workspace(layout: BucketLayout, slots: int, R: int) -> torch.Tensor:
 def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, config: Optional[dict] = None) -> None:
     """Orthogonalize every P_i (``which="p"``) or Q_i (``"q"``): ONE launch when every factor has at most
     ``SHORT_ROWS`` rows, else two (float64 Gram slots of the split factors, then the rest); see
-    :mod:`powersgd_triton.kernels.orthogonalize`. Raises ``ValueError`` for a malformed config."""
-    columns = factor_columns(which)
+    :mod:`powersgd_triton.kernels.orthogonalize`. Raises ``ValueError`` for a malformed config or another
+    ``which``."""
+    factor_columns(which)  # validates `which`; the task tables carry each factor's rows, rank and offset
     cfg = _resolve("orthogonalize", layout, x.dtype, config)
     plan = _ortho_plan(layout, which, cfg)
     gram_tasks, tasks = plan.device_tables(x.device)
     ws = _ortho_workspace(layout, plan.slots, plan.R)  # float64 even when unused: one compiled signature
     c = plan.consts
-    common = dict(columns, R=plan.R, BLOCK=c["BLOCK"])
     if gram_tasks is not None:
         _ortho_gram_kernel[(gram_tasks.shape[0],)](
-            x, ws, layout.table, gram_tasks, GROUP_TILES=c["GROUP_TILES"], **common, **_launch_options(cfg)
+            x, ws, gram_tasks, R=plan.R, BLOCK=c["GRAM_BLOCK"], GROUP_TILES=c["GROUP_TILES"], **_launch_options(cfg)
         )
     _orthogonalize_kernel[(tasks.shape[0],)](
-        x, out, ws, layout.table, tasks, float(epsilon), CHUNK_TILES=c["CHUNK_TILES"], SHORT_CHUNKS=c["SHORT_CHUNKS"],
-        APPLY_CHUNKS=c["APPLY_CHUNKS"], SLOT_BLOCK=c["SLOT_BLOCK"], **common, **_launch_options(cfg),
+        x, out, ws, tasks, float(epsilon), R=plan.R, BLOCK=c["BLOCK"], CHUNK_TILES=c["CHUNK_TILES"],
+        SHORT_CHUNKS=c["SHORT_CHUNKS"], APPLY_CHUNKS=c["APPLY_CHUNKS"], SLOT_BLOCK=c["SLOT_BLOCK"],
+        **_launch_options(cfg),
     )
 
 
@@ -767,7 +788,8 @@ def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] 
     One dict per launch: ``kernel`` (a :data:`KERNEL_FUNCTIONS` name), ``programs`` (grid size), ``iterations``
     (the most loop trips of one program: tiles of ``BLOCK`` rows, reading and writing, plus steps of
     ``SLOT_BLOCK`` Gram slots), ``rank_steps`` (serial Gram-Schmidt steps on the r x r Gram per program, 0 for
-    the Gram launch), ``split_programs`` (finish launch: programs of split factors),
+    the Gram launch), ``lookups`` (dependent table loads before a program's loop: 1, its task row, which carries
+    the factor's rows, rank and offset), ``split_programs`` (finish launch: programs of split factors),
     ``bytes_read`` / ``bytes_written`` (bytes the loads and stores of the whole launch touch: factor float32,
     Gram slots float64, task tables; a short factor is read twice, the second time likely from L2),
     ``config`` and ``variant`` (``compile_aot(kernel, config, ..., variant=variant)`` compiles exactly this
@@ -781,16 +803,15 @@ def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] 
         return []
     plan = _ortho_plan(layout, which, cfg)
     R = plan.R
-    variant = factor_columns(which)
-    table_bytes = 8 * TABLE_WIDTH  # one int64 layout-table row per program
+    variant: dict = {}  # the task rows carry each factor's rows, rank and offset: P and Q compile the same kernel
     slot_bytes = R * R * 8
     out = []
     if plan.gram_tasks:
         heads = sum(1 for t in plan.gram_tasks if t[GRAM_HEAD] >= 0)
         out.append(dict(
             kernel="orthogonalize_gram", programs=len(plan.gram_tasks), iterations=plan.consts["GROUP_TILES"],
-            rank_steps=0,
-            bytes_read=4 * plan.split_elems + len(plan.gram_tasks) * (table_bytes + 8 * ORTHO_GRAM_TASK_WIDTH)
+            rank_steps=0, lookups=1,
+            bytes_read=4 * plan.split_elems + len(plan.gram_tasks) * 8 * ORTHO_GRAM_TASK_WIDTH
             + heads * 4 * R * R,
             bytes_written=(len(plan.gram_tasks) + heads) * slot_bytes,
             config=dict(cfg), variant=dict(variant), dtype="float32", max_rank=layout.max_rank,
@@ -798,8 +819,8 @@ def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] 
     short_elems = plan.factor_elems - plan.split_elems
     out.append(dict(
         kernel="orthogonalize", programs=len(plan.tasks),
-        iterations=max(t + k for t, k in zip(plan.tiles, plan.slot_steps)), rank_steps=R,
-        bytes_read=8 * short_elems + 4 * plan.split_elems + len(plan.tasks) * (table_bytes + 8 * ORTHO_TASK_WIDTH)
+        iterations=max(t + k for t, k in zip(plan.tiles, plan.slot_steps)), rank_steps=R, lookups=1,
+        bytes_read=8 * short_elems + 4 * plan.split_elems + len(plan.tasks) * 8 * ORTHO_TASK_WIDTH
         + sum(t[ORTHO_SLOTS] * slot_bytes for t in plan.tasks if t[ORTHO_SLOTS] > 0),
         bytes_written=4 * plan.factor_elems,
         config=dict(cfg), variant=dict(variant, WITH_GRAM=False), dtype="float32", max_rank=layout.max_rank,
@@ -916,9 +937,9 @@ def _signature(kernel: str, grad_dtype: torch.dtype) -> Dict[str, str]:
     if kernel == "commit_factor":
         return dict(new_ptr=f, kept_ptr=f, flag_ptr="*u8", table_ptr=i64)
     if kernel == "orthogonalize":
-        return dict(x_ptr=f, out_ptr=f, ws_ptr="*fp64", table_ptr=i64, tasks_ptr=i64, eps="fp32")
+        return dict(x_ptr=f, out_ptr=f, ws_ptr="*fp64", tasks_ptr=i64, eps="fp32")
     if kernel == "orthogonalize_gram":
-        return dict(x_ptr=f, ws_ptr="*fp64", table_ptr=i64, tasks_ptr=i64)
+        return dict(x_ptr=f, ws_ptr="*fp64", tasks_ptr=i64)
     return dict(
         buf_ptr=g, p_ptr=f, q_ptr=f, lf_ptr=f, e_ptr=f, kept_ptr=f, flags_ptr="*u8", first_ptr=i32, table_ptr=i64,
         tiles_ptr=i32, ls_ptr=f, n_flags="i32", scale="fp32",
@@ -930,10 +951,10 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
     c = {"R": padded_rank(max_rank, use_dot)}
     if kernel in ("orthogonalize", "orthogonalize_gram"):
         oc = _ortho_constexprs(config, c["R"])
-        keys = ("BLOCK", "GROUP_TILES") if kernel == "orthogonalize_gram" else (
-            "BLOCK", "CHUNK_TILES", "SHORT_CHUNKS", "APPLY_CHUNKS", "SLOT_BLOCK")
-        c.update({k: oc[k] for k in keys})
-        c.update(ROWS_COL=variant.get("ROWS_COL", ROWS), OFF_COL=variant.get("OFF_COL", P_OFF))
+        if kernel == "orthogonalize_gram":
+            c.update(BLOCK=oc["GRAM_BLOCK"], GROUP_TILES=oc["GROUP_TILES"])
+        else:
+            c.update({k: oc[k] for k in ("BLOCK", "CHUNK_TILES", "SHORT_CHUNKS", "APPLY_CHUNKS", "SLOT_BLOCK")})
         return c
     if kernel == "reduce_splits":
         c.update(BLOCK_M=reduce_block_m(config, c["R"]), HAS_Q2=variant.get("HAS_Q2", False),
@@ -967,8 +988,9 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
 def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: int, arch: int, variant=None):
     """Compile ``kernel`` with ``config`` for ``sm_<arch>`` (e.g. 80, 90) without a GPU; returns the compiled kernel.
 
-    ``variant`` sets the feature constexprs (``HAS_ERROR``, ``HAS_FLAG``, ``ROWS_COL``/``OFF_COL``); ``orthogonalize``
-    also compiles ``orthogonalize_gram`` (its first launch for split factors) unless ``WITH_GRAM=False``. Must run with
+    ``variant`` sets the feature constexprs (``HAS_ERROR``, ``HAS_FLAG``, commit_factor's ``ROWS_COL``/``OFF_COL``);
+    ``orthogonalize`` also compiles ``orthogonalize_gram`` (its first launch for split factors) unless
+    ``WITH_GRAM=False``. Must run with
     ``TRITON_INTERPRET`` unset (the interpreter replaces ``@triton.jit`` functions at import time). Raises
     ``RuntimeError`` under the interpreter and whatever Triton raises on a compile error.
     """
@@ -1027,7 +1049,7 @@ def variants(kernel: str) -> Iterable[dict]:
             dict(HAS_ERROR=True, HAS_FLAG=True, PAD_ERROR=True, COMMIT=2, LOSS_SCALE=True),
             dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=1, COMMIT=1, LOSS_SCALE=True),
         ]
-    if kernel in ("orthogonalize", "orthogonalize_gram", "commit_factor"):
+    if kernel == "commit_factor":
         return [factor_columns("p"), factor_columns("q")]
     if kernel == "project_t":
         return [dict(split=True, HAS_Q2=True), dict(split=True), dict(), dict(PADDED=True), dict(PAD_ERROR=True),
