@@ -43,7 +43,8 @@ The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_chec
 5. ``serial`` launches pay ``l2_latency_s`` per iteration instead.
 
 Not modelled: DRAM page and channel effects, L2 hits of the bucket itself, the cost of warp shuffles and of the
-reductions after the loops, the all-reduces.
+reductions after the loops, orthogonalize's serial r x r Gram-Schmidt (the plan's ``rank_steps``: float64 register
+work between its two passes), the all-reduces.
 
 The percentages are "bytes moved / predicted time" over copy bandwidth. Nothing here is measured; bench/RESULTS.md
 says which figures a GPU run replaced.
