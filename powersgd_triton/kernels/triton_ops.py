@@ -13,7 +13,8 @@ kernel             keys
 ``project``        ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``USE_DOT``
 ``project_t``      ``BLOCK_M`` columns per tile, ``BLOCK_K`` rows per step, ``PREFETCH`` further steps
                    in flight (broadcast path), ``SPLIT_ROWS`` rows per program at most (0: no split),
-                   ``USE_DOT``
+                   ``USE_DOT``, ``SPLIT_BF16`` (with ``USE_DOT`` on 2-byte gradients: bfloat16 tensor-core
+                   dots on exactly split operands instead of the float32 FMA dot)
 ``orthogonalize``  ``BLOCK`` rows per tile, ``SHORT_ROWS`` most rows of a factor done by one program (taller
                    ones are split: two launches), ``GRAM_ROWS`` rows per float64 Gram slot of a split
                    factor (with ``BLOCK`` it fixes the summation order), ``SPLIT_ROWS`` rows per program
@@ -118,6 +119,22 @@ PROJECT_T_BATCHED_TILE = (512, 4, 0, 128)
 REDUCE_TILE_ELEMENTS = 64
 REDUCE_MAX_SPLITS = 64
 REDUCE_STEP_ELEMENTS = 32 * 32 * 4
+# project_t's split tensor-core path (SPLIT_BF16, common._dot_bf16_split): its heuristic config at R >= 16 on
+# 2-byte gradients. 64 columns per program (a wgmma per warpgroup on sm_90, where 32 columns get mma.sync), 32 rows
+# per step, 3 stages. sm_90, triton 3.9 (ptxas -v): bf16 68 / 96 registers at R 16 / 32, fp16 64 / 96, no spills;
+# perfmodel (H200, ResNet-50 / GPT-2 / BERT): bf16 76-79 % of copy bandwidth at R 16 and 77-81 % at R 32 (45-46 %
+# and 26-27 % with the float32 FMA dot), fp16 76-77 % and 61-64 %. 128 columns gain 2-5 points at 128-168
+# registers. The batched view keeps the 32-column float32 dot: its padding error (PAD_ERROR) takes the float32 dot
+# under any config, 122-128 registers at 32 columns, 244-254 at 64.
+PROJECT_T_SPLIT_CONFIG = dict(BLOCK_M=64, BLOCK_K=32, USE_DOT=True, SPLIT_BF16=True, num_warps=4, num_stages=3)
+# The split path as the plan counts it: tensor-core dots per gradient dtype (bfloat16 M: 3, P in three bfloat16
+# pieces; float16 M in two pieces: 5), and the instructions of the FMA pipe that split the operands: per float32
+# element of P, per column tile that reads it (two masks, two subtractions, three conversions to bfloat16), and per
+# float16 element of M (a conversion to float32, a mask, a subtraction, two conversions; bfloat16 M goes to the
+# tensor cores as loaded).
+SPLIT_DOTS = {torch.bfloat16: 3, torch.float16: 5}
+SPLIT_OPS_P = 7
+SPLIT_OPS_M = {torch.float16: 5}
 # SM count used for plans when the device has none to ask (CPU, interpreter): 1 keeps interpreted grids small. The
 # GPU's own count is read from CUDA (132 on H100/H200).
 DEFAULT_NUM_SMS = 1
@@ -161,6 +178,8 @@ _BROADCAST_TILES = {
 _PROJECT_T_TILES = [(256, 2), (256, 4), (512, 2), (512, 4), (1024, 2)]
 _PROJECT_T_MAXNREG = (96, 128)
 _DOT_TILES = [(16, 32), (16, 64), (32, 32), (64, 32)]
+# project_t's split tensor-core candidates (BLOCK_M, BLOCK_K), 2-byte gradients (see PROJECT_T_SPLIT_CONFIG)
+_SPLIT_DOT_TILES = [(32, 32), (64, 32), (64, 64), (128, 32)]
 # (num_stages, PREFETCH) of the broadcast candidates: Triton's pipeliner leaves these loops alone (it pipelines the
 # loads that feed tl.dot), so the loads of later steps are put in flight by the kernels' own register prefetch.
 _DEPTHS = [(1, 0), (2, 0), (3, 0), (1, 1), (1, 2)]
@@ -182,7 +201,9 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     rank 8 on (below that, padding r to 16 only multiplies the FMAs).
     Every broadcast tile comes with ``num_stages`` 1, 2 and 3, and with ``PREFETCH`` 1 and 2 (the kernel loads the
     tiles of the next one or two loop steps before this step's arithmetic: 2 or 3 steps of loads in flight); every
-    ``tl.dot`` tile with ``num_stages`` 1, 2 and 3 (Triton's software pipelining of the loads feeding the dot).
+    ``tl.dot`` tile with ``num_stages`` 1, 2 and 3 (Triton's software pipelining of the loads feeding the dot);
+    project_t on 2-byte gradients also the split tensor-core tiles (``SPLIT_BF16``, ``_SPLIT_DOT_TILES``) with
+    ``num_stages`` 2, 3 and 4.
     project_t's broadcast path (R <= 8) instead: its heuristic tiles for 4- and 2-byte gradients
     (:data:`PROJECT_T_TILES`) and for the batched view (:data:`PROJECT_T_BATCHED_TILE`), and the tiles of
     ``_PROJECT_T_TILES`` with ``PREFETCH`` 0-2 and ``maxnreg`` 96 or 128 whose held data fits (see there).
@@ -215,6 +236,10 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
             if kernel == "project_t":
                 bt, bk = bk, bt  # BLOCK_M columns x BLOCK_K rows; tl.dot needs both >= 16
             out.append({tile: bt, "BLOCK_K": bk, "USE_DOT": True, "num_warps": 4, "num_stages": stages})
+        if kernel == "project_t" and dtype.itemsize == 2:  # the split bfloat16 tensor-core dots
+            for (bm, bk), stages in itertools.product(_SPLIT_DOT_TILES, (2, 3, 4)):
+                out.append({"BLOCK_M": bm, "BLOCK_K": bk, "USE_DOT": True, "SPLIT_BF16": True, "num_warps": 4,
+                            "num_stages": stages})
     if not out:  # very large rank: smallest broadcast tile
         out.append({tile: 4 if kernel != "project_t" else 32, "BLOCK_K": 16 if kernel != "project_t" else 2,
                     "USE_DOT": False, "num_warps": 4, "num_stages": 2})
@@ -273,8 +298,11 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
     walks whole
     rows, so it takes ``PROJECT_BLOCK_K`` columns per step and as many rows as the budget allows (8 rows at rank
     <= 2, 4 at rank 4, 2 at rank 8). ``tl.dot`` tiles from rank 16 on, software-pipelined (``num_stages`` 3;
-    project at rank 32: 32 columns, 2 stages, no spills). The row and column splits are planned at launch from the
-    SM count (:func:`split_rows`, :func:`split_cols`, :func:`plan`); ``num_sms`` is kept for the signature.
+    project at rank 32: 32 columns, 2 stages, no spills); project_t on 2-byte gradients there takes
+    :data:`PROJECT_T_SPLIT_CONFIG` (bfloat16 tensor-core dots on exactly split operands, :func:`split_bf16_dot`),
+    but on the batched view, whose padding error keeps the float32 dot (244-254 registers at 64 columns). The row
+    and column splits are planned at launch from the SM count (:func:`split_rows`, :func:`split_cols`,
+    :func:`plan`); ``num_sms`` is kept for the signature.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
@@ -286,6 +314,8 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
     r = padded_rank(max_rank)
     if r >= MIN_DOT_RANK:
         if kernel == "project_t":
+            if dtype.itemsize == 2 and not getattr(layout, "batched", False):  # split_bf16_dot's tensor cores
+                return dict(PROJECT_T_SPLIT_CONFIG)
             return dict(BLOCK_M=32, BLOCK_K=32, USE_DOT=True, num_warps=4, num_stages=3)
         if kernel == "project" and r <= 16:  # 64 columns per step: 188 registers, no spills (sm_90); 128 spill
             return {"BLOCK_N": 16, "BLOCK_K": 64, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
@@ -431,6 +461,15 @@ def factor_columns(which: str) -> dict:
     raise ValueError(f"which must be 'p' or 'q', got {which!r}")
 
 
+def split_bf16_dot(cfg: dict, dtype: torch.dtype, variant: Optional[dict] = None) -> bool:
+    """Whether project_t with ``cfg`` on a ``dtype`` bucket takes the split tensor-core path
+    (:func:`powersgd_triton.kernels.common._dot_bf16_split`): ``USE_DOT`` and ``SPLIT_BF16`` set, a 2-byte
+    gradient (bfloat16, float16), and not the batched view's padding error (``variant["PAD_ERROR"]``, whose M + E
+    is float32: the float32 ``ieee`` dot there, as for float32 gradients)."""
+    return (bool(cfg.get("USE_DOT")) and bool(cfg.get("SPLIT_BF16")) and dtype.itemsize == 2
+            and not (variant or {}).get("PAD_ERROR", False))
+
+
 def _factor_rank(layout: BucketLayout, cfg: dict) -> int:
     return padded_rank(layout.max_rank, cfg.get("USE_DOT", False))
 
@@ -442,8 +481,11 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
     Returns a list of dicts (one per launch) with keys ``kernel`` (a name of :data:`KERNEL_FUNCTIONS`),
     ``programs``, ``iterations`` (most loop trips of one program), ``bytes_read``, ``bytes_written`` (DRAM bytes,
     each element once), ``config`` and ``variant`` (what :func:`compile_aot` needs), plus ``dtype``, ``max_rank``,
-    ``flops`` (multiply-adds x 2 on the padded rank) and ``l2_bytes`` (factor bytes re-read by several programs,
-    served by L2). ``kernel`` is one of ``project``, ``project_t``, ``reconstruct``, ``average``, ``copy_segments``;
+    ``flops`` (work of the FMA pipe: multiply-adds x 2 on the padded rank; on project_t's split tensor-core path,
+    :func:`split_bf16_dot`, its operand splits instead, 2 per instruction, :data:`SPLIT_OPS_P` /
+    :data:`SPLIT_OPS_M`), ``tensor_flops`` (project_t: multiply-adds x 2 done on tensor cores, every dot of the
+    split path counted; 0 elsewhere or absent) and ``l2_bytes`` (factor bytes re-read by several programs, served
+    by L2). ``kernel`` is one of ``project``, ``project_t``, ``reconstruct``, ``average``, ``copy_segments``;
     ``orthogonalize`` is :func:`orthogonalize_plan`. ``num_sms`` sizes the splits (default: the layout's device).
     """
     if config is not None:
@@ -494,10 +536,17 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
                 red += rt
                 red_per += [ns] * rt
         programs, iters = len(per), max(per)
+        products = 2 * R * sum(s.n * s.m for s in mats)
+        if split_bf16_dot(cfg, dtype, variant):  # tensor-core dots; the FMA pipe only splits the operands
+            flops = 2 * SPLIT_OPS_P * R * sum(-(-s.m // bm) * s.n for s in mats)
+            flops += 2 * SPLIT_OPS_M.get(dtype, 0) * mn
+            tensor = SPLIT_DOTS[dtype] * products
+        else:
+            flops, tensor = products, 0
         out = [dict(base, kernel="project_t", programs=programs, iterations=iters, program_iterations=per,
                     steps_per_trip=steps,
                     bytes_read=mn * es + p4, bytes_written=q4 + ws,
-                    flops=2 * R * sum(s.n * s.m for s in mats),
+                    flops=flops, tensor_flops=tensor,
                     l2_bytes=sum(-(-s.m // bm) * s.n * s.rank * 4 for s in mats), split_rows=split)]
         if red:
             sb = reduce_split_block(reduce_block_m(cfg, R), R)
@@ -572,7 +621,7 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_s
         loss_scale if loss_scale is not None else p,
         PAD_ERROR=pad, HAS_Q2=q2 is not None, R=R, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
         USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0), LOSS_SCALE=pad and loss_scale is not None,
-        PADDED=layout.batched, **_launch_options(cfg),
+        PADDED=layout.batched, SPLIT_BF16=bool(cfg.get("SPLIT_BF16", False)), **_launch_options(cfg),
     )
     if reduce_tiles is not None:
         _reduce_splits_kernel[(reduce_tiles.shape[0],)](
@@ -955,6 +1004,7 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
     if kernel == "project_t":
         c["HAS_Q2"] = variant.get("HAS_Q2", False)
         c["PADDED"] = variant.get("PADDED", c["PAD_ERROR"])
+        c["SPLIT_BF16"] = bool(config.get("SPLIT_BF16", False))
     if kernel == "reconstruct":
         c["HAS_ERROR"] = variant.get("HAS_ERROR", True)
         c["HAS_FLAG"] = variant.get("HAS_FLAG", True)
