@@ -96,9 +96,10 @@ def test_project_t(dtype, shapes, rank, rng, backend):
 
 
 # project_t's split tensor-core path (SPLIT_BF16: bfloat16 dots on exactly split operands) at R 16: the GPU heuristic's
-# 64-column tiles, and 32-column tiles over 48-row splits (the fixed-order reduction of partial sums)
+# 64 x 64 tiles, and 32 x 16 tiles over 48-row splits (the fixed-order reduction of partial sums)
 SPLIT_DOT_CONFIGS = {
-    "heuristic": dict(BLOCK_M=64, BLOCK_K=32, USE_DOT=True, SPLIT_BF16=True, num_warps=4, num_stages=3),
+    "heuristic": dict(BLOCK_M=64, BLOCK_K=64, USE_DOT=True, SPLIT_BF16=True, PROGRAMS_PER_SM=3, num_warps=4,
+                      num_stages=3),
     "row_split": dict(BLOCK_M=32, BLOCK_K=16, SPLIT_ROWS=48, USE_DOT=True, SPLIT_BF16=True, num_warps=4,
                       num_stages=3),
 }
@@ -113,7 +114,8 @@ def test_project_t_split_dot_float32_accuracy(dtype, config, view, rng):
     """project_t on the split tensor-core path keeps the float32 dot's accuracy against a float64 oracle: P is
     split into three bfloat16 pieces (a float16 M into two), so the error is about 1e-7, where one bfloat16 rounding
     of P gives about 2e-3 -- the tolerance is checked to fail for that (the oracle on P rounded to bfloat16). The
-    batched view's padding error (float32 M + E) takes the float32 ``ieee`` dot under the same config. In the
+    batched view's padding error (float32 M + E) takes the float32 ``ieee`` dot's config instead
+    (``triton_ops.padding_error_config``). In the
     interpreter the bfloat16 pieces are multiplied as float32 (exact products either way: see
     ``common.SPLIT_OPERAND``); the tensor cores' own rounding is not modelled here."""
     cfg = SPLIT_DOT_CONFIGS[config]
@@ -139,6 +141,10 @@ def test_project_t_split_dot_float32_accuracy(dtype, config, view, rng):
     assert rel_err(q, q64) < FP32_TOL
     assert_per_matrix(q, q64, layout, "q", FP32_TOL, scale=scale)
     assert guards_intact(q_whole, layout.q_numel)
+    if config == "heuristic":
+        from powersgd_triton.kernels import triton_ops
+
+        assert cfg == triton_ops.PROJECT_T_SPLIT_CONFIG
     # both tolerances fail for P rounded to bfloat16 (one bfloat16 dot): by more than 30x and 10x
     q_bf16 = torch.zeros(layout.q_numel, dtype=torch.float64)
     reference.project_t(buf.double(), layout, p.bfloat16().double(), q_bf16, torch.float64,
