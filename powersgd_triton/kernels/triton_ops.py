@@ -210,7 +210,7 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     tiles of the next one or two loop steps before this step's arithmetic: 2 or 3 steps of loads in flight); every
     ``tl.dot`` tile with ``num_stages`` 1, 2 and 3 (Triton's software pipelining of the loads feeding the dot);
     project_t on 2-byte gradients also the split tensor-core tiles (``SPLIT_BF16``, ``_SPLIT_DOT_TILES``) with
-    ``num_stages`` 2 and 3, their row splits aiming at 3 or 6 programs per SM (``PROGRAMS_PER_SM``).
+    ``num_stages`` 3, their row splits aiming at 3 or 6 programs per SM (``PROGRAMS_PER_SM``).
     project_t's broadcast path (R <= 8) instead: its heuristic tiles for 4- and 2-byte gradients
     (:data:`PROJECT_T_TILES`) and for the batched view (:data:`PROJECT_T_BATCHED_TILE`), and the tiles of
     ``_PROJECT_T_TILES`` with ``PREFETCH`` 0-2 and ``maxnreg`` 96 or 128 whose held data fits (see there).
@@ -244,9 +244,9 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
                 bt, bk = bk, bt  # BLOCK_M columns x BLOCK_K rows; tl.dot needs both >= 16
             out.append({tile: bt, "BLOCK_K": bk, "USE_DOT": True, "num_warps": 4, "num_stages": stages})
         if kernel == "project_t" and dtype.itemsize == 2:  # the split bfloat16 tensor-core dots
-            for (bm, bk), stages, pps in itertools.product(_SPLIT_DOT_TILES, (2, 3), (3, 6)):
+            for (bm, bk), pps in itertools.product(_SPLIT_DOT_TILES, (3, 6)):
                 out.append({"BLOCK_M": bm, "BLOCK_K": bk, "USE_DOT": True, "SPLIT_BF16": True, "PROGRAMS_PER_SM": pps,
-                            "num_warps": 4, "num_stages": stages})
+                            "num_warps": 4, "num_stages": 3})
     if not out:  # very large rank: smallest broadcast tile
         out.append({tile: 4 if kernel != "project_t" else 32, "BLOCK_K": 16 if kernel != "project_t" else 2,
                     "USE_DOT": False, "num_warps": 4, "num_stages": 2})
