@@ -9,7 +9,8 @@ products as in PyTorch's batched hook.
 Both kernels stream M once and keep the thin factor (``m x r`` or ``n x r``, float32) in cache; they are
 memory-bound for every r we use (arithmetic intensity ≈ 2r / sizeof(M) flop/byte). Loads are upcast to float32 right
 away and accumulation is float32. ``R`` is the bucket's largest rank padded to a power of two; columns ``>= r_i``
-are masked. ``USE_DOT`` picks ``tl.dot`` (fp32 ``ieee``, needs ``R >= 16``) or a broadcast multiply: project's
+are masked. ``USE_DOT`` picks ``tl.dot`` (fp32 ``ieee``, needs ``R >= 16``; project_t with ``SPLIT_BF16`` on a
+2-byte M: bfloat16 tensor-core dots on exactly split operands, as accurate) or a broadcast multiply: project's
 ``[rows, k, R]`` products are accumulated elementwise over the loop and summed once after it (no cross-thread
 reduction inside the loop); project_t keeps a ``[R, columns]`` accumulator and sums each step's rows inside the
 thread that loaded them (see :func:`_project_t_kernel`).
