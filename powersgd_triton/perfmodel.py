@@ -38,7 +38,9 @@ The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_chec
    scheduler's in-order dispatch): a launch's latency time is when its last program ends. The launch takes the
    longest of that, its bytes at copy bandwidth (``hbm_bandwidth * copy_fraction``), its L2 traffic (factor
    re-reads, spills) at ``l2_bandwidth`` and its multiply-adds at ``fp32_flops * fma_efficiency`` (FMA issue slots
-   shared with address arithmetic, loads and conversions).
+   shared with address arithmetic, loads and conversions) plus its tensor-core multiply-adds (the plan's
+   ``tensor_flops``: project_t's split bfloat16 path) at ``tensor_flops``, the data sheet's dense bfloat16 peak
+   (not measured).
 4. Each launch adds ``launch_overhead_s`` (start-up and tail of a kernel on a busy stream, no CUDA graph).
 5. ``serial`` launches pay ``l2_latency_s`` per iteration instead.
 
@@ -79,6 +81,7 @@ class GPUSpec:
     copy_fraction: float  # device-to-device copy reaches this fraction of the peak
     l2_bandwidth: float
     fp32_flops: float  # peak fp32 FMA rate x 2
+    tensor_flops: float = 0.0  # peak dense bfloat16 tensor-core rate (flop/s, float32 accumulate); 0: none known
     regs_per_sm: int = 65536
     smem_per_sm: int = 228 * 1024
     dram_latency_s: float = 800e-9
@@ -92,10 +95,13 @@ class GPUSpec:
 
 
 # Published peaks (NVIDIA H100 SXM5 / H200 SXM data sheets); copy fraction from the H200's measured ~4.3 TB/s copy
-# (DESIGN.md), used for both; L2 bandwidth and latencies are typical microbenchmark figures for Hopper.
+# (DESIGN.md), used for both; L2 bandwidth and latencies are typical microbenchmark figures for Hopper. Tensor-core
+# rate: the data sheets' "BF16 Tensor Core 1,979 teraFLOPS" is with 2:4 sparsity, dense is half, 989 TFLOPS (the
+# same for H100 SXM and H200, https://www.nvidia.com/en-us/data-center/h100/ and /h200/); a data-sheet figure, not
+# measured, reached by wgmma (sm_90's mma.sync issues at a lower rate).
 GPUS: Dict[str, GPUSpec] = {
-    "h100": GPUSpec("H100 SXM", 90, 132, 3.35e12, 0.9, 10e12, 67e12),
-    "h200": GPUSpec("H200 SXM", 90, 132, 4.8e12, 0.9, 10e12, 67e12),
+    "h100": GPUSpec("H100 SXM", 90, 132, 3.35e12, 0.9, 10e12, 67e12, tensor_flops=989e12),
+    "h200": GPUSpec("H200 SXM", 90, 132, 4.8e12, 0.9, 10e12, 67e12, tensor_flops=989e12),
 }
 
 Usage = Callable[[dict, int], dict]
@@ -198,7 +204,8 @@ def predict(launch: dict, spec: GPUSpec, usage: Optional[dict] = None) -> dict:
     """The model's prediction for one planned launch (see the module docstring). ``usage``: the compiled metadata
     (:func:`compiled_usage`); computed when not given. Returns the launch's figures: ``programs``, ``waves``,
     ``blocks_per_sm``, ``occupancy`` (resident warps / 64), ``registers``, ``spill_bytes``, ``bytes``, ``time_s``,
-    ``copy_fraction`` (bytes / time over copy bandwidth), ``bound`` (what sets the time)."""
+    ``copy_fraction`` (bytes / time over copy bandwidth), ``bound`` (what sets the time). Raises ``ValueError``
+    when the launch has ``tensor_flops`` and ``spec`` no tensor-core rate."""
     if usage is None:
         usage = compiled_usage(launch, spec.arch)
     programs = max(1, int(launch["programs"]))
@@ -209,6 +216,9 @@ def predict(launch: dict, spec: GPUSpec, usage: Optional[dict] = None) -> dict:
     waves = math.ceil(programs / slots)
     total = int(launch["bytes_read"]) + int(launch["bytes_written"])
     flops = float(launch.get("flops", 0))
+    tensor_flops = float(launch.get("tensor_flops", 0))
+    if tensor_flops and not spec.tensor_flops:
+        raise ValueError(f"{spec.name}: the plan has tensor-core flops but the GPUSpec has no tensor_flops rate")
     per_program = launch.get("program_iterations") or [iterations] * programs
     spill_traffic = 2 * int(usage.get("spill_bytes", 0)) * 32 * warps * sum(per_program)
     l2 = float(launch.get("l2_bytes", 0)) + spill_traffic
@@ -220,7 +230,9 @@ def predict(launch: dict, spec: GPUSpec, usage: Optional[dict] = None) -> dict:
         "latency": makespan(durations, slots),
         "bandwidth": total / spec.copy_bandwidth,
         "l2": l2 / spec.l2_bandwidth,
-        "compute": flops / (spec.fp32_flops * spec.fma_efficiency),
+        # FMA pipe and tensor cores charged one after the other (both take issue slots of the same warps)
+        "compute": flops / (spec.fp32_flops * spec.fma_efficiency)
+        + (tensor_flops / spec.tensor_flops if tensor_flops else 0.0),
     }
     bound = max(parts, key=parts.get)
     time_s = parts[bound]

@@ -86,13 +86,16 @@ def model_layouts(
 
 
 def format_config(cfg: dict) -> str:
-    """Compact form: ``N64 K32 dot w4 s2`` (tile rows/cols, K step, tl.dot, warps, stages)."""
+    """Compact form: ``N64 K32 dot w4 s2`` (tile rows/cols, K step, tl.dot (``bf16-split``: project_t's split
+    tensor-core dots), warps, stages)."""
     parts = []
     for key, tag in (("BLOCK_N", "N"), ("BLOCK_M", "M"), ("BLOCK", "B"), ("BLOCK_K", "K")):
         if key in cfg:
             parts.append(f"{tag}{cfg[key]}")
     if "USE_DOT" in cfg:
         parts.append("dot" if cfg["USE_DOT"] else "bcast")
+    if cfg.get("SPLIT_BF16"):
+        parts.append("bf16-split")
     parts.append(f"w{cfg.get('num_warps', 4)}")
     parts.append(f"s{cfg.get('num_stages', 1)}")
     return " ".join(parts)

@@ -105,6 +105,11 @@ if INTERPRETED:
 else:
     loop_range = tl.range
 
+# Operand type of the tensor-core dots of the split path (:func:`_dot_bf16_split`): bfloat16 on the GPU. Triton's
+# interpreter multiplies bfloat16 operands of ``tl.dot`` as raw integers (triton issue #11584; notes/triton.md
+# §2.5), so there the same bfloat16-valued pieces are passed as float32 (their products are exact either way).
+SPLIT_OPERAND = tl.constexpr(tl.float32 if INTERPRETED else tl.bfloat16)
+
 
 @triton.jit
 def _load_matrix_row(table_ptr, mat):
@@ -180,3 +185,50 @@ def _flags_any_nonzero(flags_ptr, first_ptr, mat, FBLOCK: tl.constexpr):
         idx = f0 + tl.arange(0, FBLOCK)
         acc = acc | tl.load(flags_ptr + idx, mask=idx < end, other=0).to(tl.int32)
     return (tl.max(acc, axis=0) >> 1) & 1
+
+
+@triton.jit
+def _bf16_head(x):
+    """float32 ``x`` with the low 16 bits of its encoding cleared: its leading 8 significant bits, a bfloat16 value
+    (``x`` truncated toward zero), as float32. ``x - _bf16_head(x)`` is exact in float32 (bit operations: the GPU and
+    the interpreter, which truncates in ``.to(tl.bfloat16)``, give the same pieces)."""
+    return (x.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_bf16_split(acc, a_raw, b):
+    """``acc + a · b`` on tensor cores at the float32 ``ieee`` dot's accuracy: ``acc`` float32 ``[M, N]``, ``a_raw``
+    a bfloat16 or float16 ``[M, K]`` tile (as loaded), ``b`` float32 ``[K, N]``; M, N, K >= 16 (``tl.dot``).
+
+    ``b`` is split into three bfloat16 pieces, ``b = b_hi + b_mid + b_lo`` exactly (each the leading 8 bits of the
+    remainder, :func:`_bf16_head`; 24 bits in all). A bfloat16 ``a`` is used as is (3 dots); a float16 ``a`` (11
+    significant bits) is split into ``a_hi + a_lo``, both bfloat16, exactly (5 dots: the ``a_lo · b_lo`` term,
+    below 2^-23 of ``|a| |b|``, is left out). Every product of two bfloat16 values is exact in float32 and the dots
+    accumulate in float32, smallest terms first, so the result differs from a float32 FMA loop only in the order
+    (and, on the GPU, the rounding inside a tensor-core instruction) of the sums. bfloat16 x bfloat16 with a float32
+    accumulator is a tensor-core ``tl.dot`` on sm_80 (mma) and sm_90 (wgmma). Scheme: Henry, Tang, Heinecke,
+    "Leveraging the bfloat16 Artificial Intelligence Datatype For Higher-Precision Computations", ARITH 2019
+    (bf16x3 / bf16x6). A non-finite element of ``b`` makes its whole row of pieces non-finite (inf - inf): the result
+    is non-finite where the float32 dot's is, but may be NaN where that one is inf."""
+    b_hi = _bf16_head(b)
+    rest = b - b_hi
+    b_mid = _bf16_head(rest)
+    b_lo = (rest - b_mid).to(SPLIT_OPERAND)
+    b_mid = b_mid.to(SPLIT_OPERAND)
+    b_hi = b_hi.to(SPLIT_OPERAND)
+    if a_raw.dtype == tl.bfloat16:
+        a = a_raw.to(SPLIT_OPERAND)
+        acc = tl.dot(a, b_lo, acc, input_precision="ieee", out_dtype=tl.float32)
+        acc = tl.dot(a, b_mid, acc, input_precision="ieee", out_dtype=tl.float32)
+        acc = tl.dot(a, b_hi, acc, input_precision="ieee", out_dtype=tl.float32)
+    else:
+        a32 = a_raw.to(tl.float32)
+        a_hi = _bf16_head(a32)
+        a_lo = (a32 - a_hi).to(SPLIT_OPERAND)
+        a_hi = a_hi.to(SPLIT_OPERAND)
+        acc = tl.dot(a_lo, b_mid, acc, input_precision="ieee", out_dtype=tl.float32)
+        acc = tl.dot(a_lo, b_hi, acc, input_precision="ieee", out_dtype=tl.float32)
+        acc = tl.dot(a_hi, b_lo, acc, input_precision="ieee", out_dtype=tl.float32)
+        acc = tl.dot(a_hi, b_mid, acc, input_precision="ieee", out_dtype=tl.float32)
+        acc = tl.dot(a_hi, b_hi, acc, input_precision="ieee", out_dtype=tl.float32)
+    return acc

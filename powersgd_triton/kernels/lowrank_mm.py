@@ -9,7 +9,8 @@ products as in PyTorch's batched hook.
 Both kernels stream M once and keep the thin factor (``m x r`` or ``n x r``, float32) in cache; they are
 memory-bound for every r we use (arithmetic intensity ≈ 2r / sizeof(M) flop/byte). Loads are upcast to float32 right
 away and accumulation is float32. ``R`` is the bucket's largest rank padded to a power of two; columns ``>= r_i``
-are masked. ``USE_DOT`` picks ``tl.dot`` (fp32 ``ieee``, needs ``R >= 16``) or a broadcast multiply: project's
+are masked. ``USE_DOT`` picks ``tl.dot`` (fp32 ``ieee``, needs ``R >= 16``; project_t with ``SPLIT_BF16`` on a
+2-byte M: bfloat16 tensor-core dots on exactly split operands, as accurate) or a broadcast multiply: project's
 ``[rows, k, R]`` products are accumulated elementwise over the loop and summed once after it (no cross-thread
 reduction inside the loop); project_t keeps a ``[R, columns]`` accumulator and sums each step's rows inside the
 thread that loaded them (see :func:`_project_t_kernel`).
@@ -38,6 +39,7 @@ from .common import (  # noqa: F401 - re-exported
     TILE_MAT,
     TILE_WIDTH,
     _cast_for_store,
+    _dot_bf16_split,
     _load_matrix_row,
     loop_range,
 )
@@ -214,6 +216,7 @@ def _project_t_kernel(
     PREFETCH: tl.constexpr = 0,  # broadcast path: 1 (2) more steps' tiles in flight while one step is summed
     LOSS_SCALE: tl.constexpr = False,
     PADDED: tl.constexpr = False,  # the batched view: M has numel < n * m elements (implied by PAD_ERROR)
+    SPLIT_BF16: tl.constexpr = False,  # tl.dot path, 2-byte M, no PAD_ERROR: bfloat16 tensor-core dots (see below)
 ):
     """Q_i[cols] = M_i[rows, cols]ᵀ · P_i[rows] for one tile of BLOCK_M columns and one row range.
 
@@ -224,7 +227,11 @@ def _project_t_kernel(
     would wait for its load and leave one step in flight). A row range that is not a multiple of (p + 1) x
     ``BLOCK_K`` rows ends with steps past its end, and the last trip loads p steps that are never summed: P is
     zero there, and M is read at the range's last row (a cache hit; masked with ``PADDED``), so their products
-    are zero for finite M. ``tl.dot`` path: one step per trip; Triton pipelines its loads (``num_stages``).
+    are zero for finite M. ``tl.dot`` path: one step per trip; Triton pipelines its loads (``num_stages``). Its dot
+    is float32 ``ieee`` (FMAs), or, with ``SPLIT_BF16`` on a bfloat16 / float16 M (not with ``PAD_ERROR``, whose
+    padding adds the float32 error memory), :func:`~powersgd_triton.kernels.common._dot_bf16_split`: M as bfloat16
+    (float16: two exact bfloat16 pieces), P as three exact bfloat16 pieces, 3 (5) tensor-core dots with exact
+    products and a float32 accumulator -- the float32 dot's accuracy without its FMAs.
 
     A program whose row range is not the whole matrix writes its partial sums to the workspace;
     :func:`_reduce_splits_kernel` adds them up in a fixed order (no atomics).
@@ -250,8 +257,11 @@ def _project_t_kernel(
         for k0 in loop_range(row_begin, row_end, BLOCK_K):
             x_raw, e_raw, p_raw = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0, row_end, m,
                                                    numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, False)
-            x = _m_plus_error(x_raw, e_raw, ls_ptr, PAD_ERROR, LOSS_SCALE)  # [BLOCK_K, BLOCK_M]
-            acc += tl.dot(tl.trans(x), p_raw.to(tl.float32), input_precision="ieee")
+            if SPLIT_BF16 and x_raw.dtype.primitive_bitwidth == 16 and not PAD_ERROR:  # tensor cores, exact products
+                acc = _dot_bf16_split(acc, tl.trans(x_raw), p_raw.to(tl.float32))
+            else:
+                x = _m_plus_error(x_raw, e_raw, ls_ptr, PAD_ERROR, LOSS_SCALE)  # [BLOCK_K, BLOCK_M]
+                acc += tl.dot(tl.trans(x), p_raw.to(tl.float32), input_precision="ieee")
         q_mask = col_ok[:, None] & (ranks[None, :] < r)
         local = cols[:, None] * r + ranks[None, :]
     else:

@@ -13,7 +13,9 @@ kernel             keys
 ``project``        ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``USE_DOT``
 ``project_t``      ``BLOCK_M`` columns per tile, ``BLOCK_K`` rows per step, ``PREFETCH`` further steps
                    in flight (broadcast path), ``SPLIT_ROWS`` rows per program at most (0: no split),
-                   ``USE_DOT``
+                   ``USE_DOT``, ``SPLIT_BF16`` (with ``USE_DOT`` on 2-byte gradients: bfloat16 tensor-core
+                   dots on exactly split operands instead of the float32 FMA dot), ``PROGRAMS_PER_SM``
+                   the row splits aim at (default: from ``maxnreg``, else ``PROJECT_T_PROGRAMS_PER_SM``)
 ``orthogonalize``  ``BLOCK`` rows per tile, ``SHORT_ROWS`` most rows of a factor done by one program (taller
                    ones are split: two launches), ``GRAM_ROWS`` rows per float64 Gram slot of a split
                    factor (with ``BLOCK`` it fixes the summation order), ``SPLIT_ROWS`` rows per program
@@ -119,6 +121,28 @@ PROJECT_T_BATCHED_TILE = (512, 4, 0, 128)
 REDUCE_TILE_ELEMENTS = 64
 REDUCE_MAX_SPLITS = 64
 REDUCE_STEP_ELEMENTS = 32 * 32 * 4
+# project_t's split tensor-core path (SPLIT_BF16, common._dot_bf16_split): its heuristic config at R >= 16 on
+# 2-byte gradients. 64 columns per program (a wgmma per warpgroup on sm_90, where 32 columns get mma.sync), 64 rows
+# per step, 3 stages, row splits for 3 programs per SM: 64 x 64 tiles with 3 steps in flight fill the bandwidth with
+# fewer, longer programs, and fewer splits leave reduce_splits fewer partial sums (at the default 6 per SM, GPT-2's
+# 768-row matrices are split in 3 and its reduce takes 74 µs per step instead of 31). sm_90, triton 3.9 (ptxas
+# -v): bf16 94 / 72 registers at R 16 / 32, fp16 69 / 95, no spills. perfmodel (H200, ResNet-50 / GPT-2 / BERT,
+# project_t + reduce_splits per step): bf16 R 16 75-78 % of copy bandwidth, 28 / 106 / 99 µs (float32 FMA dot:
+# 45-46 %, 44 / 164 / 149 µs); R 32 78-79 %, 42 / 110 / 103 µs (26-27 %, 75 / 282 / 254 µs); fp16 R 16 70-72 %,
+# R 32 55-56 %. The batched view keeps the 32-column float32 dot: its padding error (PAD_ERROR) takes the float32
+# dot under any config, 122-128 registers at 32 x 32, 255 and spills at 64 x 64 (padding_error_config).
+PROJECT_T_SPLIT_CONFIG = dict(BLOCK_M=64, BLOCK_K=64, USE_DOT=True, SPLIT_BF16=True, PROGRAMS_PER_SM=3, num_warps=4,
+                              num_stages=3)
+# project_t's float32 FMA dot at R >= 16 (float32 gradients, the batched view): its heuristic config
+PROJECT_T_FP32_DOT_CONFIG = dict(BLOCK_M=32, BLOCK_K=32, USE_DOT=True, num_warps=4, num_stages=3)
+# The split path as the plan counts it: tensor-core dots per gradient dtype (bfloat16 M: 3, P in three bfloat16
+# pieces; float16 M in two pieces: 5), and the instructions of the FMA pipe that split the operands: per float32
+# element of P, per column tile that reads it (two masks, two subtractions, three conversions to bfloat16), and per
+# float16 element of M (a conversion to float32, a mask, a subtraction, two conversions; bfloat16 M goes to the
+# tensor cores as loaded).
+SPLIT_DOTS = {torch.bfloat16: 3, torch.float16: 5}
+SPLIT_OPS_P = 7
+SPLIT_OPS_M = {torch.float16: 5}
 # SM count used for plans when the device has none to ask (CPU, interpreter): 1 keeps interpreted grids small. The
 # GPU's own count is read from CUDA (132 on H100/H200).
 DEFAULT_NUM_SMS = 1
@@ -174,6 +198,8 @@ _BROADCAST_TILES = {
 _PROJECT_T_TILES = [(256, 2), (256, 4), (512, 2), (512, 4), (1024, 2)]
 _PROJECT_T_MAXNREG = (96, 128)
 _DOT_TILES = [(16, 32), (16, 64), (32, 32), (64, 32)]
+# project_t's split tensor-core candidates (BLOCK_M, BLOCK_K), 2-byte gradients (see PROJECT_T_SPLIT_CONFIG)
+_SPLIT_DOT_TILES = [(32, 32), (64, 32), (64, 64), (128, 32)]
 # (num_stages, PREFETCH) of the broadcast candidates: Triton's pipeliner leaves these loops alone (it pipelines the
 # loads that feed tl.dot), so the loads of later steps are put in flight by the kernels' own register prefetch.
 _DEPTHS = [(1, 0), (2, 0), (3, 0), (1, 1), (1, 2)]
@@ -195,7 +221,9 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     rank 8 on (below that, padding r to 16 only multiplies the FMAs).
     Every broadcast tile comes with ``num_stages`` 1, 2 and 3, and with ``PREFETCH`` 1 and 2 (the kernel loads the
     tiles of the next one or two loop steps before this step's arithmetic: 2 or 3 steps of loads in flight); every
-    ``tl.dot`` tile with ``num_stages`` 1, 2 and 3 (Triton's software pipelining of the loads feeding the dot).
+    ``tl.dot`` tile with ``num_stages`` 1, 2 and 3 (Triton's software pipelining of the loads feeding the dot);
+    project_t on 2-byte gradients also the split tensor-core tiles (``SPLIT_BF16``, ``_SPLIT_DOT_TILES``) with
+    ``num_stages`` 3, their row splits aiming at 3 or 6 programs per SM (``PROGRAMS_PER_SM``).
     project_t's broadcast path (R <= 8) instead: its heuristic tiles for 4- and 2-byte gradients
     (:data:`PROJECT_T_TILES`) and for the batched view (:data:`PROJECT_T_BATCHED_TILE`), and the tiles of
     ``_PROJECT_T_TILES`` with ``PREFETCH`` 0-2 and ``maxnreg`` 96 or 128 whose held data fits (see there).
@@ -228,6 +256,10 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
             if kernel == "project_t":
                 bt, bk = bk, bt  # BLOCK_M columns x BLOCK_K rows; tl.dot needs both >= 16
             out.append({tile: bt, "BLOCK_K": bk, "USE_DOT": True, "num_warps": 4, "num_stages": stages})
+        if kernel == "project_t" and dtype.itemsize == 2:  # the split bfloat16 tensor-core dots
+            for (bm, bk), pps in itertools.product(_SPLIT_DOT_TILES, (3, 6)):
+                out.append({"BLOCK_M": bm, "BLOCK_K": bk, "USE_DOT": True, "SPLIT_BF16": True, "PROGRAMS_PER_SM": pps,
+                            "num_warps": 4, "num_stages": 3})
     if not out:  # very large rank: smallest broadcast tile
         out.append({tile: 4 if kernel != "project_t" else 32, "BLOCK_K": 16 if kernel != "project_t" else 2,
                     "USE_DOT": False, "num_warps": 4, "num_stages": 2})
@@ -286,8 +318,11 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
     walks whole
     rows, so it takes ``PROJECT_BLOCK_K`` columns per step and as many rows as the budget allows (8 rows at rank
     <= 2, 4 at rank 4, 2 at rank 8). ``tl.dot`` tiles from rank 16 on, software-pipelined (``num_stages`` 3;
-    project at rank 32: 32 columns, 2 stages, no spills). The row and column splits are planned at launch from the
-    SM count (:func:`split_rows`, :func:`split_cols`, :func:`plan`); ``num_sms`` is kept for the signature.
+    project at rank 32: 32 columns, 2 stages, no spills); project_t on 2-byte gradients there takes
+    :data:`PROJECT_T_SPLIT_CONFIG` (bfloat16 tensor-core dots on exactly split operands, :func:`split_bf16_dot`),
+    but on the batched view, whose padding error keeps the float32 dot (:func:`padding_error_config`). The row
+    and column splits are planned at launch from the SM count (:func:`split_rows`, :func:`split_cols`,
+    :func:`plan`); ``num_sms`` is kept for the signature.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
@@ -299,7 +334,9 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
     r = padded_rank(max_rank)
     if r >= MIN_DOT_RANK:
         if kernel == "project_t":
-            return dict(BLOCK_M=32, BLOCK_K=32, USE_DOT=True, num_warps=4, num_stages=3)
+            if dtype.itemsize == 2 and not getattr(layout, "batched", False):  # split_bf16_dot's tensor cores
+                return dict(PROJECT_T_SPLIT_CONFIG)
+            return dict(PROJECT_T_FP32_DOT_CONFIG)
         if kernel == "project" and r <= 16:  # 64 columns per step: 188 registers, no spills (sm_90); 128 spill
             return {"BLOCK_N": 16, "BLOCK_K": 64, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
         return {"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": True, "num_warps": 4, "num_stages": 2}
@@ -347,9 +384,11 @@ def steps_per_trip(cfg: dict) -> int:
 
 
 def project_t_programs_per_sm(cfg: dict) -> int:
-    """Programs per SM project_t's row splits aim at: the blocks of ``num_warps`` warps that fit on one SM at
-    ``cfg["maxnreg"]`` registers per thread (the compile's cap: one round of resident programs), else
-    :data:`PROJECT_T_PROGRAMS_PER_SM`."""
+    """Programs per SM project_t's row splits aim at: ``cfg["PROGRAMS_PER_SM"]`` if given, else the blocks of
+    ``num_warps`` warps that fit on one SM at ``cfg["maxnreg"]`` registers per thread (the compile's cap: one round
+    of resident programs), else :data:`PROJECT_T_PROGRAMS_PER_SM`."""
+    if cfg.get("PROGRAMS_PER_SM"):
+        return max(1, int(cfg["PROGRAMS_PER_SM"]))
     if cfg.get("maxnreg"):
         from ..autotune.aot import blocks_per_sm
 
@@ -444,6 +483,26 @@ def factor_columns(which: str) -> dict:
     raise ValueError(f"which must be 'p' or 'q', got {which!r}")
 
 
+def split_bf16_dot(cfg: dict, dtype: torch.dtype, variant: Optional[dict] = None) -> bool:
+    """Whether project_t with ``cfg`` on a ``dtype`` bucket takes the split tensor-core path
+    (:func:`powersgd_triton.kernels.common._dot_bf16_split`): ``USE_DOT`` and ``SPLIT_BF16`` set, a 2-byte
+    gradient (bfloat16, float16), and not the batched view's padding error (``variant["PAD_ERROR"]``, whose M + E
+    is float32: the float32 ``ieee`` dot there, as for float32 gradients)."""
+    return (bool(cfg.get("USE_DOT")) and bool(cfg.get("SPLIT_BF16")) and dtype.itemsize == 2
+            and not (variant or {}).get("PAD_ERROR", False))
+
+
+def padding_error_config(cfg: dict, pad_error: bool) -> dict:
+    """project_t's config for a launch with (``pad_error``) or without the batched view's padding error: a
+    ``SPLIT_BF16`` config's tile is sized for the tensor-core path, and the padding error (float32 M + E) takes the
+    float32 ``ieee`` dot (:func:`split_bf16_dot`), which spills at 64 x 64 on sm_90 (255 registers); such a launch
+    takes the float32-dot tile of the heuristic instead (32 x 32, 3 stages: 122-128 registers). Any other
+    ``cfg`` is returned as is."""
+    if pad_error and cfg.get("USE_DOT") and cfg.get("SPLIT_BF16"):
+        return dict(PROJECT_T_FP32_DOT_CONFIG)
+    return cfg
+
+
 def _factor_rank(layout: BucketLayout, cfg: dict) -> int:
     return padded_rank(layout.max_rank, cfg.get("USE_DOT", False))
 
@@ -455,8 +514,11 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
     Returns a list of dicts (one per launch) with keys ``kernel`` (a name of :data:`KERNEL_FUNCTIONS`),
     ``programs``, ``iterations`` (most loop trips of one program), ``bytes_read``, ``bytes_written`` (DRAM bytes,
     each element once), ``config`` and ``variant`` (what :func:`compile_aot` needs), plus ``dtype``, ``max_rank``,
-    ``flops`` (multiply-adds x 2 on the padded rank) and ``l2_bytes`` (factor bytes re-read by several programs,
-    served by L2). ``kernel`` is one of ``project``, ``project_t``, ``reconstruct``, ``average``, ``copy_segments``;
+    ``flops`` (work of the FMA pipe: multiply-adds x 2 on the padded rank; on project_t's split tensor-core path,
+    :func:`split_bf16_dot`, its operand splits instead, 2 per instruction, :data:`SPLIT_OPS_P` /
+    :data:`SPLIT_OPS_M`), ``tensor_flops`` (project_t: multiply-adds x 2 done on tensor cores, every dot of the
+    split path counted; 0 elsewhere or absent) and ``l2_bytes`` (factor bytes re-read by several programs, served
+    by L2). ``kernel`` is one of ``project``, ``project_t``, ``reconstruct``, ``average``, ``copy_segments``;
     ``orthogonalize`` is :func:`orthogonalize_plan`. ``num_sms`` sizes the splits (default: the layout's device).
     """
     if config is not None:
@@ -486,6 +548,7 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
                      flops=2 * R * sum(s.n * s.m for s in mats),
                      l2_bytes=sum(-(-s.n // bn) * s.m * s.rank * 4 for s in mats))]
     if kernel == "project_t":
+        cfg = base["config"] = padding_error_config(cfg, variant.get("PAD_ERROR", False))
         R = _factor_rank(layout, cfg)
         bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
         split = split_rows(layout, cfg, num_sms)
@@ -507,10 +570,17 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
                 red += rt
                 red_per += [ns] * rt
         programs, iters = len(per), max(per)
+        products = 2 * R * sum(s.n * s.m for s in mats)
+        if split_bf16_dot(cfg, dtype, variant):  # tensor-core dots; the FMA pipe only splits the operands
+            flops = 2 * SPLIT_OPS_P * R * sum(-(-s.m // bm) * s.n for s in mats)
+            flops += 2 * SPLIT_OPS_M.get(dtype, 0) * mn
+            tensor = SPLIT_DOTS[dtype] * products
+        else:
+            flops, tensor = products, 0
         out = [dict(base, kernel="project_t", programs=programs, iterations=iters, program_iterations=per,
                     steps_per_trip=steps,
                     bytes_read=mn * es + p4, bytes_written=q4 + ws,
-                    flops=2 * R * sum(s.n * s.m for s in mats),
+                    flops=flops, tensor_flops=tensor,
                     l2_bytes=sum(-(-s.m // bm) * s.n * s.rank * 4 for s in mats), split_rows=split)]
         if red:
             sb = reduce_split_block(reduce_block_m(cfg, R), R)
@@ -573,19 +643,19 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_s
     """``Q_i = M_iᵀ · P_i`` for all i (see :func:`powersgd_triton.ops.project_t`): one launch, plus one for the
     fixed-order reduction when the plan splits a matrix over rows. ``error``: the batched view's error memory (its
     padding's part is the padding's M + E); ``q2``: a second copy of Q."""
-    cfg = _resolve("project_t", layout, buffer.dtype, config)
+    pad = layout.batched and error is not None
+    cfg = padding_error_config(_resolve("project_t", layout, buffer.dtype, config), pad)
     split = split_rows(layout, cfg, device_sms(layout.device))
     R = _factor_rank(layout, cfg)
     reduce_bm = reduce_block_m(cfg, R)
     tiles, reduce_tiles, ws_numel = layout.project_t_tiles(cfg["BLOCK_M"], split, reduce_bm)
     ws = layout.workspace(ws_numel) if reduce_tiles is not None else p
-    pad = layout.batched and error is not None
     _project_t_kernel[(tiles.shape[0],)](
         buffer, p, q, q2 if q2 is not None else q, error if pad else p, ws, layout.table, tiles,
         loss_scale if loss_scale is not None else p,
         PAD_ERROR=pad, HAS_Q2=q2 is not None, R=R, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
         USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0), LOSS_SCALE=pad and loss_scale is not None,
-        PADDED=layout.batched, **_launch_options(cfg),
+        PADDED=layout.batched, SPLIT_BF16=bool(cfg.get("SPLIT_BF16", False)), **_launch_options(cfg),
     )
     if reduce_tiles is not None:
         _reduce_splits_kernel[(reduce_tiles.shape[0],)](
@@ -976,6 +1046,7 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
     if kernel == "project_t":
         c["HAS_Q2"] = variant.get("HAS_Q2", False)
         c["PADDED"] = variant.get("PADDED", c["PAD_ERROR"])
+        c["SPLIT_BF16"] = bool(config.get("SPLIT_BF16", False))
     if kernel == "reconstruct":
         c["HAS_ERROR"] = variant.get("HAS_ERROR", True)
         c["HAS_FLAG"] = variant.get("HAS_FLAG", True)
