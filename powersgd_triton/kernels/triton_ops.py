@@ -78,8 +78,9 @@ PROGRAMS_PER_SM = 2
 # (72-128, none) on the sm_90 compile (triton 3.9: ptxas -v and the SASS replay of aot.main_loop) of the error-
 # feedback variant, by the performance model on ResNet-50 / GPT-2 / BERT at the padded rank, then checked on all 7
 # variants x fp32 (4-byte) or bf16 + fp16 (2-byte): no spills, <= 128 registers (47-128), one DRAM latency per trip
-# in the standard variants (1.0-1.5 with PAD_ERROR, the batched view's padding-error mask; 2 in fp16's second-P
-# variants at R 1). Tighter caps or wider tiles spill in the padding-error variants or interleave loads with waits.
+# in fp32 and bf16 but for the batched view's padding-error variants (1.5 at R 4, R 8 fp32, R 2 bf16); fp16's
+# error-feedback variants 1.5-2 at R 1-4. Tighter caps or wider tiles spill in the padding-error variants or
+# interleave loads with waits.
 # Modelled worst bucket (fp32 / bf16): R 1 86 / 91 %, R 2 86 / 91 %, R 4 79 / 85 %, R 8 58 / 50 % (the loop-carried
 # 2-8 x 128 tiles before: 56-86 / 65-86, 56-86 / 62-85, 50-68 / 50-54, 33-42 / 27-29 %).
 PROJECT_TILES = {
