@@ -163,7 +163,8 @@ def _project_kernel(
     if LOSS_SCALE:  # loaded once: a load inside the loop would wait a latency per step (it is consumed at once)
         scale = tl.load(ls_ptr)
     if CARRY or (USE_DOT and PREFETCH > 0):  # this step's tiles arrived during the last step; the next ones go out
-        x_n, e_n, q_n = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
+        x_n, e_n, q_n = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K,
+                                       not USE_DOT)
         for k0 in loop_range(0, m, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
             lin = rows[:, None] * m + cols[None, :]
@@ -186,7 +187,8 @@ def _project_kernel(
             acc = _project_step(acc, x_a, e_a, q_a, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR, LOSS_SCALE,
                                 BLOCK_K, USE_DOT)
     elif PREFETCH == 1:  # register sets a, b: a's loads go out while b's step is computed, and b's during a's
-        x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
+        x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K,
+                                       not USE_DOT)
         for k0 in loop_range(0, m, 2 * BLOCK_K):
             x_b, e_b, q_b = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + BLOCK_K, m, numel, r, HAS_ERROR,
                                            PAD_ERROR, BLOCK_K, not USE_DOT)
@@ -197,7 +199,8 @@ def _project_kernel(
             acc = _project_step(acc, x_b, e_b, q_b, mp, scale, rows, row_ok, k0 + BLOCK_K, m, numel, HAS_ERROR,
                                 LOSS_SCALE, BLOCK_K, USE_DOT)
     else:  # three register sets: two steps' loads in flight while one is computed
-        x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
+        x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K,
+                                       not USE_DOT)
         x_b, e_b, q_b = _project_loads(mp, ep, qp, rows, row_ok, ranks, BLOCK_K, m, numel, r, HAS_ERROR, PAD_ERROR,
                                        BLOCK_K, not USE_DOT)
         for k0 in loop_range(0, m, 3 * BLOCK_K):

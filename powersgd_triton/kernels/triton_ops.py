@@ -285,19 +285,17 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
                      num_sms: Optional[int] = None) -> dict:
     """Untuned default for ``kernel``: the interpreter config under TRITON_INTERPRET=1, else a GPU heuristic.
 
-    GPU heuristic (sized with :mod:`powersgd_triton.perfmodel` for an H100/H200): rank <= 8 broadcast multiply with
-    16 accumulator elements per thread (no spills, <= 128 registers on sm_90) and the kernels' register prefetch
-    (``PREFETCH`` 1: Triton does not pipeline these loops); reconstruct takes :data:`RECONSTRUCT_TILES` by padded
-    rank and gradient element size (an unrolled loop, ``PREFETCH`` 2, ``maxnreg`` 128; rank 1 in 2-byte gradients
-    the loop-carried ``CARRY`` form); project_t takes
-    :data:`PROJECT_T_TILES` by padded rank and gradient element size (wide column tiles, a ``[R, BLOCK_M]``
-    accumulator, an unrolled loop with 2-3 steps of loads in flight, ``maxnreg`` for 4-7 blocks per SM), on the
-    batched view :data:`PROJECT_T_BATCHED_TILE`; ``project``
-    walks whole
-    rows, so it takes ``PROJECT_BLOCK_K`` columns per step and as many rows as the budget allows (8 rows at rank
-    <= 2, 4 at rank 4, 2 at rank 8). ``tl.dot`` tiles from rank 16 on, software-pipelined (``num_stages`` 3;
-    project at rank 32: 32 columns, 2 stages, no spills). The row and column splits are planned at launch from the
-    SM count (:func:`split_rows`, :func:`split_cols`, :func:`plan`); ``num_sms`` is kept for the signature.
+    GPU heuristic (sized with :mod:`powersgd_triton.perfmodel` for an H100/H200): at rank <= 8 the broadcast
+    multiply with the kernels' unrolled register prefetch (Triton does not pipeline these loops) and tiles per
+    padded rank and gradient element size (``dtype.itemsize`` 4, else 2) with ``maxnreg`` (no spills, <= 128
+    registers on sm_90): project takes :data:`PROJECT_TILES` (4-8 rows x 64-128 columns per step, ``PREFETCH`` 2;
+    rank 8 in 2-byte gradients ``PREFETCH`` 1); reconstruct :data:`RECONSTRUCT_TILES` (``PREFETCH`` 2, ``maxnreg``
+    128; rank 1 in 2-byte gradients the loop-carried ``CARRY`` form); project_t :data:`PROJECT_T_TILES` (wide
+    column tiles, a ``[R, BLOCK_M]`` accumulator, 2-3 steps of loads in flight, ``maxnreg`` for 4-7 blocks per SM),
+    on the batched view :data:`PROJECT_T_BATCHED_TILE`. ``tl.dot`` tiles from rank 16 on, software-pipelined
+    (``num_stages`` 3; project at rank 32: 32 columns, 2 stages, no spills). The row and column splits are planned
+    at launch from the SM count (:func:`split_rows`, :func:`split_cols`, :func:`plan`); ``num_sms`` is kept for the
+    signature. Returns a new dict; raises ``ValueError`` for an unknown kernel name.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
