@@ -231,12 +231,12 @@ def _check_targets(rows):
             assert r["fraction"] >= 0.6, (key, r["fraction"])
         if r["kernel"] in ("project", "project_t") and not r["config"]["USE_DOT"]:
             # the broadcast loop: project_t sums each step's rows in the thread that loaded them (no barrier, shuffle,
-            # shared or local memory in the loop; project's 2-byte tiles go through shared memory once per step, a
-            # layout conversion, in fp32 they do not); every load of a trip issued before the trip waits (one DRAM
-            # latency per trip, 1 + PREFETCH steps in flight)
+            # shared or local memory in the loop; project's 64-column tiles at R >= 2 convert M's tile through shared
+            # memory once per step, its 128-column ones do not); every load of a trip issued before the trip waits
+            # (one DRAM latency per trip, 1 + PREFETCH steps in flight)
             loop = r["loop"]
             assert loop["shuffles"] == loop["local"] == 0, (key, loop)
-            if r["kernel"] == "project_t" or r["dtype"] == "fp32":
+            if r["kernel"] == "project_t":
                 assert loop["barriers"] == loop["shared"] == 0, (key, loop)
             assert loop["trip_latencies"] == 1.0 and r["depth"] == r["steps_per_trip"] >= 2, (key, loop)
 

@@ -69,20 +69,20 @@ BROADCAST_ELEMENTS_PER_THREAD = 16
 TILE_ELEMENTS_PER_THREAD = 8
 # The tile plans aim at this many programs per SM (>= 2: while one program waits for memory another issues loads).
 PROGRAMS_PER_SM = 2
-# project's broadcast path (R <= 8): (BLOCK_N, BLOCK_K, PREFETCH, maxnreg) by (padded rank, gradient element size),
-# 4 warps, like RECONSTRUCT_TILES below (PREFETCH p: p + 1 register sets, the loop unrolled p + 1 times, no
-# loop-carried copy; -1: the loop-carried CARRY form; 0 maxnreg: no cap). Its programs walk whole rows (one program
-# per BLOCK_N rows), so the grid is fixed by the row count; the [R, BLOCK_N, BLOCK_K] accumulator puts a thread's
-# loaded elements (spread over the columns) and all R columns of Q in its registers (no layout conversion, no
-# shared memory in the loop). Picked from a sweep of tiles (1-16 rows x 32-256 columns) x PREFETCH 1-2 x maxnreg
-# (72-128, none) on the sm_90 compile (triton 3.9: ptxas -v and the SASS replay of aot.main_loop) of the error-
-# feedback variant, by the performance model on ResNet-50 / GPT-2 / BERT at the padded rank, then checked on all 7
-# variants x fp32 (4-byte) or bf16 + fp16 (2-byte): no spills, <= 128 registers (47-128), one DRAM latency per trip
-# in fp32 and bf16 but for the batched view's padding-error variants (1.5 at R 4, R 8 fp32, R 2 bf16); fp16's
-# error-feedback variants 1.5-2 at R 1-4. Tighter caps or wider tiles spill in the padding-error variants or
-# interleave loads with waits.
-# Modelled worst bucket (fp32 / bf16): R 1 86 / 91 %, R 2 86 / 91 %, R 4 79 / 85 %, R 8 58 / 50 % (the loop-carried
-# 2-8 x 128 tiles before: 56-86 / 65-86, 56-86 / 62-85, 50-68 / 50-54, 33-42 / 27-29 %).
+# project's broadcast path (R <= 8): (BLOCK_N, BLOCK_K, PREFETCH, maxnreg) by (padded rank, gradient element size), 4
+# warps, like RECONSTRUCT_TILES below (PREFETCH p: p + 1 register sets, the loop unrolled p + 1 times, no loop-carried
+# copy; -1: the loop-carried CARRY form; 0 maxnreg: no cap). Its programs walk whole rows (one program per BLOCK_N
+# rows), so the grid is fixed by the row count; the [R, BLOCK_N, BLOCK_K] accumulator puts a thread's loaded elements
+# (spread over the columns) and all R columns of Q in its registers (at 128 columns, and 4 x 64 at R 1, no shared memory
+# in the loop; the 64-column tiles at R >= 2 convert M's tile through shared memory once per step; the replay still
+# waits one latency per trip). Picked from a sweep of tiles (1-16 rows x 32-256 columns) x PREFETCH 1-2 x maxnreg
+# (72-128, none) on the sm_90 compile (triton 3.9: ptxas -v and the SASS replay of aot.main_loop) of the error-feedback
+# variant, by the performance model on ResNet-50 / GPT-2 / BERT at the padded rank, then checked on all 7 variants x
+# fp32 (4-byte) or bf16 + fp16 (2-byte): no spills, <= 128 registers (47-128), one DRAM latency per trip in fp32 and
+# bf16 but for the batched view's padding-error variants (1.5 at R 4, R 8 fp32, R 2 bf16); fp16's error-feedback
+# variants 1.5-2 at R 1-4. Tighter caps or wider tiles spill in the padding-error variants or interleave loads with
+# waits. Modelled worst bucket (fp32 / bf16): R 1 86 / 91 %, R 2 86 / 91 %, R 4 79 / 85 %, R 8 58 / 50 % (the
+# loop-carried 2-8 x 128 tiles before: 56-86 / 65-86, 56-86 / 62-85, 50-68 / 50-54, 33-42 / 27-29 %).
 PROJECT_TILES = {
     (1, 4): (4, 128, 2, 96), (1, 2): (4, 64, 2, 0),
     (2, 4): (4, 128, 2, 112), (2, 2): (8, 64, 2, 112),
