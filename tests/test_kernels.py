@@ -371,7 +371,8 @@ ALT_CONFIGS = {
         "reconstruct": dict(BLOCK_N=16, BLOCK_K=32, USE_DOT=True, num_warps=4, num_stages=1),
     },
     "small_tiles_split": {
-        "project": dict(BLOCK_N=8, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1),
+        # project: three register sets (PREFETCH 2: 48 columns per loop trip), rows end in masked steps
+        "project": dict(BLOCK_N=8, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=2),
         # project_t: one step in flight ahead (PREFETCH 1: 16 rows per loop trip), 20-row splits end in masked steps;
         # maxnreg (a compile option) is ignored by the interpreter
         "project_t": dict(BLOCK_M=16, BLOCK_K=8, SPLIT_ROWS=20, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=1,
@@ -391,9 +392,9 @@ ALT_CONFIGS = {
         "reconstruct": dict(BLOCK_N=8, BLOCK_K=16, SPLIT_COLS=32, USE_DOT=False, num_warps=4, num_stages=1,
                             PREFETCH=1),
     },
-    # reconstruct's loop-carried prefetch (CARRY: rank 1 in 2-byte gradients), the next step loaded past each range
+    # project's and reconstruct's loop-carried prefetch (CARRY), the next step loaded past each row or range
     "carry_split": {
-        "project": dict(BLOCK_N=4, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=1),
+        "project": dict(BLOCK_N=4, BLOCK_K=16, USE_DOT=False, num_warps=4, num_stages=1, PREFETCH=1, CARRY=True),
         "project_t": dict(BLOCK_M=16, BLOCK_K=8, USE_DOT=False, num_warps=4, num_stages=1),
         "orthogonalize": dict(BLOCK=16, SHORT_ROWS=256, GRAM_ROWS=64, SPLIT_ROWS=16, num_warps=4, num_stages=1),
         "reconstruct": dict(BLOCK_N=8, BLOCK_K=16, SPLIT_COLS=48, USE_DOT=False, num_warps=4, num_stages=1,

@@ -11,9 +11,11 @@ memory-bound for every r we use (arithmetic intensity ≈ 2r / sizeof(M) flop/by
 away and accumulation is float32. ``R`` is the bucket's largest rank padded to a power of two; columns ``>= r_i``
 are masked. ``USE_DOT`` picks ``tl.dot`` (fp32 ``ieee``, needs ``R >= 16``; project_t with ``SPLIT_BF16`` on a
 2-byte M: bfloat16 tensor-core dots on exactly split operands, as accurate) or a broadcast multiply: project's
-``[rows, k, R]`` products are accumulated elementwise over the loop and summed once after it (no cross-thread
-reduction inside the loop); project_t keeps a ``[R, columns]`` accumulator and sums each step's rows inside the
-thread that loaded them (see :func:`_project_t_kernel`).
+``[R, rows, k]`` products are accumulated elementwise over the loop and summed over k once after it (no
+cross-thread reduction inside the loop; each thread multiplies the elements it loaded by all R columns of Q in its
+registers); project_t keeps a ``[R, columns]`` accumulator and sums each step's rows inside the thread that loaded
+them (see :func:`_project_t_kernel`). Both unroll their register prefetch (``PREFETCH`` p: p + 1 register sets,
+one per step of a loop trip).
 
 Tiles: ``project`` has one program per ``BLOCK_N`` rows of a matrix (the sum over the columns stays in the program);
 ``project_t`` one per ``BLOCK_M`` columns and row range: a matrix whose rows are split over several programs writes
@@ -47,9 +49,10 @@ from .common import (  # noqa: F401 - re-exported
 
 @triton.jit
 def _project_loads(m_ptr, e_ptr, q_ptr, rows, row_ok, ranks, k0, m, numel, r, HAS_ERROR: tl.constexpr,
-                   PAD_ERROR: tl.constexpr, BLOCK_K: tl.constexpr):
+                   PAD_ERROR: tl.constexpr, BLOCK_K: tl.constexpr, Q_T: tl.constexpr):
     """The tiles one project step reads at columns ``k0:k0 + BLOCK_K`` (masked past ``m``): M's ``[rows, k]``,
-    E's (zeros without ``HAS_ERROR``; with ``PAD_ERROR`` also on the padding), Q's ``[k, R]``; as stored."""
+    E's (zeros without ``HAS_ERROR``; with ``PAD_ERROR`` also on the padding), Q's ``[k, R]`` (``Q_T``: its
+    transpose ``[R, k]``, the broadcast path's); as stored."""
     cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
     col_ok = cols < m
     lin = rows[:, None] * m + cols[None, :]
@@ -63,8 +66,12 @@ def _project_loads(m_ptr, e_ptr, q_ptr, rows, row_ok, ranks, k0, m, numel, r, HA
             e = tl.load(e_ptr + lin, mask=mask, other=0.0)
     else:
         e = tl.zeros((1, 1), dtype=tl.float32)
-    q_mask = col_ok[:, None] & (ranks[None, :] < r)
-    q = tl.load(q_ptr + cols[:, None] * r + ranks[None, :], mask=q_mask, other=0.0)
+    if Q_T:  # [R, k]; the rank offsets are not known to be contiguous, so the load keeps the layout of M's tile
+        rank_off = tl.where(ranks < r, ranks, 0)
+        q = tl.load(q_ptr + cols[None, :] * r + rank_off[:, None], mask=col_ok[None, :] & (ranks[:, None] < r),
+                    other=0.0)
+    else:
+        q = tl.load(q_ptr + cols[:, None] * r + ranks[None, :], mask=col_ok[:, None] & (ranks[None, :] < r), other=0.0)
     return x, e, q
 
 
@@ -79,6 +86,31 @@ def _m_plus_error(x_raw, e_raw, ls_ptr, WITH_ERROR: tl.constexpr, LOSS_SCALE: tl
             e = e * tl.load(ls_ptr)
         x += e
     return x
+
+
+@triton.jit
+def _project_step(acc, x_raw, e_raw, q_raw, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR: tl.constexpr,
+                  LOSS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+    """One project step at columns ``k0:k0 + BLOCK_K`` from its loaded tiles (:func:`_project_loads`): M + E
+    (``M + scale·E`` with ``LOSS_SCALE``; stored back into M with ``HAS_ERROR``, masked past ``m`` and ``numel``: a
+    step past the row's end stores nothing) times Q's tile, added to ``acc`` (``tl.dot``: ``[rows, R]``;
+    broadcast: the ``[R, rows, k]`` products elementwise)."""
+    x = x_raw.to(tl.float32)
+    if HAS_ERROR:
+        e = e_raw.to(tl.float32)
+        if LOSS_SCALE:
+            e = e * scale
+        x += e
+    if HAS_ERROR:
+        cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        lin = rows[:, None] * m + cols[None, :]
+        mask = row_ok[:, None] & (cols < m)[None, :] & (lin < numel)
+        tl.store(mp + lin, _cast_for_store(x, mp), mask=mask)
+    q = q_raw.to(tl.float32)
+    if USE_DOT:
+        return acc + tl.dot(x, q, input_precision="ieee")
+    else:
+        return acc + x[None, :, :] * q[:, None, :]
 
 
 @triton.jit
@@ -98,11 +130,22 @@ def _project_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,  # 1: the next step's tiles are loaded before this step's arithmetic
+    PREFETCH: tl.constexpr = 0,  # 1 (2): the next 1 (2) steps' tiles are loaded before a step's arithmetic
     LOSS_SCALE: tl.constexpr = False,
+    CARRY: tl.constexpr = False,  # PREFETCH 1 as a loop-carried register copy (one step per trip; see below)
 ):
     """P_i[rows] = (M_i + E_i)[rows] · Q_i for one tile of BLOCK_N rows; writes M_i + E_i back if HAS_ERROR
-    (``M_i + s·E_i`` with LOSS_SCALE)."""
+    (``M_i + s·E_i`` with LOSS_SCALE).
+
+    ``PREFETCH`` p unrolls the loop over the row's columns p + 1 times, one register set per step: the tiles of the
+    next p steps are loaded before a step is computed, and each loaded register is consumed where it was loaded
+    (a loop-carried copy waits for its loads within the trip: one step of loads in flight). A row that is not a
+    multiple of (p + 1) x ``BLOCK_K`` columns ends with steps past its end: their loads are masked (zeros, so
+    they add exact zeros to the accumulator) and they store nothing. ``CARRY`` (with ``PREFETCH`` 1) keeps the
+    older form, one step per trip whose next tiles are copied into this step's registers; the ``tl.dot`` path
+    takes ``PREFETCH`` in that form too. Every form adds the same products in the same order: the broadcast path
+    accumulates the ``[R, BLOCK_N, BLOCK_K]`` products elementwise, step by step, and sums them over the columns
+    once after the loop (a ``[R, BLOCK_N]`` tile of Pᵀ, stored as is)."""
     pid = tl.program_id(0)
     mat = tl.load(tiles_ptr + TILE_WIDTH * pid + TILE_MAT).to(tl.int64)
     row0 = tl.load(tiles_ptr + TILE_WIDTH * pid + TILE_FIRST).to(tl.int64)
@@ -113,36 +156,75 @@ def _project_kernel(
     row_ok = rows < n
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, R), dtype=tl.float32)
-    else:
-        acc3 = tl.zeros((BLOCK_N, BLOCK_K, R), dtype=tl.float32)
-    if PREFETCH:
-        x_next, e_next, q_next = _project_loads(buf_ptr + off, e_ptr + e_off, q_ptr + q_off, rows, row_ok, ranks,
-                                                0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K)
-    for k0 in loop_range(0, m, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        col_ok = cols < m
-        lin = rows[:, None] * m + cols[None, :]
-        inside = row_ok[:, None] & col_ok[None, :]
-        mask = inside & (lin < numel)
-        if PREFETCH:  # this step's tiles arrived during the last step; the next step's go out now
-            x_raw, e_raw, q_raw = x_next, e_next, q_next
-            x_next, e_next, q_next = _project_loads(buf_ptr + off, e_ptr + e_off, q_ptr + q_off, rows, row_ok,
-                                                    ranks, k0 + BLOCK_K, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K)
-        else:
-            x_raw, e_raw, q_raw = _project_loads(buf_ptr + off, e_ptr + e_off, q_ptr + q_off, rows, row_ok, ranks,
-                                                 k0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K)
-        x = _m_plus_error(x_raw, e_raw, ls_ptr, HAS_ERROR, LOSS_SCALE)
-        if HAS_ERROR:
-            tl.store(buf_ptr + off + lin, _cast_for_store(x, buf_ptr), mask=mask)
-        q = q_raw.to(tl.float32)
-        if USE_DOT:
-            acc += tl.dot(x, q, input_precision="ieee")
-        else:
-            acc3 += x[:, :, None] * q[None, :, :]
-    if not USE_DOT:
-        acc = tl.sum(acc3, axis=1)
-    p_mask = row_ok[:, None] & (ranks[None, :] < r)
-    local = p_off + rows[:, None] * r + ranks[None, :]
+    else:  # [R, rows, k]: a thread's loaded elements (spread over k) meet all R columns of Q in its registers
+        acc = tl.zeros((R, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    mp = buf_ptr + off  # this matrix's M, error and Q
+    ep = e_ptr + e_off
+    qp = q_ptr + q_off
+    scale = 1.0
+    if LOSS_SCALE:  # loaded once: a load inside the loop would wait a latency per step (it is consumed at once)
+        scale = tl.load(ls_ptr)
+    if CARRY or (USE_DOT and PREFETCH > 0):  # this step's tiles arrived during the last step; the next ones go out
+        x_n, e_n, q_n = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K,
+                                       not USE_DOT)
+        for k0 in loop_range(0, m, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+            lin = rows[:, None] * m + cols[None, :]
+            mask = row_ok[:, None] & (cols < m)[None, :] & (lin < numel)
+            x_a, e_a, q_a = x_n, e_n, q_n
+            x_n, e_n, q_n = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + BLOCK_K, m, numel, r, HAS_ERROR,
+                                           PAD_ERROR, BLOCK_K, not USE_DOT)
+            x = _m_plus_error(x_a, e_a, ls_ptr, HAS_ERROR, LOSS_SCALE)
+            if HAS_ERROR:
+                tl.store(buf_ptr + off + lin, _cast_for_store(x, buf_ptr), mask=mask)
+            q = q_a.to(tl.float32)
+            if USE_DOT:
+                acc += tl.dot(x, q, input_precision="ieee")
+            else:
+                acc += x[None, :, :] * q[:, None, :]
+    elif PREFETCH == 0:
+        for k0 in loop_range(0, m, BLOCK_K):
+            x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0, m, numel, r, HAS_ERROR, PAD_ERROR,
+                                           BLOCK_K, not USE_DOT)
+            acc = _project_step(acc, x_a, e_a, q_a, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR, LOSS_SCALE,
+                                BLOCK_K, USE_DOT)
+    elif PREFETCH == 1:  # register sets a, b: a's loads go out while b's step is computed, and b's during a's
+        x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K,
+                                       not USE_DOT)
+        for k0 in loop_range(0, m, 2 * BLOCK_K):
+            x_b, e_b, q_b = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + BLOCK_K, m, numel, r, HAS_ERROR,
+                                           PAD_ERROR, BLOCK_K, not USE_DOT)
+            acc = _project_step(acc, x_a, e_a, q_a, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR, LOSS_SCALE,
+                                BLOCK_K, USE_DOT)
+            x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + 2 * BLOCK_K, m, numel, r,
+                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
+            acc = _project_step(acc, x_b, e_b, q_b, mp, scale, rows, row_ok, k0 + BLOCK_K, m, numel, HAS_ERROR,
+                                LOSS_SCALE, BLOCK_K, USE_DOT)
+    else:  # three register sets: two steps' loads in flight while one is computed
+        x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K,
+                                       not USE_DOT)
+        x_b, e_b, q_b = _project_loads(mp, ep, qp, rows, row_ok, ranks, BLOCK_K, m, numel, r, HAS_ERROR, PAD_ERROR,
+                                       BLOCK_K, not USE_DOT)
+        for k0 in loop_range(0, m, 3 * BLOCK_K):
+            x_c, e_c, q_c = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + 2 * BLOCK_K, m, numel, r,
+                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
+            acc = _project_step(acc, x_a, e_a, q_a, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR, LOSS_SCALE,
+                                BLOCK_K, USE_DOT)
+            x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + 3 * BLOCK_K, m, numel, r,
+                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
+            acc = _project_step(acc, x_b, e_b, q_b, mp, scale, rows, row_ok, k0 + BLOCK_K, m, numel, HAS_ERROR,
+                                LOSS_SCALE, BLOCK_K, USE_DOT)
+            x_b, e_b, q_b = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + 4 * BLOCK_K, m, numel, r,
+                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
+            acc = _project_step(acc, x_c, e_c, q_c, mp, scale, rows, row_ok, k0 + 2 * BLOCK_K, m, numel, HAS_ERROR,
+                                LOSS_SCALE, BLOCK_K, USE_DOT)
+    if USE_DOT:
+        p_mask = row_ok[:, None] & (ranks[None, :] < r)
+        local = p_off + rows[:, None] * r + ranks[None, :]
+    else:  # Pᵀ's tile [R, rows], stored as is
+        acc = tl.sum(acc, axis=2)
+        p_mask = row_ok[None, :] & (ranks[:, None] < r)
+        local = p_off + rows[None, :] * r + ranks[:, None]
     tl.store(p_ptr + local, _cast_for_store(acc, p_ptr), mask=p_mask)
     if HAS_P2:
         tl.store(p2_ptr + local, _cast_for_store(acc, p2_ptr), mask=p_mask)

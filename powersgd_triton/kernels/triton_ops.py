@@ -10,7 +10,8 @@ registers per thread ptxas may use: a compile option, passed at launch and to :f
 =================  ===================================================
 kernel             keys
 =================  ===================================================
-``project``        ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``USE_DOT``
+``project``        ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``PREFETCH`` further steps
+                   in flight (``CARRY``: as a loop-carried copy), ``USE_DOT``
 ``project_t``      ``BLOCK_M`` columns per tile, ``BLOCK_K`` rows per step, ``PREFETCH`` further steps
                    in flight (broadcast path), ``SPLIT_ROWS`` rows per program at most (0: no split),
                    ``USE_DOT``, ``SPLIT_BF16`` (with ``USE_DOT`` on 2-byte gradients: bfloat16 tensor-core
@@ -20,7 +21,8 @@ kernel             keys
                    ones are split: two launches), ``GRAM_ROWS`` rows per float64 Gram slot of a split
                    factor (with ``BLOCK`` it fixes the summation order), ``SPLIT_ROWS`` rows per program
                    of the apply pass of a split factor
-``reconstruct``    ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``USE_DOT``
+``reconstruct``    ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``PREFETCH`` further steps
+                   in flight (``CARRY``: as a loop-carried copy), ``USE_DOT``
 =================  ===================================================
 
 :func:`config_space` lists the candidates the autotuner times, :func:`heuristic_config` the untuned default, and
@@ -70,9 +72,26 @@ BROADCAST_ELEMENTS_PER_THREAD = 16
 TILE_ELEMENTS_PER_THREAD = 8
 # The tile plans aim at this many programs per SM (>= 2: while one program waits for memory another issues loads).
 PROGRAMS_PER_SM = 2
-# Columns per step of project (its programs walk whole rows: a long row is a long loop; 128 columns per step keeps
-# ResNet-50's 4608-column layers at 36 steps).
-PROJECT_BLOCK_K = 128
+# project's broadcast path (R <= 8): (BLOCK_N, BLOCK_K, PREFETCH, maxnreg) by (padded rank, gradient element size), 4
+# warps, like RECONSTRUCT_TILES below (PREFETCH p: p + 1 register sets, the loop unrolled p + 1 times, no loop-carried
+# copy; -1: the loop-carried CARRY form; 0 maxnreg: no cap). Its programs walk whole rows (one program per BLOCK_N
+# rows), so the grid is fixed by the row count; the [R, BLOCK_N, BLOCK_K] accumulator puts a thread's loaded elements
+# (spread over the columns) and all R columns of Q in its registers (at 128 columns, and 4 x 64 at R 1, no shared memory
+# in the loop; the 64-column tiles at R >= 2 convert M's tile through shared memory once per step; the replay still
+# waits one latency per trip). Picked from a sweep of tiles (1-16 rows x 32-256 columns) x PREFETCH 1-2 x maxnreg
+# (72-128, none) on the sm_90 compile (triton 3.9: ptxas -v and the SASS replay of aot.main_loop) of the error-feedback
+# variant, by the performance model on ResNet-50 / GPT-2 / BERT at the padded rank, then checked on all 7 variants x
+# fp32 (4-byte) or bf16 + fp16 (2-byte): no spills, <= 128 registers (47-128), one DRAM latency per trip in fp32 and
+# bf16 but for the batched view's padding-error variants (1.5 at R 4, R 8 fp32, R 2 bf16); fp16's error-feedback
+# variants 1.5-2 at R 1-4. Tighter caps or wider tiles spill in the padding-error variants or interleave loads with
+# waits. Modelled worst bucket (fp32 / bf16): R 1 86 / 91 %, R 2 86 / 91 %, R 4 79 / 85 %, R 8 58 / 50 % (the
+# loop-carried 2-8 x 128 tiles before: 56-86 / 65-86, 56-86 / 62-85, 50-68 / 50-54, 33-42 / 27-29 %).
+PROJECT_TILES = {
+    (1, 4): (4, 128, 2, 96), (1, 2): (4, 64, 2, 0),
+    (2, 4): (4, 128, 2, 112), (2, 2): (8, 64, 2, 112),
+    (4, 4): (8, 64, 2, 128), (4, 2): (8, 64, 2, 128),
+    (8, 4): (4, 64, 2, 112), (8, 2): (4, 64, 1, 96),
+}
 # project_t's row splits aim at one round of resident programs: blocks per SM at the config's maxnreg
 # (project_t_programs_per_sm), else this many (the tl.dot heuristic: 80 registers, 6 blocks of 4 warps per SM on
 # sm_90). Each split adds m x r float32 of workspace (written, then read by reduce_splits).
@@ -227,7 +246,8 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     project_t's broadcast path (R <= 8) instead: its heuristic tiles for 4- and 2-byte gradients
     (:data:`PROJECT_T_TILES`) and for the batched view (:data:`PROJECT_T_BATCHED_TILE`), and the tiles of
     ``_PROJECT_T_TILES`` with ``PREFETCH`` 0-2 and ``maxnreg`` 96 or 128 whose held data fits (see there).
-    reconstruct's broadcast path (R <= 8) also has its heuristic tiles (:data:`RECONSTRUCT_TILES`).
+    project's and reconstruct's broadcast paths (R <= 8) also have their heuristic tiles (:data:`PROJECT_TILES`,
+    :data:`RECONSTRUCT_TILES`, for 4- and 2-byte gradients).
     Orthogonalize: the heuristics of every rank at 8 and 4 warps whose float64 tile fits (:func:`_ortho_configs`).
     The row or column splits are not part of a config: they are planned per bucket from the GPU's SM count.
     Raises ``ValueError`` for an unknown kernel name.
@@ -241,9 +261,10 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     r = padded_rank(max_rank)
     if kernel == "project_t":
         out = _project_t_broadcast_configs(r)
-    if kernel == "reconstruct" and r <= 8:  # its heuristic tiles for 4- and 2-byte gradients
+    if kernel in ("project", "reconstruct") and r <= 8:  # their heuristic tiles for 4- and 2-byte gradients
+        table = PROJECT_TILES if kernel == "project" else RECONSTRUCT_TILES
         for es in (4, 2):
-            cfg = _broadcast_config("reconstruct", *RECONSTRUCT_TILES[(r, es)])
+            cfg = _broadcast_config(kernel, *table[(r, es)])
             if cfg not in out:
                 out.append(cfg)
     for (bt, bk), warps, (stages, prefetch) in itertools.product(_BROADCAST_TILES.get(kernel, ()), (4, 8), _DEPTHS):
@@ -267,8 +288,10 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
 
 
 def _broadcast_config(kernel: str, tile: int, bk: int, prefetch: int, maxnreg: int) -> dict:
-    """The 4-warp broadcast-path config of one entry of :data:`PROJECT_T_TILES` / :data:`RECONSTRUCT_TILES`
-    (``prefetch`` -1: ``PREFETCH`` 1 as reconstruct's loop-carried ``CARRY`` form; ``maxnreg`` 0: no cap)."""
+    """The 4-warp broadcast-path config of one entry of :data:`PROJECT_TILES` / :data:`PROJECT_T_TILES` /
+    :data:`RECONSTRUCT_TILES`
+    (``prefetch`` -1: ``PREFETCH`` 1 as project's and reconstruct's loop-carried ``CARRY`` form; ``maxnreg`` 0: no
+    cap)."""
     cfg = {_tile_key(kernel): tile, "BLOCK_K": bk, "USE_DOT": False, "num_warps": 4, "num_stages": 1}
     if prefetch < 0:
         cfg["PREFETCH"], cfg["CARRY"] = 1, True
@@ -307,22 +330,20 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
                      num_sms: Optional[int] = None) -> dict:
     """Untuned default for ``kernel``: the interpreter config under TRITON_INTERPRET=1, else a GPU heuristic.
 
-    GPU heuristic (sized with :mod:`powersgd_triton.perfmodel` for an H100/H200): rank <= 8 broadcast multiply with
-    16 accumulator elements per thread (no spills, <= 128 registers on sm_90) and the kernels' register prefetch
-    (``PREFETCH`` 1: Triton does not pipeline these loops); reconstruct takes :data:`RECONSTRUCT_TILES` by padded
-    rank and gradient element size (an unrolled loop, ``PREFETCH`` 2, ``maxnreg`` 128; rank 1 in 2-byte gradients
-    the loop-carried ``CARRY`` form); project_t takes
-    :data:`PROJECT_T_TILES` by padded rank and gradient element size (wide column tiles, a ``[R, BLOCK_M]``
-    accumulator, an unrolled loop with 2-3 steps of loads in flight, ``maxnreg`` for 4-7 blocks per SM), on the
-    batched view :data:`PROJECT_T_BATCHED_TILE`; ``project``
-    walks whole
-    rows, so it takes ``PROJECT_BLOCK_K`` columns per step and as many rows as the budget allows (8 rows at rank
-    <= 2, 4 at rank 4, 2 at rank 8). ``tl.dot`` tiles from rank 16 on, software-pipelined (``num_stages`` 3;
-    project at rank 32: 32 columns, 2 stages, no spills); project_t on 2-byte gradients there takes
-    :data:`PROJECT_T_SPLIT_CONFIG` (bfloat16 tensor-core dots on exactly split operands, :func:`split_bf16_dot`),
-    but on the batched view, whose padding error keeps the float32 dot (:func:`padding_error_config`). The row
-    and column splits are planned at launch from the SM count (:func:`split_rows`, :func:`split_cols`,
-    :func:`plan`); ``num_sms`` is kept for the signature.
+    GPU heuristic (sized with :mod:`powersgd_triton.perfmodel` for an H100/H200): at rank <= 8 the broadcast
+    multiply with the kernels' unrolled register prefetch (Triton does not pipeline these loops) and tiles per
+    padded rank and gradient element size (``dtype.itemsize`` 4, else 2) with ``maxnreg`` (no spills, <= 128
+    registers on sm_90): project takes :data:`PROJECT_TILES` (4-8 rows x 64-128 columns per step, ``PREFETCH`` 2;
+    rank 8 in 2-byte gradients ``PREFETCH`` 1); reconstruct :data:`RECONSTRUCT_TILES` (``PREFETCH`` 2, ``maxnreg``
+    128; rank 1 in 2-byte gradients the loop-carried ``CARRY`` form); project_t :data:`PROJECT_T_TILES` (wide
+    column tiles, a ``[R, BLOCK_M]`` accumulator, 2-3 steps of loads in flight, ``maxnreg`` for 4-7 blocks per SM),
+    on the batched view :data:`PROJECT_T_BATCHED_TILE`. ``tl.dot`` tiles from rank 16 on, software-pipelined
+    (``num_stages`` 3; project at rank 32: 32 columns, 2 stages, no spills); project_t on 2-byte gradients there
+    takes :data:`PROJECT_T_SPLIT_CONFIG` (bfloat16 tensor-core dots on exactly split operands,
+    :func:`split_bf16_dot`), but on the batched view, whose padding error keeps the float32 dot
+    (:func:`padding_error_config`). The row and column splits are planned at launch from the SM count
+    (:func:`split_rows`, :func:`split_cols`, :func:`plan`); ``num_sms`` is kept for the signature. Returns a new
+    dict; raises ``ValueError`` for an unknown kernel name.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
@@ -340,17 +361,13 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
         if kernel == "project" and r <= 16:  # 64 columns per step: 188 registers, no spills (sm_90); 128 spill
             return {"BLOCK_N": 16, "BLOCK_K": 64, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
         return {"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": True, "num_warps": 4, "num_stages": 2}
-    budget = BROADCAST_ELEMENTS_PER_THREAD * 32 * 4  # accumulator / product elements per program (4 warps)
-    tile_max = TILE_ELEMENTS_PER_THREAD * 32 * 4
     es = 4 if dtype.itemsize >= 4 else 2  # the tile tables' element-size column (runs at every launch: no tensor)
     if kernel == "project_t":
         if getattr(layout, "batched", False):
             return _broadcast_config("project_t", *PROJECT_T_BATCHED_TILE)
         return _broadcast_config("project_t", *PROJECT_T_TILES[(r, es)])
     if kernel == "project":
-        bn = max(1, min(tile_max, budget // r) // PROJECT_BLOCK_K)
-        return {"BLOCK_N": bn, "BLOCK_K": PROJECT_BLOCK_K, "USE_DOT": False, "num_warps": 4, "num_stages": 1,
-                "PREFETCH": 1}
+        return _broadcast_config("project", *PROJECT_TILES[(r, es)])
     return _broadcast_config("reconstruct", *RECONSTRUCT_TILES[(r, es)])
 
 
@@ -377,9 +394,9 @@ def _pow2_split(work_per_program: float, align: int, extent: int) -> int:
 
 
 def steps_per_trip(cfg: dict) -> int:
-    """Loop steps (``BLOCK_K`` rows of project_t, columns of reconstruct) one trip of the kernel's loop does:
-    ``1 + PREFETCH`` on the broadcast path (the loop is unrolled once per step in flight), 1 with ``tl.dot`` or
-    reconstruct's loop-carried ``CARRY`` form."""
+    """Loop steps (``BLOCK_K`` rows of project_t, columns of project and reconstruct) one trip of the kernel's loop
+    does: ``1 + PREFETCH`` on the broadcast path (the loop is unrolled once per step in flight), 1 with ``tl.dot``
+    (project's ``PREFETCH`` there is the loop-carried form) or the loop-carried ``CARRY`` form."""
     return 1 if cfg.get("USE_DOT") or cfg.get("CARRY") else 1 + int(cfg.get("PREFETCH", 0))
 
 
@@ -540,9 +557,12 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         R = _factor_rank(layout, cfg)
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
         err = variant.get("HAS_ERROR", True)
-        per = [-(-s.m // bk) for s in mats for _ in range(-(-s.n // bn))]  # tile-table order
+        steps = steps_per_trip(cfg)
+        # tile-table order; whole trips of the loop (the last trip's extra steps are masked)
+        per = [-(-s.m // (bk * steps)) * steps for s in mats for _ in range(-(-s.n // bn))]
         programs = len(per)
         return [dict(base, kernel="project", programs=programs, iterations=max(per), program_iterations=per,
+                     steps_per_trip=steps,
                      bytes_read=mn * es + (4 * e_numel if err else 0) + q4,
                      bytes_written=(mn * es if err else 0) + p4 * (2 if variant.get("HAS_P2") else 1),
                      flops=2 * R * sum(s.n * s.m for s in mats),
@@ -634,7 +654,8 @@ def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_sca
         loss_scale if loss_scale is not None else p,
         HAS_ERROR=error is not None, PAD_ERROR=layout.batched and error is not None, HAS_P2=p2 is not None,
         R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0),
-        LOSS_SCALE=loss_scale is not None and error is not None, **_launch_options(cfg),
+        LOSS_SCALE=loss_scale is not None and error is not None, CARRY=bool(cfg.get("CARRY", False)),
+        **_launch_options(cfg),
     )
 
 
@@ -1047,12 +1068,13 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
         c["HAS_Q2"] = variant.get("HAS_Q2", False)
         c["PADDED"] = variant.get("PADDED", c["PAD_ERROR"])
         c["SPLIT_BF16"] = bool(config.get("SPLIT_BF16", False))
+    if kernel in ("project", "reconstruct"):
+        c["CARRY"] = bool(config.get("CARRY", False))
     if kernel == "reconstruct":
         c["HAS_ERROR"] = variant.get("HAS_ERROR", True)
         c["HAS_FLAG"] = variant.get("HAS_FLAG", True)
         c["LOCAL_ERR"] = variant.get("LOCAL_ERR", 0)
         c["COMMIT"] = variant.get("COMMIT", 0)
-        c["CARRY"] = bool(config.get("CARRY", False))
     return c
 
 
