@@ -46,6 +46,18 @@ def test_latency_bound_and_pipelined_launch():
     assert piped["stages"] == 2 and piped["time_s"] == pytest.approx(2 * 7e-6 + 1e-6)
 
 
+def test_table_lookups_before_the_loop():
+    """A program waits for ``lookups`` dependent table loads before its loop (default 2: a tile row, then the
+    layout table's row); orthogonalize's self-contained task rows make it 1, and its plan says so."""
+    small = _launch(bytes_read=3_000_000, bytes_written=1_000_000)
+    two = M.predict(small, SPEC, USAGE)["time_s"]
+    one = M.predict(dict(small, lookups=1), SPEC, USAGE)["time_s"]
+    assert two - one == pytest.approx(2 * 1e-6)  # two rounds of programs, one latency each
+    layout = _layout([(300, 70), (20000, 40)], rank=4)
+    cfg = dict(BLOCK=16, SHORT_ROWS=64, GRAM_ROWS=32, SPLIT_ROWS=16, num_warps=4, num_stages=1)
+    assert [launch["lookups"] for launch in T.orthogonalize_plan(layout, "p", cfg)] == [1, 1]
+
+
 def test_compute_and_l2_bound_launches():
     r = M.predict(_launch(flops=1e11), SPEC, USAGE)  # 5e10 flop per wave at 1e15 flop/s = 50 us
     assert r["bound"] == "compute" and r["time_s"] == pytest.approx(2 * 50e-6 + 1e-6)
