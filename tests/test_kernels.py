@@ -153,6 +153,29 @@ def test_project_t_split_dot_float32_accuracy(dtype, config, view, rng):
     assert max(per_matrix_errors(q_bf16, q64, layout, "q", scale)) > 10 * FP32_TOL
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_project_t_split_dot_at_rank_8(dtype, rng):
+    """The GPU heuristic of project_t on 2-byte gradients takes the split tensor-core path from padded rank 8 on
+    (``triton_ops.PROJECT_T_SPLIT_MIN_RANK``: R padded to 16, rank columns 8-15 masked): float32 accuracy at max rank
+    8, ranks 1-8 (the heuristic's own config, run in the interpreter)."""
+    from powersgd_triton.kernels import triton_ops
+
+    cfg = dict(triton_ops.PROJECT_T_SPLIT_CONFIG)
+    buf, whole, grads = make_bucket([(300, 40), (70, 33), (5, 200), (20, 17), (9, 3)], dtype, rng)
+    layout = layerwise(buf, grads, 8)
+    assert layout.max_rank == 8 and min(s.rank for s in layout.matrices) < 8
+    assert triton_ops.PROJECT_T_SPLIT_MIN_RANK <= triton_ops.padded_rank(8)
+    p = _factor(layout, "p", rng)
+    q64 = torch.zeros(layout.q_numel, dtype=torch.float64)
+    reference.project_t(buf.double(), layout, p.double(), q64, torch.float64)
+    scale = _product_scale(layout, buf, "m", p, "p")
+    q, q_whole = guarded(layout.q_numel)
+    ops.project_t(buf, layout, p, q, backend="triton", config=cfg)
+    assert rel_err(q, q64) < FP32_TOL
+    assert_per_matrix(q, q64, layout, "q", FP32_TOL, scale=scale)
+    assert guards_intact(q_whole, layout.q_numel)
+
 def _well_conditioned(layout, which, gen):
     """Factors U·diag(s)·Vᵀ with singular values in [1, 10], per matrix."""
     x = torch.empty(layout.p_numel if which == "p" else layout.q_numel, dtype=torch.float64)

@@ -84,13 +84,19 @@ PROGRAMS_PER_SM = 2
 # fp32 (4-byte) or bf16 + fp16 (2-byte): no spills, <= 128 registers (47-128), one DRAM latency per trip in fp32 and
 # bf16 but for the batched view's padding-error variants (1.5 at R 4, R 8 fp32, R 2 bf16); fp16's error-feedback
 # variants 1.5-2 at R 1-4. Tighter caps or wider tiles spill in the padding-error variants or interleave loads with
-# waits. Modelled worst bucket (fp32 / bf16): R 1 86 / 91 %, R 2 86 / 91 %, R 4 79 / 85 %, R 8 58 / 50 % (the
+# waits. Modelled worst bucket (fp32 / bf16): R 1 86 / 91 %, R 2 86 / 91 %, R 4 79 / 85 %, R 8 58 / 51 % (the
 # loop-carried 2-8 x 128 tiles before: 56-86 / 65-86, 56-86 / 62-85, 50-68 / 50-54, 33-42 / 27-29 %).
+# R 8 (a second sweep: 1-32 rows x 32-512 columns, PREFETCH 1-2, maxnreg 96-128): R x BLOCK_K / 32 of Q's
+# elements per step in every thread leave few registers for M's; 2-byte 8 x 32 PREFETCH 2 at 96 registers (5
+# blocks per SM; 86-96 registers, no spills in all 7 variants x bf16 / fp16; one latency per trip but bf16's
+# padding-error variants, 2) models 51 / 68 / 68 % on ResNet-50 / GPT-2 / BERT (4 x 64 PREFETCH 1 before: 50 / 51
+# / 54). 8 x 64 PREFETCH 1 at 128 registers would model 63 / 86 / 82 % but spills 24 bytes in fp16's padding error
+# with LOSS_SCALE; fp32 found nothing above 4 x 64 PREFETCH 2 (58 / 87 / 86 %: ResNet-50's short rows).
 PROJECT_TILES = {
     (1, 4): (4, 128, 2, 96), (1, 2): (4, 64, 2, 0),
     (2, 4): (4, 128, 2, 112), (2, 2): (8, 64, 2, 112),
     (4, 4): (8, 64, 2, 128), (4, 2): (8, 64, 2, 128),
-    (8, 4): (4, 64, 2, 112), (8, 2): (4, 64, 1, 96),
+    (8, 4): (4, 64, 2, 112), (8, 2): (8, 32, 2, 96),
 }
 # project_t's row splits aim at one round of resident programs: blocks per SM at the config's maxnreg
 # (project_t_programs_per_sm), else this many (the tl.dot heuristic: 80 registers, 6 blocks of 4 warps per SM on
@@ -104,12 +110,20 @@ PROJECT_T_PROGRAMS_PER_SM = 6
 # is erratic near a register cap: the same tile one notch tighter (or in the other variant) interleaves its loads
 # with the waits (2-10 latencies per trip) or spills, so each entry was picked from a sweep of tiles x maxnreg
 # (72-128) that checks both variants. Loaded bytes in flight per SM (blocks x steps x tile):
-# R 1: 112 KiB fp32, 56 bf16; R 2: 84 / 42; R 4: 60 / 32; R 8: 20 / 10.
+# R 1: 112 KiB fp32, 56 bf16; R 2: 84 / 42; R 4: 60 / 32; R 8: 32 / 16.
+# R 8: P's [R, BLOCK_K] tile is loaded whole by every thread (R x BLOCK_K registers per step, as many as 4-8x the
+# thread's M elements), so a sweep of 128-1024 columns x 1-8 rows x PREFETCH 0-2 x maxnreg 80-128 (split, split +
+# HAS_Q2 and plain variants, fp32 / bf16 / fp16) found one step of 8 rows x 256 columns (PREFETCH 0, 128 registers,
+# 4 blocks per SM, no spills, one latency per trip in every variant) ahead of the 2-row tiles with 2-3 steps in
+# flight, which spill in the split + HAS_Q2 variant at the same held data (512 x 2 PREFETCH 1: 40 bytes, 512 x 4
+# PREFETCH 0: 64-72). Model (ResNet-50 / GPT-2 / BERT): fp32 67 / 79 / 79 % (256 x 2 PREFETCH 1 at 96 registers
+# before: 52 / 63 / 63); bf16 47 / 52 / 50 % (31 / 38 / 36), so 2-byte gradients at R 8 take the split tensor-core
+# path instead (PROJECT_T_SPLIT_MIN_RANK); the 2-byte entry stays the broadcast candidate of config_space.
 PROJECT_T_TILES = {
     (1, 4): (512, 4, 1, 72), (1, 2): (256, 8, 1, 72),
     (2, 4): (512, 2, 2, 72), (2, 2): (512, 2, 2, 72),
     (4, 4): (512, 2, 2, 96), (4, 2): (512, 4, 1, 128),
-    (8, 4): (256, 2, 1, 96), (8, 2): (256, 2, 1, 96),
+    (8, 4): (256, 8, 0, 128), (8, 2): (256, 8, 0, 128),
 }
 # reconstruct's broadcast path (R <= 8): (BLOCK_N, BLOCK_K, PREFETCH, maxnreg) by (padded rank, gradient element
 # size), 4 warps; PREFETCH p unrolls the loop p + 1 times, one register set per step (no loop-carried copy); -1:
@@ -152,6 +166,11 @@ REDUCE_STEP_ELEMENTS = 32 * 32 * 4
 # dot under any config, 122-128 registers at 32 x 32, 255 and spills at 64 x 64 (padding_error_config).
 PROJECT_T_SPLIT_CONFIG = dict(BLOCK_M=64, BLOCK_K=64, USE_DOT=True, SPLIT_BF16=True, PROGRAMS_PER_SM=3, num_warps=4,
                               num_stages=3)
+# The padded rank from which 2-byte gradients (not the batched view) take PROJECT_T_SPLIT_CONFIG: 8 (R 16 with tl.dot,
+# the same compile as rank 16). perfmodel (H200, bf16, project_t + reduce_splits per step) at rank 8: 74 / 77 / 77 %
+# of copy bandwidth on ResNet-50 / GPT-2 / BERT, 229 µs for the three (the best broadcast tile, PROJECT_T_TILES[(8,
+# 2)]: 47-52 %, 380 µs); float32 gradients keep the broadcast path (the float32 FMA dot: about 45 %).
+PROJECT_T_SPLIT_MIN_RANK = 8
 # project_t's float32 FMA dot at R >= 16 (float32 gradients, the batched view): its heuristic config
 PROJECT_T_FP32_DOT_CONFIG = dict(BLOCK_M=32, BLOCK_K=32, USE_DOT=True, num_warps=4, num_stages=3)
 # The split path as the plan counts it: tensor-core dots per gradient dtype (bfloat16 M: 3, P in three bfloat16
@@ -334,12 +353,13 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
     multiply with the kernels' unrolled register prefetch (Triton does not pipeline these loops) and tiles per
     padded rank and gradient element size (``dtype.itemsize`` 4, else 2) with ``maxnreg`` (no spills, <= 128
     registers on sm_90): project takes :data:`PROJECT_TILES` (4-8 rows x 64-128 columns per step, ``PREFETCH`` 2;
-    rank 8 in 2-byte gradients ``PREFETCH`` 1); reconstruct :data:`RECONSTRUCT_TILES` (``PREFETCH`` 2, ``maxnreg``
+    rank 8 in 2-byte gradients 8 x 32 with ``PREFETCH`` 2 at 96 registers); reconstruct :data:`RECONSTRUCT_TILES` (``PREFETCH`` 2, ``maxnreg``
     128; rank 1 in 2-byte gradients the loop-carried ``CARRY`` form); project_t :data:`PROJECT_T_TILES` (wide
-    column tiles, a ``[R, BLOCK_M]`` accumulator, 2-3 steps of loads in flight, ``maxnreg`` for 4-7 blocks per SM),
-    on the batched view :data:`PROJECT_T_BATCHED_TILE`. ``tl.dot`` tiles from rank 16 on, software-pipelined
-    (``num_stages`` 3; project at rank 32: 32 columns, 2 stages, no spills); project_t on 2-byte gradients there
-    takes :data:`PROJECT_T_SPLIT_CONFIG` (bfloat16 tensor-core dots on exactly split operands,
+    column tiles, a ``[R, BLOCK_M]`` accumulator, 2-3 steps of loads in flight, ``maxnreg`` for 4-7 blocks per SM;
+    rank 8 one step of 8 rows), on the batched view :data:`PROJECT_T_BATCHED_TILE`. ``tl.dot`` tiles from rank 16
+    on, software-pipelined (``num_stages`` 3; project at rank 32: 32 columns, 2 stages, no spills); project_t on
+    2-byte gradients from rank 8 on (:data:`PROJECT_T_SPLIT_MIN_RANK`: R padded to 16) takes
+    :data:`PROJECT_T_SPLIT_CONFIG` (bfloat16 tensor-core dots on exactly split operands,
     :func:`split_bf16_dot`), but on the batched view, whose padding error keeps the float32 dot
     (:func:`padding_error_config`). The row and column splits are planned at launch from the SM count
     (:func:`split_rows`, :func:`split_cols`, :func:`plan`); ``num_sms`` is kept for the signature. Returns a new
@@ -353,6 +373,9 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
     if kernel == "orthogonalize":
         return _ortho_heuristic(padded_rank(max_rank))
     r = padded_rank(max_rank)
+    if (kernel == "project_t" and r >= PROJECT_T_SPLIT_MIN_RANK and dtype.itemsize == 2
+            and not getattr(layout, "batched", False)):  # split_bf16_dot's tensor cores (R padded to 16)
+        return dict(PROJECT_T_SPLIT_CONFIG)
     if r >= MIN_DOT_RANK:
         if kernel == "project_t":
             if dtype.itemsize == 2 and not getattr(layout, "batched", False):  # split_bf16_dot's tensor cores
