@@ -24,11 +24,11 @@ The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_chec
    loop is software-pipelined (``cp.async`` in the PTX: the ``tl.dot`` paths), else measured on the SASS of the
    compiled loop (:func:`powersgd_triton.autotune.aot.sass_loops`: a replay in which each global load takes one
    latency and an instruction waits for the loads whose registers it reads or overwrites) as the loop steps of one
-   trip (the plan's ``steps_per_trip``: project_t's and reconstruct's broadcast loops are unrolled ``1 + PREFETCH``
-   times) over the latencies one trip waits. (The model used to take ``1 + PREFETCH`` for every
+   trip (the plan's ``steps_per_trip``: the broadcast loops of project, project_t and reconstruct are unrolled
+   ``1 + PREFETCH`` times) over the latencies one trip waits. (The model used to take ``1 + PREFETCH`` for every
    register-prefetching loop; the SASS shows that a prefetch carried to the next trip in the same registers waits
-   for its loads within the trip -- the loop-carried copy reads them -- so project's loop, and reconstruct's
-   ``CARRY`` form, have one step in flight.) Without
+   for its loads within the trip -- the loop-carried copy reads them -- so the ``CARRY`` forms of project and
+   reconstruct, and project's ``tl.dot`` path with ``PREFETCH``, have one step in flight.) Without
    a replay (a hand-made ``usage``) it is ``1 + PREFETCH``. A program's length is ``lookups * dram_latency_s``
    (the dependent table look-ups before the loop: the plan's ``lookups``, default 2, a tile row then the layout
    table's row; orthogonalize's task rows are self-contained: 1) plus its loop trips (the plan's

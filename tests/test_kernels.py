@@ -107,6 +107,32 @@ SPLIT_DOT_CONFIGS = {
 SPLIT_DOT_SHAPES = [(300, 40), (70, 33), (16,), (5, 200), (20, 17)]
 
 
+@pytest.mark.parametrize("kernel", ["project", "project_t", "reconstruct"])
+@pytest.mark.parametrize("prefetch", [3, -1, 1.0, True])
+def test_prefetch_out_of_range_is_refused_before_anything_is_written(kernel, prefetch, rng):
+    """The kernels unroll at most three register sets (``PREFETCH`` 0-2) and the plans count trips of ``1 +
+    PREFETCH`` steps: any other value (a hand-written or damaged config) is a ``ValueError`` naming it, raised
+    before any launch (the bucket, the factors and the error memory keep their values)."""
+    from powersgd_triton.kernels import triton_ops
+
+    buf, _, grads = make_bucket(SHAPE_SETS[next(iter(SHAPE_SETS))], torch.float32, rng)
+    layout = layerwise(buf, grads, 2)
+    p, q = _factor(layout, "p", rng), _factor(layout, "q", rng)
+    err = torch.randn(layout.e_numel, generator=rng)
+    before = [t.clone() for t in (buf, p, q, err)]
+    cfg = dict(triton_ops.INTERPRETER_CONFIGS[kernel], PREFETCH=prefetch)
+    with pytest.raises(ValueError, match="PREFETCH"):
+        if kernel == "project":
+            ops.project(buf, layout, q, p, err, backend="triton", config=cfg)
+        elif kernel == "project_t":
+            ops.project_t(buf, layout, p, q, backend="triton", config=cfg)
+        else:
+            ops.reconstruct(buf, layout, p, q, 1.0, error=err, backend="triton", config=cfg)
+    with pytest.raises(ValueError, match="PREFETCH"):
+        triton_ops.steps_per_trip(cfg)
+    assert all(torch.equal(a, b) for a, b in zip((buf, p, q, err), before))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("config", SPLIT_DOT_CONFIGS, ids=str)
 @pytest.mark.parametrize("view", ["layerwise", "batched", "batched_error"])

@@ -209,7 +209,11 @@ def _dot_bf16_split(acc, a_raw, b):
     accumulator is a tensor-core ``tl.dot`` on sm_80 (mma) and sm_90 (wgmma). Scheme: Henry, Tang, Heinecke,
     "Leveraging the bfloat16 Artificial Intelligence Datatype For Higher-Precision Computations", ARITH 2019
     (bf16x3 / bf16x6). A non-finite element of ``b`` makes its whole row of pieces non-finite (inf - inf): the result
-    is non-finite where the float32 dot's is, but may be NaN where that one is inf."""
+    is non-finite where the float32 dot's is, but may be NaN where that one is inf. Range: the pieces are exactly
+    bfloat16 for ``|b| >= 2^-110``; below, the third one falls under bfloat16's smallest subnormal (2^-133) and is
+    rounded on the GPU, and with a float16 ``a`` the left-out ``a_lo · b_lo`` term is no longer small (subnormal
+    ``b``). Such an element of an orthonormal P (unit-norm columns) adds below ``2^-110 |a|`` to a sum of order
+    ``|a|`` (tests/test_split_dot_pieces.py)."""
     b_hi = _bf16_head(b)
     rest = b - b_hi
     b_mid = _bf16_head(rest)

@@ -14,8 +14,9 @@ are masked. ``USE_DOT`` picks ``tl.dot`` (fp32 ``ieee``, needs ``R >= 16``; proj
 ``[R, rows, k]`` products are accumulated elementwise over the loop and summed over k once after it (no
 cross-thread reduction inside the loop; each thread multiplies the elements it loaded by all R columns of Q in its
 registers); project_t keeps a ``[R, columns]`` accumulator and sums each step's rows inside the thread that loaded
-them (see :func:`_project_t_kernel`). Both unroll their register prefetch (``PREFETCH`` p: p + 1 register sets,
-one per step of a loop trip).
+them (see :func:`_project_t_kernel`). Both unroll their broadcast path's register prefetch (``PREFETCH`` p: p + 1
+register sets, one per step of a loop trip); project's ``CARRY`` form and its ``tl.dot`` path with ``PREFETCH``
+carry the prefetched tiles to the next trip instead (one step in flight, the loss scale read every step).
 
 Tiles: ``project`` has one program per ``BLOCK_N`` rows of a matrix (the sum over the columns stays in the program);
 ``project_t`` one per ``BLOCK_M`` columns and row range: a matrix whose rows are split over several programs writes
@@ -162,7 +163,7 @@ def _project_kernel(
     ep = e_ptr + e_off
     qp = q_ptr + q_off
     scale = 1.0
-    if LOSS_SCALE:  # loaded once: a load inside the loop would wait a latency per step (it is consumed at once)
+    if LOSS_SCALE:  # loaded once for the unrolled loops: a load inside them would wait a latency per step
         scale = tl.load(ls_ptr)
     if CARRY or (USE_DOT and PREFETCH > 0):  # this step's tiles arrived during the last step; the next ones go out
         x_n, e_n, q_n = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K,

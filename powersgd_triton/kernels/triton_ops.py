@@ -19,7 +19,7 @@ kernel             keys
                    the row splits aim at (default: from ``maxnreg``, else ``PROJECT_T_PROGRAMS_PER_SM``)
 ``orthogonalize``  ``BLOCK`` rows per tile, ``SHORT_ROWS`` most rows of a factor done by one program (taller
                    ones are split: two launches), ``GRAM_ROWS`` rows per float64 Gram slot of a split
-                   factor (with ``BLOCK`` it fixes the summation order), ``SPLIT_ROWS`` rows per program
+                   factor (with ``min(BLOCK, ORTHO_GRAM_BLOCK)`` it fixes the summation order), ``SPLIT_ROWS`` rows per program
                    of the apply pass of a split factor
 ``reconstruct``    ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``PREFETCH`` further steps
                    in flight (``CARRY``: as a loop-carried copy), ``USE_DOT``
@@ -39,7 +39,7 @@ import triton
 
 from .. import _env
 from ..layout import KERNELS, MIN_DOT_RANK, BucketLayout, padded_rank  # noqa: F401 - re-exported
-from ..layout import COLS, P_OFF, Q_OFF, ROWS, TABLE_WIDTH, table_row
+from ..layout import COLS, P_OFF, Q_OFF, ROWS, table_row
 from ..layout import GRAM_HEAD, GRAM_MAT, GRAM_N, GRAM_OFF, GRAM_R, GRAM_RM, GRAM_ROW0, GRAM_SLOT, ORTHO_GRAM_TASK_WIDTH
 from ..layout import ORTHO_HEAD, ORTHO_MAT, ORTHO_N, ORTHO_OFF, ORTHO_R, ORTHO_RM, ORTHO_ROW0, ORTHO_ROW_END
 from ..layout import ORTHO_SLOT0, ORTHO_SLOTS
@@ -267,7 +267,8 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     ``_PROJECT_T_TILES`` with ``PREFETCH`` 0-2 and ``maxnreg`` 96 or 128 whose held data fits (see there).
     project's and reconstruct's broadcast paths (R <= 8) also have their heuristic tiles (:data:`PROJECT_TILES`,
     :data:`RECONSTRUCT_TILES`, for 4- and 2-byte gradients).
-    Orthogonalize: the heuristics of every rank at 8 and 4 warps whose float64 tile fits (:func:`_ortho_configs`).
+    Orthogonalize: the heuristics of every rank, at their own warps and at 8 (4 where they have 8), whose float64
+    tile fits (:func:`_ortho_configs`).
     The row or column splits are not part of a config: they are planned per bucket from the GPU's SM count.
     Raises ``ValueError`` for an unknown kernel name.
     """
@@ -401,6 +402,10 @@ def _resolve(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Opti
 
 
 def _launch_options(cfg: dict) -> dict:
+    """Triton launch options of a config (``num_warps``, ``num_stages``, ``maxnreg``). Raises ``ValueError`` for a
+    ``PREFETCH`` other than 0, 1 or 2 (the kernels unroll at most three register sets; the plans count trips of
+    ``1 + PREFETCH`` steps)."""
+    _check_prefetch(cfg)
     out = {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 1)}
     if cfg.get("maxnreg"):
         out["maxnreg"] = cfg["maxnreg"]
@@ -416,11 +421,20 @@ def _pow2_split(work_per_program: float, align: int, extent: int) -> int:
     return 0 if split >= extent else split
 
 
+def _check_prefetch(cfg: dict) -> int:
+    prefetch = cfg.get("PREFETCH", 0)
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or not 0 <= prefetch <= 2:
+        raise ValueError(f"config PREFETCH must be 0, 1 or 2, got {prefetch!r}")
+    return prefetch
+
+
 def steps_per_trip(cfg: dict) -> int:
     """Loop steps (``BLOCK_K`` rows of project_t, columns of project and reconstruct) one trip of the kernel's loop
     does: ``1 + PREFETCH`` on the broadcast path (the loop is unrolled once per step in flight), 1 with ``tl.dot``
-    (project's ``PREFETCH`` there is the loop-carried form) or the loop-carried ``CARRY`` form."""
-    return 1 if cfg.get("USE_DOT") or cfg.get("CARRY") else 1 + int(cfg.get("PREFETCH", 0))
+    (project's ``PREFETCH`` there is the loop-carried form) or the loop-carried ``CARRY`` form. Raises
+    ``ValueError`` for a ``PREFETCH`` other than 0, 1 or 2."""
+    prefetch = _check_prefetch(cfg)
+    return 1 if cfg.get("USE_DOT") or cfg.get("CARRY") else 1 + prefetch
 
 
 def project_t_programs_per_sm(cfg: dict) -> int:
@@ -777,8 +791,9 @@ def _ortho_slot_block(R: int) -> int:
 
 
 def _ortho_constexprs(cfg: dict, R: int) -> dict:
-    """The orthogonalize kernels' loop constexprs, functions of the config and the padded rank R: ``GROUP_TILES``
-    (tiles per Gram slot, first launch), ``CHUNK_TILES`` (tiles per unconditional inner loop), ``SHORT_CHUNKS``,
+    """The orthogonalize kernels' loop constexprs, functions of the config and the padded rank R: ``GRAM_BLOCK``
+    (rows per tile of the Gram launch, ``min(BLOCK, ORTHO_GRAM_BLOCK)``), ``GROUP_TILES`` (its tiles per Gram slot,
+    ``GRAM_ROWS // GRAM_BLOCK``), ``CHUNK_TILES`` (tiles per unconditional inner loop), ``SHORT_CHUNKS``,
     ``APPLY_CHUNKS`` and ``SLOT_BLOCK``."""
     _check_ortho_config(cfg)
     block = cfg["BLOCK"]
