@@ -292,7 +292,7 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
             continue
         cfg = {tile: bt, "BLOCK_K": bk, "USE_DOT": False, "num_warps": warps, "num_stages": stages}
         out.append(dict(cfg, PREFETCH=prefetch) if prefetch else cfg)
-    if max_rank >= 8:
+    if r >= 8:  # the padded rank, as the heuristic reads it (ranks 5-7 take R 8's configs)
         for (bt, bk), stages in itertools.product(_DOT_TILES, (1, 2, 3)):
             if kernel == "project_t":
                 bt, bk = bk, bt  # BLOCK_M columns x BLOCK_K rows; tl.dot needs both >= 16
