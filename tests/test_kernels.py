@@ -4,6 +4,8 @@ Every output buffer is poisoned with NaN before the kernel runs and guarded by N
 fully overwritten, and nothing may be written outside it.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -133,6 +135,25 @@ def test_prefetch_out_of_range_is_refused_before_anything_is_written(kernel, pre
     assert all(torch.equal(a, b) for a, b in zip((buf, p, q, err), before))
 
 
+@contextlib.contextmanager
+def _launch_flags(kernel, *names):
+    """The constexpr flags ``names`` of every interpreted launch of ``kernel`` inside the block, as dicts."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen, original = [], InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        if self.fn.__name__ == kernel:
+            seen.append({n: bool(kwargs.get(n, False)) for n in names})
+        return original(self, *args, **kwargs)
+
+    InterpretedFunction.run = run
+    try:
+        yield seen
+    finally:
+        InterpretedFunction.run = original
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("config", SPLIT_DOT_CONFIGS, ids=str)
 @pytest.mark.parametrize("view", ["layerwise", "batched", "batched_error"])
@@ -162,8 +183,11 @@ def test_project_t_split_dot_float32_accuracy(dtype, config, view, rng):
     scale = _product_scale(layout, buf, "m", p, "p")
 
     q, q_whole = guarded(layout.q_numel)
-    ops.project_t(buf, layout, p, q, error=err, backend="triton", config=cfg)
+    with _launch_flags("_project_t_kernel", "SPLIT_BF16", "PAD_ERROR") as flags:
+        ops.project_t(buf, layout, p, q, error=err, backend="triton", config=cfg)
 
+    # the split path was taken (the float32 dot would pass the accuracy checks too), but for the padding error
+    assert flags == [{"SPLIT_BF16": view != "batched_error", "PAD_ERROR": view == "batched_error"}]
     assert rel_err(q, q64) < FP32_TOL
     assert_per_matrix(q, q64, layout, "q", FP32_TOL, scale=scale)
     assert guards_intact(q_whole, layout.q_numel)
