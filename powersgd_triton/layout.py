@@ -25,7 +25,7 @@ resized. As in PyTorch's batched hook, the error memory covers the whole padded 
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -347,6 +347,13 @@ class BucketLayout:
     @property
     def num_matrices(self) -> int:
         return len(self.matrices)
+
+    def memo(self, key: tuple, build: Callable[[], object]) -> object:
+        """``build()``'s result, computed once per ``key`` and kept with the layout's tile tables (plans and tables
+        derived from the layout by the kernels' launchers and the torch backend; ``None`` is kept like any value)."""
+        if key not in self._tiles:
+            self._tiles[key] = build()
+        return self._tiles[key]
 
     def tiles(self, kind: str, block: int) -> torch.Tensor:
         """Device ``int32`` table of shape ``(T, 2)``: ``(matrix index, first row or column)`` of each tile

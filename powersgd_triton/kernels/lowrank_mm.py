@@ -16,7 +16,7 @@ cross-thread reduction inside the loop; each thread multiplies the elements it l
 registers); project_t keeps a ``[R, columns]`` accumulator and sums each step's rows inside the thread that loaded
 them (see :func:`_project_t_kernel`). Both unroll their broadcast path's register prefetch (``PREFETCH`` p: p + 1
 register sets, one per step of a loop trip); project's ``CARRY`` form and its ``tl.dot`` path with ``PREFETCH``
-carry the prefetched tiles to the next trip instead (one step in flight, the loss scale read every step).
+carry the prefetched tiles to the next trip instead (one step in flight).
 
 Tiles: ``project`` has one program per ``BLOCK_N`` rows of a matrix (the sum over the columns stays in the program);
 ``project_t`` one per ``BLOCK_M`` columns and row range: a matrix whose rows are split over several programs writes
@@ -77,14 +77,14 @@ def _project_loads(m_ptr, e_ptr, q_ptr, rows, row_ok, ranks, k0, m, numel, r, HA
 
 
 @triton.jit
-def _m_plus_error(x_raw, e_raw, ls_ptr, WITH_ERROR: tl.constexpr, LOSS_SCALE: tl.constexpr):
-    """M's tile in float32, plus the (loss-scaled) error memory's tile with ``WITH_ERROR`` (project: every
-    element's; project_t: the padding's)."""
+def _m_plus_error(x_raw, e_raw, scale, WITH_ERROR: tl.constexpr, LOSS_SCALE: tl.constexpr):
+    """M's tile in float32, plus the error memory's tile with ``WITH_ERROR`` (project: every element's; project_t:
+    the padding's), times the loss scale ``scale`` (loaded once per program) with ``LOSS_SCALE``."""
     x = x_raw.to(tl.float32)
     if WITH_ERROR:
         e = e_raw.to(tl.float32)
         if LOSS_SCALE:
-            e = e * tl.load(ls_ptr)
+            e = e * scale
         x += e
     return x
 
@@ -96,12 +96,7 @@ def _project_step(acc, x_raw, e_raw, q_raw, mp, scale, rows, row_ok, k0, m, nume
     (``M + scale·E`` with ``LOSS_SCALE``; stored back into M with ``HAS_ERROR``, masked past ``m`` and ``numel``: a
     step past the row's end stores nothing) times Q's tile, added to ``acc`` (``tl.dot``: ``[rows, R]``;
     broadcast: the ``[R, rows, k]`` products elementwise)."""
-    x = x_raw.to(tl.float32)
-    if HAS_ERROR:
-        e = e_raw.to(tl.float32)
-        if LOSS_SCALE:
-            e = e * scale
-        x += e
+    x = _m_plus_error(x_raw, e_raw, scale, HAS_ERROR, LOSS_SCALE)
     if HAS_ERROR:
         cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         lin = rows[:, None] * m + cols[None, :]
@@ -163,26 +158,17 @@ def _project_kernel(
     ep = e_ptr + e_off
     qp = q_ptr + q_off
     scale = 1.0
-    if LOSS_SCALE:  # loaded once for the unrolled loops: a load inside them would wait a latency per step
+    if LOSS_SCALE:  # loaded once: a load inside the loop would wait a latency per step
         scale = tl.load(ls_ptr)
     if CARRY or (USE_DOT and PREFETCH > 0):  # this step's tiles arrived during the last step; the next ones go out
         x_n, e_n, q_n = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K,
                                        not USE_DOT)
         for k0 in loop_range(0, m, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-            lin = rows[:, None] * m + cols[None, :]
-            mask = row_ok[:, None] & (cols < m)[None, :] & (lin < numel)
             x_a, e_a, q_a = x_n, e_n, q_n
             x_n, e_n, q_n = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + BLOCK_K, m, numel, r, HAS_ERROR,
                                            PAD_ERROR, BLOCK_K, not USE_DOT)
-            x = _m_plus_error(x_a, e_a, ls_ptr, HAS_ERROR, LOSS_SCALE)
-            if HAS_ERROR:
-                tl.store(buf_ptr + off + lin, _cast_for_store(x, buf_ptr), mask=mask)
-            q = q_a.to(tl.float32)
-            if USE_DOT:
-                acc += tl.dot(x, q, input_precision="ieee")
-            else:
-                acc += x[None, :, :] * q[:, None, :]
+            acc = _project_step(acc, x_a, e_a, q_a, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR, LOSS_SCALE,
+                                BLOCK_K, USE_DOT)
     elif PREFETCH == 0:
         for k0 in loop_range(0, m, BLOCK_K):
             x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0, m, numel, r, HAS_ERROR, PAD_ERROR,
@@ -270,11 +256,11 @@ def _project_t_loads(m_ptr, e_ptr, p_ptr, col0, last_col, ranks, rank_ok, k0, ro
 
 
 @triton.jit
-def _project_t_step(acc_t, x_raw, e_raw, p_raw, ls_ptr, PAD_ERROR: tl.constexpr, LOSS_SCALE: tl.constexpr):
+def _project_t_step(acc_t, x_raw, e_raw, p_raw, scale, PAD_ERROR: tl.constexpr, LOSS_SCALE: tl.constexpr):
     """``acc_t[R, BLOCK_M] + P[rows]ᵀ · M[rows, cols]`` for one step of the broadcast path: the ``[R, BLOCK_K,
     BLOCK_M]`` products are summed over the step's rows at once, in the thread that holds them (every row of a
     column's tile lies in one thread: the threads of the program spread over the columns)."""
-    x = _m_plus_error(x_raw, e_raw, ls_ptr, PAD_ERROR, LOSS_SCALE)
+    x = _m_plus_error(x_raw, e_raw, scale, PAD_ERROR, LOSS_SCALE)
     p = p_raw.to(tl.float32)
     return acc_t + tl.sum(p[:, :, None] * x[None, :, :], axis=1)
 
@@ -335,6 +321,9 @@ def _project_t_kernel(
     mp = buf_ptr + off  # this matrix's M, padding error and P
     ep = e_ptr + e_off
     pp = p_ptr + p_off
+    scale = 1.0
+    if LOSS_SCALE:  # loaded once: a load inside the loop would wait a latency per step
+        scale = tl.load(ls_ptr)
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
         for k0 in loop_range(row_begin, row_end, BLOCK_K):
@@ -343,7 +332,7 @@ def _project_t_kernel(
             if SPLIT_BF16 and x_raw.dtype.primitive_bitwidth == 16 and not PAD_ERROR:  # tensor cores, exact products
                 acc = _dot_bf16_split(acc, tl.trans(x_raw), p_raw.to(tl.float32))
             else:
-                x = _m_plus_error(x_raw, e_raw, ls_ptr, PAD_ERROR, LOSS_SCALE)  # [BLOCK_K, BLOCK_M]
+                x = _m_plus_error(x_raw, e_raw, scale, PAD_ERROR, LOSS_SCALE)  # [BLOCK_K, BLOCK_M]
                 acc += tl.dot(tl.trans(x), p_raw.to(tl.float32), input_precision="ieee")
         q_mask = col_ok[:, None] & (ranks[None, :] < r)
         local = cols[:, None] * r + ranks[None, :]
@@ -353,17 +342,17 @@ def _project_t_kernel(
             for k0 in loop_range(row_begin, row_end, BLOCK_K):
                 x_a, e_a, p_a = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0, row_end, m,
                                                  numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
-                acc = _project_t_step(acc, x_a, e_a, p_a, ls_ptr, PAD_ERROR, LOSS_SCALE)
+                acc = _project_t_step(acc, x_a, e_a, p_a, scale, PAD_ERROR, LOSS_SCALE)
         elif PREFETCH == 1:  # register sets a, b: a's loads go out while b's step is summed, and b's during a's
             x_a, e_a, p_a = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, row_begin, row_end, m,
                                              numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
             for k0 in loop_range(row_begin, row_end, 2 * BLOCK_K):
                 x_b, e_b, p_b = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0 + BLOCK_K,
                                                  row_end, m, numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
-                acc = _project_t_step(acc, x_a, e_a, p_a, ls_ptr, PAD_ERROR, LOSS_SCALE)
+                acc = _project_t_step(acc, x_a, e_a, p_a, scale, PAD_ERROR, LOSS_SCALE)
                 x_a, e_a, p_a = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0 + 2 * BLOCK_K,
                                                  row_end, m, numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
-                acc = _project_t_step(acc, x_b, e_b, p_b, ls_ptr, PAD_ERROR, LOSS_SCALE)
+                acc = _project_t_step(acc, x_b, e_b, p_b, scale, PAD_ERROR, LOSS_SCALE)
         else:  # three register sets: two steps' loads in flight while one is summed
             x_a, e_a, p_a = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, row_begin, row_end, m,
                                              numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
@@ -372,13 +361,13 @@ def _project_t_kernel(
             for k0 in loop_range(row_begin, row_end, 3 * BLOCK_K):
                 x_c, e_c, p_c = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0 + 2 * BLOCK_K,
                                                  row_end, m, numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
-                acc = _project_t_step(acc, x_a, e_a, p_a, ls_ptr, PAD_ERROR, LOSS_SCALE)
+                acc = _project_t_step(acc, x_a, e_a, p_a, scale, PAD_ERROR, LOSS_SCALE)
                 x_a, e_a, p_a = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0 + 3 * BLOCK_K,
                                                  row_end, m, numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
-                acc = _project_t_step(acc, x_b, e_b, p_b, ls_ptr, PAD_ERROR, LOSS_SCALE)
+                acc = _project_t_step(acc, x_b, e_b, p_b, scale, PAD_ERROR, LOSS_SCALE)
                 x_b, e_b, p_b = _project_t_loads(mp, ep, pp, col0, last_col, ranks, rank_ok, k0 + 4 * BLOCK_K,
                                                  row_end, m, numel, r, PADDED, PAD_ERROR, BLOCK_M, BLOCK_K, True)
-                acc = _project_t_step(acc, x_c, e_c, p_c, ls_ptr, PAD_ERROR, LOSS_SCALE)
+                acc = _project_t_step(acc, x_c, e_c, p_c, scale, PAD_ERROR, LOSS_SCALE)
         # Qᵀ's tile at Q + (col0 + j) * r + rank: int32 offsets from the tile's first element
         j = tl.arange(0, BLOCK_M)
         q_mask = (j < (m - col0).to(tl.int32))[None, :] & rank_ok[:, None]

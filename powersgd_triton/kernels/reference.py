@@ -100,10 +100,10 @@ class _Run:
 def _runs(layout: BucketLayout) -> Optional[List[_Run]]:
     """The layout's matrices as :class:`_Run` s (each shape group split where its bucket offsets stop being evenly
     spaced); None for the batched view (its one matrix is padded). Cached on the layout."""
-    key = ("torch_runs",)
-    cached = layout._tiles.get(key, False)
-    if cached is not False:
-        return cached
+    return layout.memo(("torch_runs",), lambda: _build_runs(layout))
+
+
+def _build_runs(layout: BucketLayout) -> Optional[List[_Run]]:
     runs: Optional[List[_Run]] = None
     if not layout.batched and all(s.numel == s.n * s.m for s in layout.matrices):
         runs = []
@@ -122,7 +122,6 @@ def _runs(layout: BucketLayout) -> Optional[List[_Run]]:
                         j = k + 1
                 runs.append(_Run(first, j - k, stride if j - k > 1 else first.n * first.m))
                 k = j
-    layout._tiles[key] = runs
     return runs
 
 
@@ -365,10 +364,10 @@ def _ortho_plan(layout: BucketLayout, which: str):
     (one ``torch.cat`` gathers the padded batch, one writes the factors back). One padded batch for the whole bucket
     when the ranks agree and the padding is small (:data:`PAD_LIMIT`), else one batch per shape group. Cached on
     the layout."""
-    key = ("torch_ortho", which)
-    cached = layout._tiles.get(key)
-    if cached is not None:
-        return cached
+    return layout.memo(("torch_ortho", which), lambda: _build_ortho_plan(layout, which))
+
+
+def _build_ortho_plan(layout: BucketLayout, which: str):
     mats = layout.matrices
     rows = [s.n if which == "p" else s.m for s in mats]
     starts = [(s.p_offset if which == "p" else s.q_offset) for s in mats]
@@ -388,7 +387,6 @@ def _ortho_plan(layout: BucketLayout, which: str):
     else:
         for g in layout.groups:
             plan.append((starts[g.first], (g.count, rows[g.first], g.rank), None))
-    layout._tiles[key] = plan
     return plan
 
 
@@ -662,12 +660,11 @@ def average_parts(
 def _factor_lengths(layout: BucketLayout, which: str) -> torch.Tensor:
     """int64 ``(num_matrices,)`` on the layout's device: the number of elements of each matrix's factor ``which``
     (``n_i·r_i`` for P, ``m_i·r_i`` for Q), in packing order. Cached on the layout."""
-    key = ("torch_factor_lengths", which)
-    t = layout._tiles.get(key)
-    if t is None:
+    def build():
         sizes = [(s.n if which == "p" else s.m) * s.rank for s in layout.matrices]
-        t = layout._tiles[key] = torch.tensor(sizes, dtype=torch.int64, device=layout.device)
-    return t
+        return torch.tensor(sizes, dtype=torch.int64, device=layout.device)
+
+    return layout.memo(("torch_factor_lengths", which), build)
 
 
 def step_status(factor: torch.Tensor, part: Optional[torch.Tensor], layout: BucketLayout, which: str,

@@ -19,8 +19,8 @@ kernel             keys
                    the row splits aim at (default: from ``maxnreg``, else ``PROJECT_T_PROGRAMS_PER_SM``)
 ``orthogonalize``  ``BLOCK`` rows per tile, ``SHORT_ROWS`` most rows of a factor done by one program (taller
                    ones are split: two launches), ``GRAM_ROWS`` rows per float64 Gram slot of a split
-                   factor (with ``min(BLOCK, ORTHO_GRAM_BLOCK)`` it fixes the summation order), ``SPLIT_ROWS`` rows per program
-                   of the apply pass of a split factor
+                   factor (with ``min(BLOCK, ORTHO_GRAM_BLOCK)`` it fixes the summation order),
+                   ``SPLIT_ROWS`` rows per program of the apply pass of a split factor
 ``reconstruct``    ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``PREFETCH`` further steps
                    in flight (``CARRY``: as a loop-carried copy), ``USE_DOT``
 =================  ===================================================
@@ -354,10 +354,10 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
     multiply with the kernels' unrolled register prefetch (Triton does not pipeline these loops) and tiles per
     padded rank and gradient element size (``dtype.itemsize`` 4, else 2) with ``maxnreg`` (no spills, <= 128
     registers on sm_90): project takes :data:`PROJECT_TILES` (4-8 rows x 64-128 columns per step, ``PREFETCH`` 2;
-    rank 8 in 2-byte gradients 8 x 32 with ``PREFETCH`` 2 at 96 registers); reconstruct :data:`RECONSTRUCT_TILES` (``PREFETCH`` 2, ``maxnreg``
-    128; rank 1 in 2-byte gradients the loop-carried ``CARRY`` form); project_t :data:`PROJECT_T_TILES` (wide
-    column tiles, a ``[R, BLOCK_M]`` accumulator, 2-3 steps of loads in flight, ``maxnreg`` for 4-7 blocks per SM;
-    rank 8 one step of 8 rows), on the batched view :data:`PROJECT_T_BATCHED_TILE`. ``tl.dot`` tiles from rank 16
+    rank 8 in 2-byte gradients 8 x 32 with ``PREFETCH`` 2 at 96 registers); reconstruct :data:`RECONSTRUCT_TILES`
+    (``PREFETCH`` 2, ``maxnreg`` 128; rank 1 in 2-byte gradients the loop-carried ``CARRY`` form); project_t
+    :data:`PROJECT_T_TILES` (wide column tiles, a ``[R, BLOCK_M]`` accumulator, 2-3 steps of loads in flight,
+    ``maxnreg`` for 4-7 blocks per SM; rank 8 one step of 8 rows), on the batched view :data:`PROJECT_T_BATCHED_TILE`. ``tl.dot`` tiles from rank 16
     on, software-pipelined (``num_stages`` 3; project at rank 32: 32 columns, 2 stages, no spills); project_t on
     2-byte gradients from rank 8 on (:data:`PROJECT_T_SPLIT_MIN_RANK`: R padded to 16) takes
     :data:`PROJECT_T_SPLIT_CONFIG` (bfloat16 tensor-core dots on exactly split operands,
@@ -378,9 +378,7 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
             and not getattr(layout, "batched", False)):  # split_bf16_dot's tensor cores (R padded to 16)
         return dict(PROJECT_T_SPLIT_CONFIG)
     if r >= MIN_DOT_RANK:
-        if kernel == "project_t":
-            if dtype.itemsize == 2 and not getattr(layout, "batched", False):  # split_bf16_dot's tensor cores
-                return dict(PROJECT_T_SPLIT_CONFIG)
+        if kernel == "project_t":  # (2-byte gradients took the split path above)
             return dict(PROJECT_T_FP32_DOT_CONFIG)
         if kernel == "project" and r <= 16:  # 64 columns per step: 188 registers, no spills (sm_90); 128 spill
             return {"BLOCK_N": 16, "BLOCK_K": 64, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
@@ -464,11 +462,7 @@ def split_rows(layout: BucketLayout, cfg: dict, num_sms: int) -> int:
     bm = cfg["BLOCK_M"]
     unit = cfg["BLOCK_K"] * steps_per_trip(cfg)
     target = project_t_programs_per_sm(cfg) * num_sms
-    key = ("split_rows", bm, unit, target)
-    cached = layout._tiles.get(key)
-    if cached is None:
-        cached = layout._tiles[key] = _plan_split_rows(layout, bm, unit, target)
-    return cached
+    return layout.memo(("split_rows", bm, unit, target), lambda: _plan_split_rows(layout, bm, unit, target))
 
 
 def _plan_split_rows(layout: BucketLayout, bm: int, unit: int, target: int) -> int:
@@ -1086,8 +1080,8 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
             c.update({k: oc[k] for k in ("BLOCK", "CHUNK_TILES", "SHORT_CHUNKS", "APPLY_CHUNKS", "SLOT_BLOCK")})
         return c
     if kernel == "reduce_splits":
-        c.update(BLOCK_M=reduce_block_m(config, c["R"]), HAS_Q2=variant.get("HAS_Q2", False),
-                 SPLIT_BLOCK=reduce_split_block(reduce_block_m(config, c["R"]), c["R"]))
+        bm = reduce_block_m(config, c["R"])
+        c.update(BLOCK_M=bm, HAS_Q2=variant.get("HAS_Q2", False), SPLIT_BLOCK=reduce_split_block(bm, c["R"]))
         return c
     if kernel == "copy_segments":
         return {"BLOCK": SEGMENT_BLOCK}
@@ -1121,8 +1115,8 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
 
     ``variant`` sets the feature constexprs (``HAS_ERROR``, ``HAS_FLAG``, commit_factor's ``ROWS_COL``/``OFF_COL``);
     ``orthogonalize`` also compiles ``orthogonalize_gram`` (its first launch for split factors) unless
-    ``WITH_GRAM=False``. Must run with
-    ``TRITON_INTERPRET`` unset (the interpreter replaces ``@triton.jit`` functions at import time). Raises
+    ``WITH_GRAM=False``; ``project_t`` compiles the config its launcher would use for the variant
+    (:func:`padding_error_config`). Must run with ``TRITON_INTERPRET`` unset (the interpreter replaces ``@triton.jit`` functions at import time). Raises
     ``RuntimeError`` under the interpreter and whatever Triton raises on a compile error.
     """
     from .._compat import ast_source, gpu_target
@@ -1130,6 +1124,8 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
     fn = KERNEL_FUNCTIONS[kernel]
     if not hasattr(fn, "arg_names") or _env.interpreter_enabled():
         raise RuntimeError("compile_aot needs TRITON_INTERPRET unset (kernels are interpreted functions here)")
+    if kernel == "project_t":  # what project_t() launches for this variant
+        config = padding_error_config(config, (variant or {}).get("PAD_ERROR", False))
     constexprs = _constexprs(kernel, config, max_rank, variant or {})
     signature = dict(_signature(kernel, grad_dtype))
     if kernel == "copy_segments" and not (variant or {}).get("to_packed", True):
