@@ -93,3 +93,24 @@ def counting_bucket_kernels(counter: CountLaunches):
     finally:
         for name, original in saved.items():
             setattr(ops_module, name, original)
+
+
+@contextlib.contextmanager
+def interpreted_launches(execute=True):
+    """Every interpreted Triton launch inside the block, as ``(kernel function name, grid, keyword arguments)`` (the
+    constexprs and launch options); ``execute=False`` records without running them."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    calls, original = [], InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        calls.append((self.fn.__name__, grid, kwargs))
+        if execute:
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return None
+
+    InterpretedFunction.run = run
+    try:
+        yield calls
+    finally:
+        InterpretedFunction.run = original

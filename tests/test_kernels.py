@@ -9,6 +9,7 @@ import contextlib
 import pytest
 import torch
 
+from _launches import interpreted_launches
 from bucket_utils import (CANARY, assert_per_matrix, guarded, guards_intact, layerwise, make_bucket, matrix_slice,
                           per_matrix_errors, rel_err)
 from powersgd_triton import ops
@@ -138,20 +139,10 @@ def test_prefetch_out_of_range_is_refused_before_anything_is_written(kernel, pre
 @contextlib.contextmanager
 def _launch_flags(kernel, *names):
     """The constexpr flags ``names`` of every interpreted launch of ``kernel`` inside the block, as dicts."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    seen, original = [], InterpretedFunction.run
-
-    def run(self, *args, **kwargs):
-        if self.fn.__name__ == kernel:
-            seen.append({n: bool(kwargs.get(n, False)) for n in names})
-        return original(self, *args, **kwargs)
-
-    InterpretedFunction.run = run
-    try:
+    seen = []
+    with interpreted_launches() as calls:
         yield seen
-    finally:
-        InterpretedFunction.run = original
+    seen.extend({n: bool(kw.get(n, False)) for n in names} for name, _, kw in calls if name == kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
 from _dist import FakeBucket, backend_params, bucket_numel, run_ranks, triton_backend_skip_reason
+from _launches import interpreted_launches
 from bucket_utils import guarded, guards_intact, gs64, layerwise, make_bucket, rel_err64, seeded_data
 from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, ops, powerSGD_hook
 from powersgd_triton.kernels import reference
@@ -51,22 +52,10 @@ def _random_factor(layout, which, gen, cond=10.0):
 def recorded_launches(execute=True):
     """Interpreted Triton launches inside the block as ``[(kernel function name, grid size)]``; ``execute=False``
     records without running them (for the launch plans of real-size buckets)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    calls = []
-    original = InterpretedFunction.run
-
-    def run(self, *args, grid, warmup, **kwargs):
-        calls.append((self.fn.__name__, tuple(grid)[0] if isinstance(grid, tuple) else grid))
-        if execute:
-            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
-        return None
-
-    InterpretedFunction.run = run
-    try:
-        yield calls
-    finally:
-        InterpretedFunction.run = original
+    out = []
+    with interpreted_launches(execute) as calls:
+        yield out
+    out.extend((name, grid[0] if isinstance(grid, tuple) else grid) for name, grid, _ in calls)
 
 
 def _planned(layout, which, config):
