@@ -21,6 +21,7 @@ parameters and a summary). Only ``powersgd_triton`` and ``torch`` are needed.
 """
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -180,6 +181,11 @@ def main(argv=None):
                         "compression_stats": list(stats) if stats else None, "resumed_from": resumed_from},
                        args.out)
     dist.barrier()
+    # Free DDP (its reducer holds the process group and its last work objects, in reference cycles) while the
+    # interpreter is alive: left to interpreter finalization, gloo's threads can abort the rank at exit ("terminate
+    # called without an active exception", pytorch/pytorch#190489), after the job has finished.
+    del ddp, optimizer, scheduler, state
+    gc.collect()
     dist.destroy_process_group()
     return 0
 
