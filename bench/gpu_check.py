@@ -904,6 +904,28 @@ def _hook_buckets(model, dtype, gen):
     return buckets
 
 
+def _ahead_check(row, model, rank, dtype):
+    """Bitwise: the next step's Q orthogonalized ahead on the side stream (the default) gives the outputs of
+    orthogonalizing it at the start of each step (``_step.ORTHOGONALIZE_AHEAD = False``), over 4 compressed steps
+    of the same buckets."""
+    from powersgd_triton import _step
+
+    outs = []
+    for ahead in (True, False):
+        _step.ORTHOGONALIZE_AHEAD = ahead
+        try:
+            buckets = _hook_buckets(model, dtype, generator(1234))
+            s = B.HookStep("ours", buckets, rank, backend="triton").warmup(1)
+            for _ in range(3):
+                s()
+            sync()
+            outs.append([b.buffer().clone() for b in buckets])
+        finally:
+            _step.ORTHOGONALIZE_AHEAD = True
+    row["ahead_bitwise"] = all(torch.equal(a, b) for a, b in zip(*outs))
+    log(f"  {'':36s} next Q orthogonalized ahead == at the step's start, bitwise: {row['ahead_bitwise']}")
+
+
 def hook_case(model, rank, dtype, cap):
     rows = RESULTS["sections"].setdefault("hooks", {}).setdefault("rows", [])
     pg = _pg_backend()
@@ -943,7 +965,8 @@ def hook_case(model, rank, dtype, cap):
             hs = s0 if isinstance(s0, B.HookStep) else None
             for what, fn in (("counts", lambda: _hook_counts(row, s0, hs)),
                              ("device kernels", lambda: _device_kernels(row, s0)),
-                             ("memory", lambda: _hook_memory(row, s0, hs))):
+                             ("memory", lambda: _hook_memory(row, s0, hs)),
+                             ("ahead", lambda: _ahead_check(row, model, rank, dtype) if impl == "ours" else None)):
                 try:
                     fn()
                 except Exception as exc:  # noqa: PERF203

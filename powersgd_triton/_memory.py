@@ -27,7 +27,7 @@ class BucketMemory:
     """Everything the state keeps for one bucket index (see the module docstring)."""
 
     __slots__ = (
-        "layout", "signature", "backend", "configs", "error", "p", "q", "q_work", "q_initialized",
+        "layout", "signature", "backend", "configs", "error", "p", "q", "q_work", "q_initialized", "q_next",
         "phase", "comm", "local", "p_work",
         "params", "param_names", "matrices", "strict", "verified", "order", "order_params", "shapes",
     )
@@ -64,6 +64,10 @@ class BucketMemory:
         self.q: Optional[torch.Tensor] = None
         self.q_work: Optional[torch.Tensor] = None
         self.q_initialized: bool = False
+        # The next step's Q, orthogonalized ahead into `q_work` after a step that kept its Q (not saved): the
+        # :class:`powersgd_triton._step.NextQ` that says from which `q` it was made, or None (see
+        # powersgd_triton._step.orthogonalize_next_q).
+        self.q_next = None
         # Alternating hook only (see powersgd_triton.alternating): the half-step the next compressed call takes
         # ("p" or "q"; saved), and three transient float32 buffers allocated on its first call (not saved):
         # `comm` (factor + uncompressed gradients, the one all-reduced buffer), `local` (this rank's factor, for
@@ -127,12 +131,21 @@ class BucketMemories(dict):
 
 def allocate(mem: BucketMemory, layout: BucketLayout, buffer: torch.Tensor, use_error_feedback: bool) -> None:
     """Fresh memory for ``layout``: zero error (with error feedback), zero P and Q, an uninitialized ``q_work``."""
+    drop_next_q(mem)
     f32 = dict(device=buffer.device, dtype=memory_dtype(buffer.dtype))
     mem.error = torch.zeros(layout.e_numel, **f32) if use_error_feedback else None
     mem.p = torch.zeros(layout.p_numel, **f32)
     mem.q = torch.zeros(layout.q_numel, **f32)
     mem.q_work = torch.empty(layout.q_numel, **f32)
     mem.q_initialized = False
+
+
+def drop_next_q(mem: BucketMemory) -> None:
+    """Forget the Q orthogonalized ahead for the next step (``mem.q_next``), after making the current CUDA stream
+    wait for it: whoever calls this is about to write ``q`` or ``q_work``, which that work may still read or write."""
+    if mem.q_next is not None:
+        mem.q_next.wait()
+        mem.q_next = None
 
 
 def adopt_loaded(mem: BucketMemory, layout: BucketLayout, buffer: torch.Tensor, use_error_feedback: bool) -> None:
@@ -152,6 +165,7 @@ def adopt_loaded(mem: BucketMemory, layout: BucketLayout, buffer: torch.Tensor, 
     if mem.q is None or mem.q.numel() != layout.q_numel:
         mem.q_initialized = False
     mem.q = fit(mem.q, layout.q_numel, True)
+    drop_next_q(mem)
     mem.q_work = torch.empty(layout.q_numel, **f32)
 
 
@@ -181,6 +195,7 @@ def draw_q(state, mem: BucketMemory, dtype: torch.dtype) -> None:
     seed = int(state.rng.randint(1_000_000_000))
     layout = mem.layout
     mem.q_initialized = True
+    drop_next_q(mem)
     if layout.q_numel == 0:
         return
     with torch.random.fork_rng(devices=[]):

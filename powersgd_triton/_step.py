@@ -10,7 +10,8 @@ internals):
   :func:`skip_bucket`);
 * the bucket's memory: :func:`prepare_bucket` (layout check, migration: :mod:`powersgd_triton._buckets`),
   :func:`draw_q`, :func:`allocate_alternating` (:mod:`powersgd_triton._memory`), :func:`end_of_iteration`,
-  :func:`bind_model`;
+  :func:`bind_model`; the warm-start Q orthogonalized one step ahead: :func:`orthogonalize_next_q`,
+  :func:`take_next_q`;
 * per step: :func:`process_group`, :func:`loss_scale` (``grad_scaler``), :func:`wire_dtype` and
   :func:`allreduce_factor` (``communication_dtype``), :func:`report_compression_stats`;
 * the schedule: :func:`use_callback_chain` (``then()`` chain on NCCL, in the hook body elsewhere; see
@@ -18,14 +19,15 @@ internals):
 """
 
 import logging
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 
+from . import ops
 from ._backend import device_backend
 from ._buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401 - the hooks' entry points
-from ._memory import allocate_alternating, draw_q  # noqa: F401 - the hooks' entry points
+from ._memory import BucketMemory, allocate_alternating, draw_q, drop_next_q  # noqa: F401 - the hooks' entry points
 from .layout import check_gradient_dtype
 from .state import PowerSGDState, check_grad_scaler
 
@@ -48,6 +50,85 @@ def use_callback_chain(group, buffer: torch.Tensor) -> bool:
     except Exception:  # pragma: no cover - exotic groups
         return False
     return backend.lower() == "nccl" or "cuda:nccl" in backend.lower()
+
+
+# Tests set this to False to orthogonalize the warm-start Q at the start of each step, as before 2026-12.
+ORTHOGONALIZE_AHEAD = True
+# One side stream per CUDA device for the orthogonalization of the next step's Q.
+_SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+class NextQ:
+    """``mem.q_next``: ``mem.q_work`` holds ``orthogonalize(mem.q)`` made with ``epsilon`` and ``config`` from these
+    very ``q`` and ``q_work`` tensors at these version counters; ``event`` (CUDA) marks the end of that work on the
+    side stream. The tensors are held (not their ids, which Python may reuse), so a replaced tensor never matches."""
+
+    __slots__ = ("q", "q_version", "q_work", "q_work_version", "epsilon", "config", "event")
+
+    def __init__(self, mem: BucketMemory, epsilon: float, config, event):
+        self.q, self.q_version = mem.q, mem.q._version
+        self.q_work, self.q_work_version = mem.q_work, mem.q_work._version
+        self.epsilon, self.config, self.event = epsilon, config, event
+
+    def matches(self, mem: BucketMemory, epsilon: float, config) -> bool:
+        return (self.q is mem.q and self.q_work is mem.q_work and self.q_version == mem.q._version
+                and self.q_work_version == mem.q_work._version and self.epsilon == epsilon and self.config == config)
+
+    def wait(self) -> None:
+        """Make the current stream of the tensors' device wait for the work (nothing on the CPU)."""
+        if self.event is not None:
+            torch.cuda.current_stream(self.q.device).wait_event(self.event)
+
+
+def _side_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
+    """The side stream of a CUDA ``device``, or None (CPU, or a stream being captured into a CUDA graph, which must
+    not fork): the work then runs in order on the current stream."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def orthogonalize_next_q(mem: BucketMemory, epsilon: float) -> None:
+    """After a step that kept its Q in ``mem.q`` (warm start; ``reconstruct`` commits it where the step is finite):
+    ``mem.q_work <- orthogonalize(mem.q)`` now, the next step's first computation, and ``mem.q_next`` says so.
+
+    On CUDA it runs on a side stream that waits for the current one (the commit), so it overlaps whatever the
+    device does next (later buckets, the optimizer, the next forward) instead of delaying the next step's
+    ``project``: Q is known a whole iteration before it is needed. It reads ``q`` and writes ``q_work``, which
+    nothing else touches until the next step of this bucket (:func:`take_next_q`, which makes its stream wait for
+    it) or a writer of either tensor (:func:`powersgd_triton._memory.drop_next_q`, called by the allocation,
+    adoption and random draw of the memory). Same kernel, config and input as at the start of the next step:
+    bitwise the same Q."""
+    if not ORTHOGONALIZE_AHEAD or mem.layout.num_matrices == 0:
+        return
+    drop_next_q(mem)
+    config = mem.config("orthogonalize")
+    stream = _side_stream(mem.q.device)
+    event = None
+    if stream is None:
+        ops.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work, backend=mem.backend, config=config)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(mem.q.device))
+        with torch.cuda.stream(stream):
+            ops.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work, backend=mem.backend, config=config)
+        # the caching allocator must not hand these out to another stream while the side stream uses them
+        mem.q.record_stream(stream)
+        mem.q_work.record_stream(stream)
+        event = stream.record_event()
+    mem.q_next = NextQ(mem, epsilon, config, event)
+
+
+def take_next_q(mem: BucketMemory, epsilon: float) -> bool:
+    """True when ``mem.q_work`` holds ``orthogonalize(mem.q)`` made ahead (:func:`orthogonalize_next_q`) from the
+    same ``q`` and ``q_work`` unchanged since (same tensors, same version counters: a ``load_state_dict``, a new
+    draw or an in-place torch write to ``q`` in between makes it False), with this ``epsilon`` and orthogonalize
+    config; the current stream then waits for that work. Clears ``mem.q_next`` either way (after waiting for it)."""
+    ahead = mem.q_next
+    drop_next_q(mem)
+    return ahead is not None and ahead.matches(mem, epsilon, mem.config("orthogonalize"))
 
 
 def completed(value: torch.Tensor) -> torch.futures.Future:

@@ -9,9 +9,13 @@ the bucket's memory, the factor all-reduce) is in :mod:`powersgd_triton._step`.
 A compressed step of one bucket (PowerSGD, Vogels et al. 2019, arXiv 1905.13727, Algorithm 1):
 
 1. all-reduce of the uncompressed gradients, issued first (async) so that it overlaps the rest;
-2. ``Q <- orthogonalize(Q memory)`` into a work buffer (a fresh random Q on first use / without warm start);
+2. ``Q <- orthogonalize(Q memory)`` into a work buffer (a fresh random Q on first use / without warm start); with
+   warm start this was done at the end of the previous step (7.), so there is nothing to do;
 3. ``P = (M + E)·Q``, all-reduce P;  4. orthogonalize P;  5. ``Q = (M + E)ᵀ·P``, all-reduce Q, ``Q /= world``;
-6. ``M <- P·Qᵀ`` and ``E <- (M + E) - P·Qᵀ`` in one pass; commit the warm-start Q.
+6. ``M <- P·Qᵀ`` and ``E <- (M + E) - P·Qᵀ`` in one pass; commit the warm-start Q;
+7. (warm start) orthogonalize the kept Q into the work buffer for the next step: on CUDA on a side stream, so that
+   it overlaps the rest of the iteration instead of delaying the next step
+   (:func:`powersgd_triton._step.orthogonalize_next_q`). Same kernel and input as step 2 would have: the same bits.
 
 P and Q are all-reduced in ``state.communication_dtype`` (default: the bucket's dtype, as PyTorch's hook): one cast
 of the packed float32 factor before the all-reduce, one copy back after it
@@ -46,10 +50,12 @@ class _Step:
     """One compressed step of one bucket; the methods are the pieces between two all-reduces.
 
     Device work per step and bucket besides the three all-reduces, on the Triton backend: 1 pack of the
-    uncompressed gradients (none when they are one range of the bucket or none), 1 orthogonalize of Q, 1 project,
-    1 orthogonalize of P, 1 project_t (2 when its plan splits a tall matrix over rows), 1 average (Q and the
-    uncompressed gradients divided by the world size, unpacked, step flags) and 1 reconstruct (output, error
-    memory and warm-start Q where the step is finite): 6 to 8 launches whatever the number of matrices. When P and Q
+    uncompressed gradients (none when they are one range of the bucket or none), 1 project, 1 orthogonalize of P,
+    1 project_t (2 when its plan splits a tall matrix over rows), 1 average (Q and the uncompressed gradients
+    divided by the world size, unpacked, step flags), 1 reconstruct (output, error memory and warm-start Q where
+    the step is finite) and 1 orthogonalize of the kept Q for the next step (with warm start; on the first step
+    and without warm start it runs before ``project`` instead): 6 to 8 launches whatever the number of matrices
+    (orthogonalize: 2 when its plan splits a tall factor over rows). When P and Q
     travel in another dtype than the memory's (``communication_dtype``; by default fp16/bf16 buckets), one cast and
     one copy back per factor (4 element-wise torch ops per bucket and step, whatever the number of matrices).
     """
@@ -90,13 +96,16 @@ class _Step:
     def compute_p(self) -> None:
         """Q from memory (or a fresh random Q), orthogonalized into ``q_work``; ``P = (M + E)·Q``."""
         state, mem, layout = self.state, self.mem, self.layout
+        ahead = _step.take_next_q(mem, self.eps)  # orthogonalized at the end of the last step
         if not mem.q_initialized or not state.warm_start:
             _step.draw_q(state, mem, self.buffer.dtype)
+            ahead = False
         if layout.num_matrices == 0:
             return
-        ops.orthogonalize(
-            mem.q, layout, "q", self.eps, out=mem.q_work, backend=self.backend, config=mem.config("orthogonalize")
-        )
+        if not ahead:
+            ops.orthogonalize(
+                mem.q, layout, "q", self.eps, out=mem.q_work, backend=self.backend, config=mem.config("orthogonalize")
+            )
         ops.project(self.buffer, layout, mem.q_work, mem.p, mem.error, loss_scale=self.loss_scale,
                     backend=self.backend, config=mem.config("project"))
 
@@ -136,6 +145,8 @@ class _Step:
             backend=self.backend,
             config=mem.config("reconstruct"),
         )
+        if state.warm_start:  # the next step's first computation, off its critical path
+            _step.orthogonalize_next_q(mem, self.eps)
         return self.buffer
 
 

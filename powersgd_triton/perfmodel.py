@@ -43,6 +43,11 @@ The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_chec
    (not measured).
 4. Each launch adds ``launch_overhead_s`` (start-up and tail of a kernel on a busy stream, no CUDA graph).
 5. ``serial`` launches pay ``l2_latency_s`` per iteration instead.
+6. ``overlapped`` launches (with warm start, the orthogonalization of the next step's Q, made at the end of the
+   step before on a side CUDA stream: :func:`powersgd_triton._step.orthogonalize_next_q`) are off the step's
+   critical path; they are charged what they take from the work they overlap: their programs' SM time (a
+   program holds ``1 / blocks_per_sm`` of an SM for its duration) over all SMs, or their bytes at copy bandwidth
+   if that is longer, and no launch overhead.
 
 Not modelled: DRAM page and channel effects, L2 hits of the bucket itself, the cost of warp shuffles and of the
 reductions after the loops, orthogonalize's serial r x r Gram-Schmidt (the plan's ``rank_steps``: float64 register
@@ -133,7 +138,9 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
               warm_start: bool = True, configs: Optional[Dict[str, dict]] = None) -> List[dict]:
     """The launches of one compressed step of ``powerSGD_hook`` on ``layout`` (Triton backend, heuristic configs
     unless ``configs`` gives some): pack, orthogonalize Q, project, orthogonalize P, project_t (+ reduce),
-    average, reconstruct. Each entry has a ``step`` name besides :func:`triton_ops.plan`'s keys."""
+    average, reconstruct. Each entry has a ``step`` name besides :func:`triton_ops.plan`'s keys; with
+    ``warm_start`` the orthogonalize Q launches are ``overlapped`` (made on a side stream during the step
+    before)."""
     from .kernels import triton_ops as T
 
     configs = configs or {}
@@ -147,6 +154,10 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
     if len(layout.uncompressed) > 1:
         add("pack", T.plan("copy_segments", layout, dtype, num_sms=num_sms, variant=dict(to_packed=True)))
     add("orthogonalize Q", T.orthogonalize_plan(layout, "q", configs.get("orthogonalize")))
+    if warm_start:  # made at the end of the last step on a side stream (hooks._Step; _step.orthogonalize_next_q)
+        for launch in out:
+            if launch["step"] == "orthogonalize Q":
+                launch["overlapped"] = True
     add("project", T.plan("project", layout, dtype, configs.get("project"), num_sms=num_sms,
                           variant=dict(HAS_ERROR=error_feedback)))
     add("orthogonalize P", T.orthogonalize_plan(layout, "p", configs.get("orthogonalize")))
@@ -234,9 +245,16 @@ def predict(launch: dict, spec: GPUSpec, usage: Optional[dict] = None) -> dict:
         "compute": flops / (spec.fp32_flops * spec.fma_efficiency)
         + (tensor_flops / spec.tensor_flops if tensor_flops else 0.0),
     }
+    if launch.get("overlapped"):
+        # off the critical path, on a side stream: what it takes from the work it overlaps, its SM time (each
+        # program holds 1 / blocks_per_sm of an SM) spread over all SMs, or its traffic; no launch gap on the stream
+        parts["latency"] = sum(durations) / bpsm / spec.sms
     bound = max(parts, key=parts.get)
     time_s = parts[bound]
-    time_s += spec.launch_overhead_s
+    if launch.get("overlapped"):
+        bound = f"overlapped ({bound})"
+    else:
+        time_s += spec.launch_overhead_s
     resident = min(bpsm, math.ceil(programs / spec.sms))
     return dict(
         step=launch.get("step", launch["kernel"]), kernel=launch["kernel"], programs=programs, waves=waves,

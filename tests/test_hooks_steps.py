@@ -187,3 +187,49 @@ def test_callback_chain_schedule_gives_the_same_numbers(tmp_path, backend, hook_
     """The then()-chain schedule (NCCL) gives the in-body schedule's outputs bitwise (one bucket at a time here:
     on gloo its callbacks run on worker threads)."""
     assert all(run_ranks(_chain_worker, 2, tmp_path, backend, hook_name, timeout=60))
+
+
+def _ahead_worker(rank, world_size, backend, hook_name):
+    """Outputs, kept memory and orthogonalize calls per step with the next Q orthogonalized ahead, and without."""
+    from _launches import CountLaunches, counting_bucket_kernels
+
+    hook = HOOKS[hook_name]
+    shapes = ONE_BUCKET[0][2]
+    runs = {}
+    for ahead in (True, False):
+        _step.ORTHOGONALIZE_AHEAD = ahead
+        try:
+            state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, backend=backend)
+            outs, calls = [], []
+            for step in range(8):
+                if step == 4:  # a torch write into the kept Q between steps: the Q made ahead is stale
+                    g = torch.Generator().manual_seed(11)
+                    for q in state.buckets[0].q, :
+                        q.add_(torch.randn(q.shape, generator=g))
+                if step == 6:  # another epsilon: so is the Q made ahead with the old one
+                    state.orthogonalization_epsilon = 1e-3
+                counter = CountLaunches()
+                with counting_bucket_kernels(counter), counter:
+                    data = _data(step, rank, 0, bucket_numel(shapes))
+                    outs.append(hook(state, FakeBucket(data, shapes)).wait().clone())
+                calls.append(counter.kernels.get("orthogonalize", 0))
+            mem = state.buckets[0]
+            runs[ahead] = (outs, calls, mem.q.clone(), mem.error.clone())
+        finally:
+            _step.ORTHOGONALIZE_AHEAD = True
+    (outs, calls, q, err), (outs0, calls0, q0, err0) = runs[True], runs[False]
+    return {"outputs": [torch.equal(a, b) for a, b in zip(outs, outs0)],
+            "memory": torch.equal(q, q0) and torch.equal(err, err0), "calls": calls, "calls_inline": calls0}
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("hook_name", ["layerwise", "batched"])
+def test_next_q_orthogonalized_ahead_is_bitwise_the_same(tmp_path, backend, hook_name):
+    """The warm-start Q orthogonalized at the end of a step (for the next one) gives the outputs and memory of
+    orthogonalizing it at the start of the next step, bitwise; an in-place write to the kept Q or a new epsilon in
+    between is noticed (the step orthogonalizes again, 3 calls instead of 2)."""
+    for res in run_ranks(_ahead_worker, 2, tmp_path, backend, hook_name, timeout=90):
+        assert all(res["outputs"]) and res["memory"], res
+        assert res["calls_inline"] == [0, 0] + [2] * 6
+        # step 2 draws Q (inline) and orthogonalizes the next one; steps 4 and 6 redo the stale one
+        assert res["calls"] == [0, 0, 3, 2, 3, 2, 3, 2]
