@@ -104,6 +104,39 @@ def test_split_factors_match_float64_and_do_not_depend_on_program_count(which, r
 
 
 @pytest.mark.parametrize("which", ["p", "q"])
+@pytest.mark.parametrize("rank", [3, 8])
+def test_short_factors_apply_split_over_programs(which, rank, rng):
+    """``APPLY_ROWS``: a short factor taller than it gets one program per APPLY_ROWS rows, each computing the
+    factor's whole Gram itself (one launch, no Gram slots): bitwise what one program per factor writes, float64
+    Gram-Schmidt to float32 rounding, and a dependent column completed by every program alike."""
+    pytest.importorskip("triton")
+    buf, _, grads = make_bucket(SPLIT_SHAPES, torch.float32, rng)
+    layout = layerwise(buf, grads, rank)
+    x = _random_factor(layout, which, rng, cond=100.0)
+    factors = _factors(x, layout, which)
+    tall = max(range(len(factors)), key=lambda i: factors[i].shape[0])
+    factors[tall][:, 1] = factors[tall][:, 0]  # dependent: completed from the factor's first rows, by programs of rows >= 32 too
+    one = dict(BLOCK=16, SHORT_ROWS=320, GRAM_ROWS=32, SPLIT_ROWS=16, num_warps=4, num_stages=1)
+    outs = []
+    for cfg in (one, dict(one, APPLY_ROWS=32)):
+        out, whole = guarded(x.numel())
+        with recorded_launches() as calls:
+            ops.orthogonalize(x, layout, which, out=out, backend="triton", config=cfg)
+        rows = [f.shape[0] for f in _factors(x, layout, which)]
+        per = cfg.get("APPLY_ROWS", 320)
+        assert calls == [("_orthogonalize_kernel", sum(-(-n // per) for n in rows))], calls
+        assert _planned(layout, which, cfg)[0] == calls
+        assert guards_intact(whole, x.numel())
+        outs.append(out.clone())
+    assert torch.equal(outs[0], outs[1])
+    for i, (f_out, f_in) in enumerate(zip(_factors(outs[1], layout, which), _factors(x, layout, which))):
+        f64 = f_out.double()
+        assert (f64.t() @ f64 - torch.eye(f_out.shape[1], dtype=torch.float64)).abs().max() < EYE_TOL
+        if i != tall:
+            assert rel_err64(f_out, gs64(f_in.double(), 0.0)) < 1e-6
+
+
+@pytest.mark.parametrize("which", ["p", "q"])
 def test_gram_launch_tiles_narrower_than_apply_tiles(which, monkeypatch, rng):
     """The Gram launch of split factors reads ``min(BLOCK, ORTHO_GRAM_BLOCK)`` rows per tile (the GPU heuristic's wide
     apply tiles would spill there): with 8-row Gram tiles under a 16-row config the plan counts 4 tiles per 32-row

@@ -17,9 +17,10 @@ kernel             keys
                    ``USE_DOT``, ``SPLIT_BF16`` (with ``USE_DOT`` on 2-byte gradients: bfloat16 tensor-core
                    dots on exactly split operands instead of the float32 FMA dot), ``PROGRAMS_PER_SM``
                    the row splits aim at (default: from ``maxnreg``, else ``PROJECT_T_PROGRAMS_PER_SM``)
-``orthogonalize``  ``BLOCK`` rows per tile, ``SHORT_ROWS`` most rows of a factor done by one program (taller
-                   ones are split: two launches), ``GRAM_ROWS`` rows per float64 Gram slot of a split
-                   factor (with ``min(BLOCK, ORTHO_GRAM_BLOCK)`` it fixes the summation order),
+``orthogonalize``  ``BLOCK`` rows per tile, ``SHORT_ROWS`` most rows of a factor whose Gram one program
+                   computes (taller ones are split: two launches), ``APPLY_ROWS`` (optional, default
+                   ``SHORT_ROWS``) rows such a program writes, ``GRAM_ROWS`` rows per float64 Gram slot of a
+                   split factor (with ``min(BLOCK, ORTHO_GRAM_BLOCK)`` it fixes the summation order),
                    ``SPLIT_ROWS`` rows per program of the apply pass of a split factor
 ``reconstruct``    ``BLOCK_N`` rows per tile, ``BLOCK_K`` columns per step, ``PREFETCH`` further steps
                    in flight (``CARRY``: as a loop-carried copy), ``USE_DOT``
@@ -197,6 +198,14 @@ ORTHO_SPLIT_ROWS = 96
 # an H200, perfmodel: ResNet-50 / GPT-2 / BERT fp32 steps, orthogonalization's share at R 8 23 % -> 16 %, R 16
 # 42 % -> 24 %, R 32 52 % -> 22-27 %); at R <= 4 it changes nothing (the launches' fixed costs dominate).
 ORTHO_WIDE_TILES = {8: 2, 16: 2, 32: 4}
+# ... except a factor of at most ORTHO_WIDE_SHORT_ROWS rows, whose Gram every program of its apply pass computes
+# itself (one launch, no Gram slots), one program per ORTHO_APPLY_ROWS rows (``APPLY_ROWS``): ResNet-50's P factors
+# (<= 2048 rows) and GPT-2's and BERT's other than the embeddings then need no Gram launch. Model of an H200
+# (perfmodel, fp32, ResNet-50 / GPT-2 / BERT): orthogonalization's share of the step at R 8 10.9-12.4 % -> 7.9-8.5 %,
+# at R 16 9.6-12.1 % -> 8.6-9.1 % (1024 rows per program at R 16: the Gram of 4096 rows in one program, then a
+# quarter of them written).
+ORTHO_WIDE_SHORT_ROWS = {8: 4096, 16: 4096}
+ORTHO_APPLY_ROWS = {8: 2048, 16: 1024}
 # Rows per tile (BLOCK) and warps of the heuristic by padded rank (others: 1024 / R rows, 8 warps). Few programs run
 # (one per short factor), so each takes a whole SM's worth of threads and as many rows per tile as 128 registers
 # allow: a 4608-row Q (ResNet-50's 3x3 convolutions) is 5 tiles per pass at R 4 instead of 18. Seen on the sm_90
@@ -725,9 +734,11 @@ def _ortho_heuristic(R: int) -> dict:
       R 16; the Gram launch reads at most :data:`ORTHO_GRAM_BLOCK` rows per tile;
     * ``SHORT_ROWS``: up to R 4, ``ORTHO_SHORT_BYTES`` of factor per program, at most 32 tiles (8192 rows at R 4,
       16384 at R 2, 32768 at R 1: ResNet-50's, BERT's and GPT-2's layers other than the embeddings are one launch);
-      from R 8 on ``ORTHO_WIDE_TILES[R]`` tiles (1024 rows at R 8, 512 at R 16, 128 at R 32): taller factors are
-      split;
-    * ``GRAM_ROWS``: rows per float64 Gram slot, ``max(BLOCK, 512)`` up to R 4, ``SHORT_ROWS`` from R 8 on. Every
+      at R 8 and 16 :data:`ORTHO_WIDE_SHORT_ROWS` (4096), their apply pass split into ``APPLY_ROWS``
+      (:data:`ORTHO_APPLY_ROWS`: 2048 at R 8, 1024 at R 16) rows per program, each computing the whole Gram; at
+      R 32 ``ORTHO_WIDE_TILES[R]`` tiles (128 rows): taller factors are split;
+    * ``GRAM_ROWS``: rows per float64 Gram slot, ``max(BLOCK, 512)`` up to R 4, ``ORTHO_WIDE_TILES[R]`` tiles from
+      R 8 on (1024 rows at R 8, 512 at R 16, 128 at R 32). Every
       program of the apply pass sums all slots of its matrix, ``slots·R²·8`` bytes from L2 (GPT-2's 50257 rows: 50
       slots, 6 KiB at R 4; 99 slots, 200 KiB at R 16), and the Gram launch has one program per slot (4-64 KiB of
       factor each);
@@ -736,14 +747,17 @@ def _ortho_heuristic(R: int) -> dict:
       loops are software-pipelined, several tiles in flight per SM).
     """
     block = ORTHO_BLOCKS.get(R, max(16, 1024 // R))
+    extra = {}
     if R <= 4:
         short = max(block, min(ORTHO_SHORT_BYTES // (4 * R), 32 * block))
         gram = max(block, 512)
     else:
         short = gram = ORTHO_WIDE_TILES.get(R, 4) * block
+        if R in ORTHO_WIDE_SHORT_ROWS:
+            short, extra = ORTHO_WIDE_SHORT_ROWS[R], dict(APPLY_ROWS=ORTHO_APPLY_ROWS[R])
     split = ORTHO_SPLIT_ROWS if R <= 8 else 2 * ORTHO_SPLIT_ROWS
     return dict(BLOCK=block, SHORT_ROWS=short, GRAM_ROWS=gram, SPLIT_ROWS=split, num_warps=ORTHO_WARPS.get(R, 8),
-                num_stages=3)
+                num_stages=3, **extra)
 
 
 def _ortho_configs(R: int) -> List[dict]:
@@ -762,7 +776,8 @@ def _ortho_configs(R: int) -> List[dict]:
 
 def _check_ortho_config(cfg: dict) -> None:
     """Raise ``ValueError`` unless BLOCK is a power of two >= 16, SHORT_ROWS and GRAM_ROWS multiples of it and
-    SPLIT_ROWS a positive multiple of 16 (a split program writes ceil(SPLIT_ROWS / BLOCK) tiles, masked)."""
+    SPLIT_ROWS (and APPLY_ROWS, when given) a positive multiple of 16 (a split program writes ceil(SPLIT_ROWS /
+    BLOCK) tiles, masked)."""
     block = cfg.get("BLOCK")
     if not isinstance(block, int) or block < 16 or block & (block - 1):
         raise ValueError(f"orthogonalize config: BLOCK must be a power of two >= 16, got {block!r}")
@@ -773,9 +788,12 @@ def _check_ortho_config(cfg: dict) -> None:
     split = cfg.get("SPLIT_ROWS")
     if not isinstance(split, int) or split < 16 or split % 16:
         raise ValueError(f"orthogonalize config: SPLIT_ROWS must be a positive multiple of 16, got {split!r}")
+    apply = cfg.get("APPLY_ROWS", cfg["SHORT_ROWS"])
+    if not isinstance(apply, int) or apply < 16 or apply % 16:
+        raise ValueError(f"orthogonalize config: APPLY_ROWS must be a positive multiple of 16, got {apply!r}")
 
 
-# Per layout (weakly held): {(which, R, BLOCK, SHORT_ROWS, GRAM_ROWS, SPLIT_ROWS): _OrthoPlan}
+# Per layout (weakly held): {(which, R, BLOCK, SHORT_ROWS, GRAM_ROWS, SPLIT_ROWS, APPLY_ROWS): _OrthoPlan}
 _ORTHO_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -812,6 +830,7 @@ class _OrthoPlan:
         self.R = padded_rank(layout.max_rank)
         self.consts = _ortho_constexprs(cfg, self.R)
         short, gram_rows, split = cfg["SHORT_ROWS"], cfg["GRAM_ROWS"], cfg["SPLIT_ROWS"]
+        apply = cfg.get("APPLY_ROWS", short)
         chunk = self.consts["CHUNK_TILES"] * cfg["BLOCK"]
         self.gram_tasks: List[List[int]] = []  # rows of layout.ORTHO_GRAM_TASK_COLUMNS
         self.tasks: List[List[int]] = []  # rows of layout.ORTHO_TASK_COLUMNS
@@ -821,17 +840,24 @@ class _OrthoPlan:
         self.split_matrices = 0
         self.factor_elems = 0  # valid elements of the factors
         self.split_elems = 0
+        self.regram_elems = 0  # factor elements read again by the extra programs of short factors (APPLY_ROWS)
         for i, s in enumerate(layout.matrices):
             rows = s.n if which == "p" else s.m
             rm = padded_rank(s.rank)  # completion vectors of this factor (the torch backend's too)
             factor = {ORTHO_N: rows, ORTHO_R: s.rank, ORTHO_OFF: s.p_offset if which == "p" else s.q_offset}
             self.factor_elems += rows * s.rank
             if rows <= short:
-                self.tasks.append(table_row(ORTHO_TASK_WIDTH, {ORTHO_MAT: i, ORTHO_ROW0: 0, ORTHO_ROW_END: rows,
-                                                               ORTHO_SLOT0: 0, ORTHO_SLOTS: 0, ORTHO_HEAD: -1,
-                                                               ORTHO_RM: rm, **factor}))
-                self.tiles.append(2 * -(-rows // chunk) * self.consts["CHUNK_TILES"])
-                self.slot_steps.append(0)
+                # one program per APPLY_ROWS rows, each with the factor's whole Gram (the same tiles in the same
+                # order: the same bits in every program, and as one program would write them)
+                gram_tiles = -(-rows // chunk) * self.consts["CHUNK_TILES"]
+                for c in range(0, rows, apply):
+                    end = min(c + apply, rows)
+                    self.tasks.append(table_row(ORTHO_TASK_WIDTH, {ORTHO_MAT: i, ORTHO_ROW0: c, ORTHO_ROW_END: end,
+                                                                   ORTHO_SLOT0: 0, ORTHO_SLOTS: 0, ORTHO_HEAD: -1,
+                                                                   ORTHO_RM: rm, **factor}))
+                    self.tiles.append(gram_tiles + -(-(end - c) // chunk) * self.consts["CHUNK_TILES"])
+                    self.slot_steps.append(0)
+                    self.regram_elems += rows * s.rank if c else 0
                 continue
             parts = -(-rows // gram_rows)
             head = slot + parts
@@ -863,7 +889,7 @@ class _OrthoPlan:
 
 def _ortho_plan(layout: BucketLayout, which: str, cfg: dict) -> _OrthoPlan:
     key = (which, padded_rank(layout.max_rank), cfg.get("BLOCK"), cfg.get("SHORT_ROWS"), cfg.get("GRAM_ROWS"),
-           cfg.get("SPLIT_ROWS"))
+           cfg.get("SPLIT_ROWS"), cfg.get("APPLY_ROWS"))
     plans = _ORTHO_PLANS.setdefault(layout, {})
     plan = plans.get(key)
     if plan is None:
@@ -945,7 +971,7 @@ def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] 
         iterations=max(t + k for t, k in zip(plan.tiles, plan.slot_steps)), rank_steps=R, lookups=1,
         bytes_read=8 * short_elems + 4 * plan.split_elems + len(plan.tasks) * 8 * ORTHO_TASK_WIDTH
         + sum(t[ORTHO_SLOTS] * slot_bytes for t in plan.tasks if t[ORTHO_SLOTS] > 0),
-        bytes_written=4 * plan.factor_elems,
+        bytes_written=4 * plan.factor_elems, l2_bytes=4 * plan.regram_elems,
         config=dict(cfg), variant=dict(variant, WITH_GRAM=False), dtype="float32", max_rank=layout.max_rank,
         split_programs=len(plan.tasks) - (layout.num_matrices - plan.split_matrices),
     ))
