@@ -12,6 +12,7 @@ wrapper (:class:`AllReduceCounter`) that adds ``numel * element_size`` of every 
 PyTorch's hooks and ours call ``dist.all_reduce`` through the module attribute.
 """
 
+import gc
 import math
 import os
 import sys
@@ -669,6 +670,11 @@ def rank_main(rank: int, world_size: int, init_method: Optional[str], cfg: Train
         dist.barrier()
     finally:
         if dist.is_initialized():
+            # DDP's reducer (freed by train_one, but in reference cycles) holds the process group and its last
+            # work objects: collect it while the interpreter is alive, else gloo's threads can abort the rank at
+            # exit ("terminate called without an active exception", pytorch/pytorch#190489; as
+            # examples/torchrun_ddp.py)
+            gc.collect()
             dist.destroy_process_group()
     return results if rank == 0 else None
 
