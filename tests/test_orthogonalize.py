@@ -137,6 +137,33 @@ def test_short_factors_apply_split_over_programs(which, rank, rng):
 
 
 @pytest.mark.parametrize("which", ["p", "q"])
+def test_short_factors_apply_split_in_place(which, rng):
+    """In place (``out`` is ``x``: the hooks orthogonalize P that way), ``APPLY_ROWS`` is not used: its programs
+    each read the factor's whole Gram (and its first rows for a completion) while the others overwrite their rows.
+    Bitwise what the out-of-place call writes, in one program per short factor, as ``orthogonalize_plan`` with
+    ``in_place=True`` says (it read rows already orthogonalized: off by up to 0.4 before)."""
+    pytest.importorskip("triton")
+    buf, _, grads = make_bucket(SPLIT_SHAPES, torch.float32, rng)
+    layout = layerwise(buf, grads, 3)
+    x = _random_factor(layout, which, rng, cond=100.0)
+    factors = _factors(x, layout, which)
+    tall = max(range(len(factors)), key=lambda i: factors[i].shape[0])
+    factors[tall][:, 1] = factors[tall][:, 0]  # dependent: its completion reads the factor's first rows
+    cfg = dict(BLOCK=16, SHORT_ROWS=320, GRAM_ROWS=32, SPLIT_ROWS=16, num_warps=4, num_stages=1, APPLY_ROWS=32)
+    out = torch.empty_like(x)
+    ops.orthogonalize(x, layout, which, out=out, backend="triton", config=cfg)
+    y = x.clone()
+    with recorded_launches() as calls:
+        ops.orthogonalize(y, layout, which, backend="triton", config=cfg)
+    assert torch.equal(y, out), (y - out).abs().max()
+    assert calls == [("_orthogonalize_kernel", layout.num_matrices)], calls
+    from powersgd_triton.kernels import triton_ops
+
+    planned = triton_ops.orthogonalize_plan(layout, which, cfg, in_place=True)
+    assert [(triton_ops.KERNEL_FUNCTIONS[d["kernel"]].fn.__name__, d["programs"]) for d in planned] == calls
+
+
+@pytest.mark.parametrize("which", ["p", "q"])
 def test_gram_launch_tiles_narrower_than_apply_tiles(which, monkeypatch, rng):
     """The Gram launch of split factors reads ``min(BLOCK, ORTHO_GRAM_BLOCK)`` rows per tile (the GPU heuristic's wide
     apply tiles would spill there): with 8-row Gram tiles under a 16-row config the plan counts 4 tiles per 32-row
