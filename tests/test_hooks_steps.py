@@ -233,3 +233,35 @@ def test_next_q_orthogonalized_ahead_is_bitwise_the_same(tmp_path, backend, hook
         assert res["calls_inline"] == [0, 0] + [2] * 6
         # step 2 draws Q (inline) and orthogonalizes the next one; steps 4 and 6 redo the stale one
         assert res["calls"] == [0, 0, 3, 2, 3, 2, 3, 2]
+
+
+def _switch_worker(rank, world_size, backend):
+    """powerSGD_hook, then alternating_powerSGD_hook on the same state (same bucket memory: Q, q_work), then
+    powerSGD_hook again; outputs per step, with the next Q orthogonalized ahead and without."""
+    from powersgd_triton import alternating_powerSGD_hook
+
+    shapes = ONE_BUCKET[0][2]
+    hooks = [powerSGD_hook] * 4 + [alternating_powerSGD_hook] * 2 + [powerSGD_hook] * 2
+    runs = {}
+    for ahead in (True, False):
+        _step.ORTHOGONALIZE_AHEAD = ahead
+        try:
+            state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, backend=backend)
+            outs = []
+            for step, hook in enumerate(hooks):
+                data = _data(step, rank, 0, bucket_numel(shapes))
+                outs.append(hook(state, FakeBucket(data, shapes)).wait().clone())
+            runs[ahead] = outs
+        finally:
+            _step.ORTHOGONALIZE_AHEAD = True
+    return [torch.equal(a, b) for a, b in zip(runs[True], runs[False])]
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_next_q_made_ahead_is_dropped_by_the_alternating_hook(tmp_path, backend):
+    """The alternating hook writes the Q memory and q_work of the bucket memory it shares with powerSGD_hook
+    (Triton kernels: no version counter moves). A state that serves powerSGD_hook again afterwards must not take
+    the Q made ahead before the alternating steps: the outputs are bitwise those of orthogonalizing at each step's
+    start (on the Triton backend the stale Q was used at step 6 before)."""
+    for res in run_ranks(_switch_worker, 2, tmp_path, backend, timeout=90):
+        assert all(res), res
