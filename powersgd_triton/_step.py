@@ -74,10 +74,18 @@ class NextQ:
         return (self.q is mem.q and self.q_work is mem.q_work and self.q_version == mem.q._version
                 and self.q_work_version == mem.q_work._version and self.epsilon == epsilon and self.config == config)
 
-    def wait(self) -> None:
-        """Make the current stream of the tensors' device wait for the work (nothing on the CPU)."""
-        if self.event is not None:
-            torch.cuda.current_stream(self.q.device).wait_event(self.event)
+    def wait(self) -> bool:
+        """Make the current stream of the tensors' device wait for the work (nothing on the CPU); True when the
+        work may be used. False, without waiting, while the current stream is being captured into a CUDA graph and
+        the work ran outside the capture (on the side stream): a capturing stream must not wait on an event
+        recorded outside its capture (CUDA: cudaErrorStreamCaptureIsolation, the capture is invalidated).
+        ``torch.cuda.graph`` synchronizes the device before it starts capturing, so that work is done."""
+        if self.event is None:
+            return True
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        torch.cuda.current_stream(self.q.device).wait_event(self.event)
+        return True
 
 
 def _side_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
@@ -125,10 +133,14 @@ def take_next_q(mem: BucketMemory, epsilon: float) -> bool:
     """True when ``mem.q_work`` holds ``orthogonalize(mem.q)`` made ahead (:func:`orthogonalize_next_q`) from the
     same ``q`` and ``q_work`` unchanged since (same tensors, same version counters: a ``load_state_dict``, a new
     draw or an in-place torch write to ``q`` in between makes it False), with this ``epsilon`` and orthogonalize
-    config; the current stream then waits for that work. Clears ``mem.q_next`` either way (after waiting for it)."""
+    config; the current stream then waits for that work. Clears ``mem.q_next`` either way (after waiting for it;
+    while a CUDA graph is being captured, work made outside the capture is neither waited for nor used:
+    :meth:`NextQ.wait`)."""
     ahead = mem.q_next
-    drop_next_q(mem)
-    return ahead is not None and ahead.matches(mem, epsilon, mem.config("orthogonalize"))
+    if ahead is None:
+        return False
+    mem.q_next = None
+    return ahead.wait() and ahead.matches(mem, epsilon, mem.config("orthogonalize"))
 
 
 def completed(value: torch.Tensor) -> torch.futures.Future:

@@ -265,3 +265,33 @@ def test_next_q_made_ahead_is_dropped_by_the_alternating_hook(tmp_path, backend)
     start (on the Triton backend the stale Q was used at step 6 before)."""
     for res in run_ranks(_switch_worker, 2, tmp_path, backend, timeout=90):
         assert all(res), res
+
+
+def test_next_q_made_outside_a_cuda_graph_capture_is_neither_waited_for_nor_used(monkeypatch):
+    """A capturing stream must not wait on an event recorded outside the capture (CUDA invalidates the capture:
+    cudaErrorStreamCaptureIsolation). The first step captured after eager steps (``torch.cuda.graph`` synchronizes
+    the device first) finds a NextQ with a side-stream event: take_next_q and the writers' drop_next_q then do not
+    wait, and the step orthogonalizes Q inside the capture. Outside a capture the stream waits on the event and the
+    Q made ahead is used. (Streams mocked: the logic, not CUDA.)"""
+    from powersgd_triton._memory import BucketMemory, drop_next_q
+
+    waits = []
+
+    class Stream:
+        def wait_event(self, event):
+            waits.append(event)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    event = object()
+    for capturing in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        mem = BucketMemory()
+        mem.q, mem.q_work = torch.zeros(6), torch.zeros(6)
+        mem.q_next = _step.NextQ(mem, 0.0, None, event)
+        waits.clear()
+        assert _step.take_next_q(mem, 0.0) is (not capturing)
+        assert mem.q_next is None and waits == ([] if capturing else [event])
+        mem.q_next = _step.NextQ(mem, 0.0, None, event)
+        waits.clear()
+        drop_next_q(mem)
+        assert mem.q_next is None and waits == ([] if capturing else [event])
