@@ -122,9 +122,16 @@ def orthogonalize_next_q(mem: BucketMemory, epsilon: float) -> None:
         stream.wait_stream(torch.cuda.current_stream(mem.q.device))
         with torch.cuda.stream(stream):
             ops.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work, backend=mem.backend, config=config)
-        # the caching allocator must not hand these out to another stream while the side stream uses them
+        # the caching allocator must not hand these out to another stream while the side stream uses them: Q, its
+        # output, and what the Triton launcher keeps per layout (task tables, Gram workspace), all allocated on
+        # other streams and freed without waiting for this one when the memory is dropped (rebuild, load)
         mem.q.record_stream(stream)
         mem.q_work.record_stream(stream)
+        if mem.backend == "triton":
+            from .kernels import triton_ops
+
+            for kept in triton_ops.orthogonalize_kept_tensors(mem.q, mem.layout, "q", mem.q_work, config=config):
+                kept.record_stream(stream)
         event = stream.record_event()
     mem.q_next = NextQ(mem, epsilon, config, event)
 

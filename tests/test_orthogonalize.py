@@ -504,3 +504,36 @@ def test_gram_schmidt_power_of_two_scaling_is_exact(rng):
     assert not torch.equal(reference.gram_schmidt_(big.clone(), scale=False), plain)  # what the scaling prevents
     fp64 = x.double() * 2.0**900  # float64 data near its own range
     assert torch.equal(reference.gram_schmidt_(fp64.clone()), reference.gram_schmidt_(x.double().clone()))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_kept_tensors_are_the_ones_the_launches_use(in_place, rng):
+    """``orthogonalize_kept_tensors`` names every device tensor the launches of that call use besides ``x`` and
+    ``out`` (task tables, Gram workspace: kept with the layout), so that the side stream of the next step's Q
+    records itself on all of them (else the allocator may reuse their memory on another stream while the side
+    stream still reads and writes it, when a rebuild or a load drops the layout)."""
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from powersgd_triton.kernels import triton_ops
+
+    buf, _, grads = make_bucket(SPLIT_SHAPES, torch.float32, rng)
+    layout = layerwise(buf, grads, 3)
+    x = _random_factor(layout, "p", rng)
+    out = x if in_place else torch.empty_like(x)
+    cfg = dict(BLOCK=16, SHORT_ROWS=64, GRAM_ROWS=32, SPLIT_ROWS=16, num_warps=4, num_stages=1, APPLY_ROWS=32)
+    used, original = [], InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        used.extend(a for a in args if isinstance(a, torch.Tensor))
+        return original(self, *args, **kwargs)
+
+    InterpretedFunction.run = run
+    try:
+        ops.orthogonalize(x, layout, "p", out=out, backend="triton", config=cfg)
+    finally:
+        InterpretedFunction.run = original
+    kept = triton_ops.orthogonalize_kept_tensors(x, layout, "p", out, config=cfg)
+    others = {id(t): t for t in used if t is not x and t is not out}
+    assert len(others) == 3  # Gram task table (tall factors: split), task table, workspace
+    assert {id(t) for t in kept} == set(others)

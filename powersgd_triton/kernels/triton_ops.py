@@ -947,6 +947,23 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, c
     )
 
 
+def orthogonalize_kept_tensors(x, layout: BucketLayout, which: str, out, *,
+                               config: Optional[dict] = None) -> List[torch.Tensor]:
+    """The device tensors :func:`orthogonalize` with these arguments uses besides ``x`` and ``out`` and keeps with
+    the layout across calls (its task tables and the float64 Gram workspace). They were allocated on the stream
+    of the call that made them: a caller that runs orthogonalize on another stream (the next step's Q on a side
+    stream: :func:`powersgd_triton._step.orthogonalize_next_q`) records that stream on them, so that the caching
+    allocator does not hand their memory to that stream's work while the side stream may still use it (when the
+    layout is dropped: a bucket rebuild, ``load_state_dict``)."""
+    if layout.num_matrices == 0:
+        return []
+    cfg = _in_place_config(_resolve("orthogonalize", layout, x.dtype, config), _overlap(x, out))
+    plan = _ortho_plan(layout, which, cfg)
+    gram_tasks, tasks = plan.device_tables(x.device)
+    ws = _ortho_workspace(layout, plan.slots, plan.R)
+    return [t for t in (gram_tasks, tasks, ws) if t is not None]
+
+
 def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] = None, *,
                        in_place: bool = False) -> List[dict]:
     """The launches of one :func:`orthogonalize` call on ``layout`` (``which`` = "p" or "q"), in launch order.
