@@ -129,6 +129,8 @@ def test_short_factors_apply_split_over_programs(which, rank, rng):
         assert guards_intact(whole, x.numel())
         outs.append(out.clone())
     assert torch.equal(outs[0], outs[1])
+    # programs of split factors (Gram slots): none here, whatever the programs APPLY_ROWS adds
+    assert _planned(layout, which, dict(one, APPLY_ROWS=32))[1][-1]["split_programs"] == 0
     for i, (f_out, f_in) in enumerate(zip(_factors(outs[1], layout, which), _factors(x, layout, which))):
         f64 = f_out.double()
         assert (f64.t() @ f64 - torch.eye(f_out.shape[1], dtype=torch.float64)).abs().max() < EYE_TOL

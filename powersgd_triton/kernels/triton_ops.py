@@ -1008,7 +1008,7 @@ def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] 
         + sum(t[ORTHO_SLOTS] * slot_bytes for t in plan.tasks if t[ORTHO_SLOTS] > 0),
         bytes_written=4 * plan.factor_elems, l2_bytes=4 * plan.regram_elems,
         config=dict(cfg), variant=dict(variant, WITH_GRAM=False), dtype="float32", max_rank=layout.max_rank,
-        split_programs=len(plan.tasks) - (layout.num_matrices - plan.split_matrices),
+        split_programs=sum(1 for t in plan.tasks if t[ORTHO_SLOTS] > 0),
     ))
     return out
 
