@@ -74,10 +74,18 @@ class NextQ:
         return (self.q is mem.q and self.q_work is mem.q_work and self.q_version == mem.q._version
                 and self.q_work_version == mem.q_work._version and self.epsilon == epsilon and self.config == config)
 
-    def wait(self) -> None:
-        """Make the current stream of the tensors' device wait for the work (nothing on the CPU)."""
-        if self.event is not None:
-            torch.cuda.current_stream(self.q.device).wait_event(self.event)
+    def wait(self) -> bool:
+        """Make the current stream of the tensors' device wait for the work (nothing on the CPU); True when the
+        work may be used. False, without waiting, while the current stream is being captured into a CUDA graph and
+        the work ran outside the capture (on the side stream): a capturing stream must not wait on an event
+        recorded outside its capture (CUDA: cudaErrorStreamCaptureIsolation, the capture is invalidated).
+        ``torch.cuda.graph`` synchronizes the device before it starts capturing, so that work is done."""
+        if self.event is None:
+            return True
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        torch.cuda.current_stream(self.q.device).wait_event(self.event)
+        return True
 
 
 def _side_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
@@ -114,9 +122,16 @@ def orthogonalize_next_q(mem: BucketMemory, epsilon: float) -> None:
         stream.wait_stream(torch.cuda.current_stream(mem.q.device))
         with torch.cuda.stream(stream):
             ops.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work, backend=mem.backend, config=config)
-        # the caching allocator must not hand these out to another stream while the side stream uses them
+        # the caching allocator must not hand these out to another stream while the side stream uses them: Q, its
+        # output, and what the Triton launcher keeps per layout (task tables, Gram workspace), all allocated on
+        # other streams and freed without waiting for this one when the memory is dropped (rebuild, load)
         mem.q.record_stream(stream)
         mem.q_work.record_stream(stream)
+        if mem.backend == "triton":
+            from .kernels import triton_ops
+
+            for kept in triton_ops.orthogonalize_kept_tensors(mem.q, mem.layout, "q", mem.q_work, config=config):
+                kept.record_stream(stream)
         event = stream.record_event()
     mem.q_next = NextQ(mem, epsilon, config, event)
 
@@ -125,10 +140,14 @@ def take_next_q(mem: BucketMemory, epsilon: float) -> bool:
     """True when ``mem.q_work`` holds ``orthogonalize(mem.q)`` made ahead (:func:`orthogonalize_next_q`) from the
     same ``q`` and ``q_work`` unchanged since (same tensors, same version counters: a ``load_state_dict``, a new
     draw or an in-place torch write to ``q`` in between makes it False), with this ``epsilon`` and orthogonalize
-    config; the current stream then waits for that work. Clears ``mem.q_next`` either way (after waiting for it)."""
+    config; the current stream then waits for that work. Clears ``mem.q_next`` either way (after waiting for it;
+    while a CUDA graph is being captured, work made outside the capture is neither waited for nor used:
+    :meth:`NextQ.wait`)."""
     ahead = mem.q_next
-    drop_next_q(mem)
-    return ahead is not None and ahead.matches(mem, epsilon, mem.config("orthogonalize"))
+    if ahead is None:
+        return False
+    mem.q_next = None
+    return ahead.wait() and ahead.matches(mem, epsilon, mem.config("orthogonalize"))
 
 
 def completed(value: torch.Tensor) -> torch.futures.Future:

@@ -233,3 +233,65 @@ def test_next_q_orthogonalized_ahead_is_bitwise_the_same(tmp_path, backend, hook
         assert res["calls_inline"] == [0, 0] + [2] * 6
         # step 2 draws Q (inline) and orthogonalizes the next one; steps 4 and 6 redo the stale one
         assert res["calls"] == [0, 0, 3, 2, 3, 2, 3, 2]
+
+
+def _switch_worker(rank, world_size, backend):
+    """powerSGD_hook, then alternating_powerSGD_hook on the same state (same bucket memory: Q, q_work), then
+    powerSGD_hook again; outputs per step, with the next Q orthogonalized ahead and without."""
+    from powersgd_triton import alternating_powerSGD_hook
+
+    shapes = ONE_BUCKET[0][2]
+    hooks = [powerSGD_hook] * 4 + [alternating_powerSGD_hook] * 2 + [powerSGD_hook] * 2
+    runs = {}
+    for ahead in (True, False):
+        _step.ORTHOGONALIZE_AHEAD = ahead
+        try:
+            state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, backend=backend)
+            outs = []
+            for step, hook in enumerate(hooks):
+                data = _data(step, rank, 0, bucket_numel(shapes))
+                outs.append(hook(state, FakeBucket(data, shapes)).wait().clone())
+            runs[ahead] = outs
+        finally:
+            _step.ORTHOGONALIZE_AHEAD = True
+    return [torch.equal(a, b) for a, b in zip(runs[True], runs[False])]
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_next_q_made_ahead_is_dropped_by_the_alternating_hook(tmp_path, backend):
+    """The alternating hook writes the Q memory and q_work of the bucket memory it shares with powerSGD_hook
+    (Triton kernels: no version counter moves). A state that serves powerSGD_hook again afterwards must not take
+    the Q made ahead before the alternating steps: the outputs are bitwise those of orthogonalizing at each step's
+    start (on the Triton backend the stale Q was used at step 6 before)."""
+    for res in run_ranks(_switch_worker, 2, tmp_path, backend, timeout=90):
+        assert all(res), res
+
+
+def test_next_q_made_outside_a_cuda_graph_capture_is_neither_waited_for_nor_used(monkeypatch):
+    """A capturing stream must not wait on an event recorded outside the capture (CUDA invalidates the capture:
+    cudaErrorStreamCaptureIsolation). The first step captured after eager steps (``torch.cuda.graph`` synchronizes
+    the device first) finds a NextQ with a side-stream event: take_next_q and the writers' drop_next_q then do not
+    wait, and the step orthogonalizes Q inside the capture. Outside a capture the stream waits on the event and the
+    Q made ahead is used. (Streams mocked: the logic, not CUDA.)"""
+    from powersgd_triton._memory import BucketMemory, drop_next_q
+
+    waits = []
+
+    class Stream:
+        def wait_event(self, event):
+            waits.append(event)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    event = object()
+    for capturing in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        mem = BucketMemory()
+        mem.q, mem.q_work = torch.zeros(6), torch.zeros(6)
+        mem.q_next = _step.NextQ(mem, 0.0, None, event)
+        waits.clear()
+        assert _step.take_next_q(mem, 0.0) is (not capturing)
+        assert mem.q_next is None and waits == ([] if capturing else [event])
+        mem.q_next = _step.NextQ(mem, 0.0, None, event)
+        waits.clear()
+        drop_next_q(mem)
+        assert mem.q_next is None and waits == ([] if capturing else [event])

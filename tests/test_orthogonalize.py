@@ -129,11 +129,40 @@ def test_short_factors_apply_split_over_programs(which, rank, rng):
         assert guards_intact(whole, x.numel())
         outs.append(out.clone())
     assert torch.equal(outs[0], outs[1])
+    # programs of split factors (Gram slots): none here, whatever the programs APPLY_ROWS adds
+    assert _planned(layout, which, dict(one, APPLY_ROWS=32))[1][-1]["split_programs"] == 0
     for i, (f_out, f_in) in enumerate(zip(_factors(outs[1], layout, which), _factors(x, layout, which))):
         f64 = f_out.double()
         assert (f64.t() @ f64 - torch.eye(f_out.shape[1], dtype=torch.float64)).abs().max() < EYE_TOL
         if i != tall:
             assert rel_err64(f_out, gs64(f_in.double(), 0.0)) < 1e-6
+
+
+@pytest.mark.parametrize("which", ["p", "q"])
+def test_short_factors_apply_split_in_place(which, rng):
+    """In place (``out`` is ``x``: the hooks orthogonalize P that way), ``APPLY_ROWS`` is not used: its programs
+    each read the factor's whole Gram (and its first rows for a completion) while the others overwrite their rows.
+    Bitwise what the out-of-place call writes, in one program per short factor, as ``orthogonalize_plan`` with
+    ``in_place=True`` says (it read rows already orthogonalized: off by up to 0.4 before)."""
+    pytest.importorskip("triton")
+    buf, _, grads = make_bucket(SPLIT_SHAPES, torch.float32, rng)
+    layout = layerwise(buf, grads, 3)
+    x = _random_factor(layout, which, rng, cond=100.0)
+    factors = _factors(x, layout, which)
+    tall = max(range(len(factors)), key=lambda i: factors[i].shape[0])
+    factors[tall][:, 1] = factors[tall][:, 0]  # dependent: its completion reads the factor's first rows
+    cfg = dict(BLOCK=16, SHORT_ROWS=320, GRAM_ROWS=32, SPLIT_ROWS=16, num_warps=4, num_stages=1, APPLY_ROWS=32)
+    out = torch.empty_like(x)
+    ops.orthogonalize(x, layout, which, out=out, backend="triton", config=cfg)
+    y = x.clone()
+    with recorded_launches() as calls:
+        ops.orthogonalize(y, layout, which, backend="triton", config=cfg)
+    assert torch.equal(y, out), (y - out).abs().max()
+    assert calls == [("_orthogonalize_kernel", layout.num_matrices)], calls
+    from powersgd_triton.kernels import triton_ops
+
+    planned = triton_ops.orthogonalize_plan(layout, which, cfg, in_place=True)
+    assert [(triton_ops.KERNEL_FUNCTIONS[d["kernel"]].fn.__name__, d["programs"]) for d in planned] == calls
 
 
 @pytest.mark.parametrize("which", ["p", "q"])
@@ -477,3 +506,36 @@ def test_gram_schmidt_power_of_two_scaling_is_exact(rng):
     assert not torch.equal(reference.gram_schmidt_(big.clone(), scale=False), plain)  # what the scaling prevents
     fp64 = x.double() * 2.0**900  # float64 data near its own range
     assert torch.equal(reference.gram_schmidt_(fp64.clone()), reference.gram_schmidt_(x.double().clone()))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_kept_tensors_are_the_ones_the_launches_use(in_place, rng):
+    """``orthogonalize_kept_tensors`` names every device tensor the launches of that call use besides ``x`` and
+    ``out`` (task tables, Gram workspace: kept with the layout), so that the side stream of the next step's Q
+    records itself on all of them (else the allocator may reuse their memory on another stream while the side
+    stream still reads and writes it, when a rebuild or a load drops the layout)."""
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from powersgd_triton.kernels import triton_ops
+
+    buf, _, grads = make_bucket(SPLIT_SHAPES, torch.float32, rng)
+    layout = layerwise(buf, grads, 3)
+    x = _random_factor(layout, "p", rng)
+    out = x if in_place else torch.empty_like(x)
+    cfg = dict(BLOCK=16, SHORT_ROWS=64, GRAM_ROWS=32, SPLIT_ROWS=16, num_warps=4, num_stages=1, APPLY_ROWS=32)
+    used, original = [], InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        used.extend(a for a in args if isinstance(a, torch.Tensor))
+        return original(self, *args, **kwargs)
+
+    InterpretedFunction.run = run
+    try:
+        ops.orthogonalize(x, layout, "p", out=out, backend="triton", config=cfg)
+    finally:
+        InterpretedFunction.run = original
+    kept = triton_ops.orthogonalize_kept_tensors(x, layout, "p", out, config=cfg)
+    others = {id(t): t for t in used if t is not x and t is not out}
+    assert len(others) == 3  # Gram task table (tall factors: split), task table, workspace
+    assert {id(t) for t in kept} == set(others)

@@ -909,13 +909,29 @@ def _ortho_workspace(layout: BucketLayout, slots: int, R: int) -> torch.Tensor:
     return ws
 
 
+def _overlap(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``out`` shares memory with ``x`` (in place: the hooks orthogonalize P that way)."""
+    a, b = x.data_ptr(), out.data_ptr()
+    return a < b + out.numel() * out.element_size() and b < a + x.numel() * x.element_size()
+
+
+def _in_place_config(cfg: dict, in_place: bool) -> dict:
+    """``cfg`` without ``APPLY_ROWS`` when the call is in place: every program of a short factor split by
+    ``APPLY_ROWS`` reads the whole factor for its Gram (and its first rows for the completion vectors) while the
+    other programs of that factor overwrite their rows, so it would read rows already orthogonalized. One program
+    per short factor writes the same bits (same tiles, same order) and reads every row before writing any."""
+    if in_place and "APPLY_ROWS" in cfg:
+        return {k: v for k, v in cfg.items() if k != "APPLY_ROWS"}
+    return cfg
+
+
 def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, config: Optional[dict] = None) -> None:
     """Orthogonalize every P_i (``which="p"``) or Q_i (``"q"``): ONE launch when every factor has at most
     ``SHORT_ROWS`` rows, else two (float64 Gram slots of the split factors, then the rest); see
     :mod:`powersgd_triton.kernels.orthogonalize`. Raises ``ValueError`` for a malformed config or another
     ``which``."""
     factor_columns(which)  # validates `which`; the task tables carry each factor's rows, rank and offset
-    cfg = _resolve("orthogonalize", layout, x.dtype, config)
+    cfg = _in_place_config(_resolve("orthogonalize", layout, x.dtype, config), _overlap(x, out))
     plan = _ortho_plan(layout, which, cfg)
     gram_tasks, tasks = plan.device_tables(x.device)
     ws = _ortho_workspace(layout, plan.slots, plan.R)  # float64 even when unused: one compiled signature
@@ -931,7 +947,25 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, c
     )
 
 
-def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] = None) -> List[dict]:
+def orthogonalize_kept_tensors(x, layout: BucketLayout, which: str, out, *,
+                               config: Optional[dict] = None) -> List[torch.Tensor]:
+    """The device tensors :func:`orthogonalize` with these arguments uses besides ``x`` and ``out`` and keeps with
+    the layout across calls (its task tables and the float64 Gram workspace). They were allocated on the stream
+    of the call that made them: a caller that runs orthogonalize on another stream (the next step's Q on a side
+    stream: :func:`powersgd_triton._step.orthogonalize_next_q`) records that stream on them, so that the caching
+    allocator does not hand their memory to that stream's work while the side stream may still use it (when the
+    layout is dropped: a bucket rebuild, ``load_state_dict``)."""
+    if layout.num_matrices == 0:
+        return []
+    cfg = _in_place_config(_resolve("orthogonalize", layout, x.dtype, config), _overlap(x, out))
+    plan = _ortho_plan(layout, which, cfg)
+    gram_tasks, tasks = plan.device_tables(x.device)
+    ws = _ortho_workspace(layout, plan.slots, plan.R)
+    return [t for t in (gram_tasks, tasks, ws) if t is not None]
+
+
+def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] = None, *,
+                       in_place: bool = False) -> List[dict]:
     """The launches of one :func:`orthogonalize` call on ``layout`` (``which`` = "p" or "q"), in launch order.
 
     One dict per launch: ``kernel`` (a :data:`KERNEL_FUNCTIONS` name), ``programs`` (grid size), ``iterations``
@@ -942,12 +976,13 @@ def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] 
     ``bytes_read`` / ``bytes_written`` (bytes the loads and stores of the whole launch touch: factor float32,
     Gram slots float64, task tables; a short factor is read twice, the second time likely from L2),
     ``config`` and ``variant`` (``compile_aot(kernel, config, ..., variant=variant)`` compiles exactly this
-    launch). ``config=None``: the heuristic (or interpreter) config. Raises ``ValueError`` for an unknown
-    ``which`` or a malformed config.
+    launch). ``config=None``: the heuristic (or interpreter) config. ``in_place``: a call with ``out`` sharing
+    ``x``'s memory (the hooks' orthogonalization of P), which ignores ``APPLY_ROWS``. Raises ``ValueError`` for
+    an unknown ``which`` or a malformed config.
     """
     if which not in ("p", "q"):
         raise ValueError(f"which must be 'p' or 'q', got {which!r}")
-    cfg = dict(_resolve("orthogonalize", layout, torch.float32, config))
+    cfg = dict(_in_place_config(_resolve("orthogonalize", layout, torch.float32, config), in_place))
     if layout.num_matrices == 0:
         return []
     plan = _ortho_plan(layout, which, cfg)
@@ -973,7 +1008,7 @@ def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] 
         + sum(t[ORTHO_SLOTS] * slot_bytes for t in plan.tasks if t[ORTHO_SLOTS] > 0),
         bytes_written=4 * plan.factor_elems, l2_bytes=4 * plan.regram_elems,
         config=dict(cfg), variant=dict(variant, WITH_GRAM=False), dtype="float32", max_rank=layout.max_rank,
-        split_programs=len(plan.tasks) - (layout.num_matrices - plan.split_matrices),
+        split_programs=sum(1 for t in plan.tasks if t[ORTHO_SLOTS] > 0),
     ))
     return out
 
