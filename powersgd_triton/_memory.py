@@ -184,6 +184,17 @@ def allocate_alternating(mem: BucketMemory, buffer: torch.Tensor) -> None:
         mem.q_work = torch.empty(layout.q_numel, **f32)
 
 
+def p_work(mem: BucketMemory) -> torch.Tensor:
+    """``mem.p_work``, allocated like ``mem.p`` when missing or of another size: the layer-wise and batched hooks
+    all-reduce P there and orthogonalize it into ``mem.p`` (out of place: the orthogonalize launch may split a
+    factor's rows over programs that all read the whole factor; the alternating hook uses it as its own work
+    buffer)."""
+    if mem.p_work is None or mem.p_work.numel() != mem.p.numel() or mem.p_work.device != mem.p.device \
+            or mem.p_work.dtype != mem.p.dtype:
+        mem.p_work = torch.empty_like(mem.p)
+    return mem.p_work
+
+
 def draw_q(state, mem: BucketMemory, dtype: torch.dtype) -> None:
     """Fill ``mem.q`` with PyTorch's random initial Q (not yet orthogonalized); consumes one seed of ``state.rng``.
 

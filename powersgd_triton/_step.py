@@ -27,7 +27,7 @@ import torch.distributed as dist
 from . import ops
 from ._backend import device_backend
 from ._buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401 - the hooks' entry points
-from ._memory import BucketMemory, allocate_alternating, draw_q, drop_next_q  # noqa: F401 - the hooks' entry points
+from ._memory import BucketMemory, allocate_alternating, draw_q, drop_next_q, p_work  # noqa: F401 - the hooks' entry points
 from .layout import check_gradient_dtype
 from .state import PowerSGDState, check_grad_scaler
 

@@ -61,7 +61,7 @@ class _Step:
     """
 
     __slots__ = ("state", "mem", "layout", "buffer", "group", "world_size", "unc", "packed", "unc_work", "backend",
-                 "eps", "loss_scale")
+                 "eps", "loss_scale", "p_raw")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int):
         self.state = state
@@ -77,6 +77,8 @@ class _Step:
         self.unc = None
         self.packed = None
         self.unc_work = None
+        # P = (M + E)·Q is all-reduced here and orthogonalized into mem.p (out of place; see _memory.p_work)
+        self.p_raw = _step.p_work(mem) if mem.layout.num_matrices else None
 
     def start_uncompressed(self) -> None:
         """Issue the all-reduce of the uncompressed gradients: a view of the bucket when they are one range, else
@@ -106,13 +108,14 @@ class _Step:
             ops.orthogonalize(
                 mem.q, layout, "q", self.eps, out=mem.q_work, backend=self.backend, config=mem.config("orthogonalize")
             )
-        ops.project(self.buffer, layout, mem.q_work, mem.p, mem.error, loss_scale=self.loss_scale,
+        ops.project(self.buffer, layout, mem.q_work, self.p_raw, mem.error, loss_scale=self.loss_scale,
                     backend=self.backend, config=mem.config("project"))
 
     def compute_q(self) -> None:
-        """Orthogonalize the all-reduced P; ``Q = (M + E)ᵀ·P`` into ``q_work``."""
+        """Orthogonalize the all-reduced P (``p_raw``) into ``mem.p``; ``Q = (M + E)ᵀ·P`` into ``q_work``."""
         mem, layout = self.mem, self.layout
-        ops.orthogonalize(mem.p, layout, "p", self.eps, backend=self.backend, config=mem.config("orthogonalize"))
+        ops.orthogonalize(self.p_raw, layout, "p", self.eps, out=mem.p, backend=self.backend,
+                          config=mem.config("orthogonalize"))
         ops.project_t(self.buffer, layout, mem.p, mem.q_work, error=mem.error if layout.batched else None,
                       loss_scale=self.loss_scale if layout.batched else None, backend=self.backend,
                       config=mem.config("project_t"))
@@ -196,10 +199,10 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
             step.compute_q()
             return _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
 
-        p_fut = _step.allreduce_factor(state, mem.p, buffer, group)
+        p_fut = _step.allreduce_factor(state, step.p_raw, buffer, group)
         return p_fut.then(after_p).then(lambda fut: finish())
 
-    _step.allreduce_factor(state, mem.p, buffer, group).wait()
+    _step.allreduce_factor(state, step.p_raw, buffer, group).wait()
     step.compute_q()
     _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
     return _step.completed(finish())

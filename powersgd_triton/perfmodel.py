@@ -160,7 +160,8 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
                 launch["overlapped"] = True
     add("project", T.plan("project", layout, dtype, configs.get("project"), num_sms=num_sms,
                           variant=dict(HAS_ERROR=error_feedback)))
-    add("orthogonalize P", T.orthogonalize_plan(layout, "p", configs.get("orthogonalize"), in_place=True))
+    # out of place (the hooks all-reduce P in mem.p_work and orthogonalize it into mem.p): APPLY_ROWS applies
+    add("orthogonalize P", T.orthogonalize_plan(layout, "p", configs.get("orthogonalize")))
     add("project_t", T.plan("project_t", layout, dtype, configs.get("project_t"), num_sms=num_sms,
                             variant=dict(PAD_ERROR=False)))
     for launch in out:

@@ -295,3 +295,33 @@ def test_next_q_made_outside_a_cuda_graph_capture_is_neither_waited_for_nor_used
         waits.clear()
         drop_next_q(mem)
         assert mem.q_next is None and waits == ([] if capturing else [event])
+
+
+def _out_of_place_worker(rank, world_size, hook_name):
+    """(which, in place) of every orthogonalize call of the hooks' steps 2-4 (compressed)."""
+    from powersgd_triton import ops as ops_module
+
+    calls = []
+    original = ops_module.orthogonalize
+
+    def recording(x, layout, which, epsilon=0.0, out=None, **kwargs):
+        calls.append((which, out is None or out.data_ptr() == x.data_ptr()))
+        return original(x, layout, which, epsilon, out, **kwargs)
+
+    ops_module.orthogonalize = recording
+    try:
+        state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, backend="torch")
+        _run_steps(state, HOOKS[hook_name], range(5), rank, ONE_BUCKET)
+    finally:
+        ops_module.orthogonalize = original
+    return calls
+
+
+@pytest.mark.parametrize("hook_name", ["layerwise", "batched"])
+def test_factors_are_orthogonalized_out_of_place(tmp_path, hook_name):
+    """The hooks orthogonalize P (all-reduced in ``p_work``) and Q into other buffers, never in place: the Triton
+    launcher splits a short factor's rows over programs (``APPLY_ROWS``) only out of place, where every program can
+    read the whole factor for its Gram while the others write."""
+    for calls in run_ranks(_out_of_place_worker, 2, tmp_path, hook_name, timeout=60):
+        assert calls and not any(in_place for _, in_place in calls), calls
+        assert [w for w, _ in calls].count("p") == 3  # one per compressed step

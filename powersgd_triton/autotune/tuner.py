@@ -157,7 +157,10 @@ class _Workload:
             elif kernel == "project_t":
                 ops.project_t(s["buffer"], layout, s["p"], s["q"], config=config)
             elif kernel == "orthogonalize":
-                ops.orthogonalize(s["p"], layout, "p", 0.0, s["p"], config=config)
+                # out of place, as the hooks call it (in place ignores APPLY_ROWS)
+                if "p_out" not in s:
+                    s["p_out"] = torch.empty_like(s["p"])
+                ops.orthogonalize(s["p"], layout, "p", 0.0, s["p_out"], config=config)
             elif kernel == "reconstruct":
                 ops.reconstruct(s["buffer"], layout, s["p"], s["q"], 0.5, s["error"], self.flag, config=config)
             else:

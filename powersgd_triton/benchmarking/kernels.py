@@ -86,7 +86,8 @@ class KernelBench:
         if kernel == "project":
             return lambda: ops.project(buf, lay, self.q, self.p, self.error, backend=backend, config=config)
         if kernel == "orthogonalize":
-            return lambda: ops.orthogonalize(self.p, lay, "p", self.epsilon, backend=backend, config=config)
+            out = torch.empty_like(self.p)  # out of place, as the hooks call it (in place ignores APPLY_ROWS)
+            return lambda: ops.orthogonalize(self.p, lay, "p", self.epsilon, out, backend=backend, config=config)
         if kernel == "project_t":
             return lambda: ops.project_t(buf, lay, self.p, self.q, backend=backend, config=config)
         if kernel == "reconstruct":
