@@ -85,8 +85,10 @@ def _int(where: str, value: Any, low: Optional[int] = 0, high: Optional[int] = N
     return value
 
 
-def _tensor(where: str, t: Any, numel: int, bucket_dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """A copy of the saved tensor, checked: 1-D, ``numel`` elements, the memory dtype, every element finite."""
+def _tensor(where: str, t: Any, numel: int, bucket_dtype: torch.dtype, unread: bool = False) -> Optional[torch.Tensor]:
+    """A copy of the saved tensor, checked: 1-D, ``numel`` elements, the memory dtype, every element finite.
+    ``unread``: a tensor the next step does not read (P at phase "p"): its non-finite elements are loaded as zeros
+    instead of refused (powerSGD_hook's P after a non-finite step, which GradScaler skips, is NaN or inf)."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
@@ -99,6 +101,8 @@ def _tensor(where: str, t: Any, numel: int, bucket_dtype: torch.dtype) -> Option
     if t.layout != torch.strided or t.dim() != 1 or t.numel() != numel:
         raise ValueError(f"{where} must be a flat tensor of {numel} elements for its layout, got shape {tuple(t.shape)}")
     t = t.detach().clone()
+    if unread:
+        t = torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype))
     if t.numel() and not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
         raise ValueError(
@@ -124,8 +128,14 @@ def check_bucket(index: Any, saved: Any) -> Dict[str, Any]:
         raise ValueError(f"{where}, 'signature' {exc}") from None
     dtype = layout.signature[2]
     out: Dict[str, Any] = {"signature": saved["signature"]}
+    phase = saved.get("phase", "p")  # absent in state dicts saved before the alternating hook
+    if phase not in ("p", "q"):
+        raise ValueError(f"{where}, 'phase' must be 'p' or 'q', got {phase!r}")
+    out["phase"] = phase
     out["error"] = _tensor(f"{where}, 'error'", saved["error"], layout.e_numel, dtype)
-    out["p"] = _tensor(f"{where}, 'p'", saved["p"], layout.p_numel, dtype)
+    # P is read by the next step only at phase "q" (the alternating hook's kept P); powerSGD_hook's memories stay
+    # at phase "p" and recompute P every step
+    out["p"] = _tensor(f"{where}, 'p'", saved["p"], layout.p_numel, dtype, unread=phase == "p")
     out["q"] = _tensor(f"{where}, 'q'", saved["q"], layout.q_numel, dtype)
     if out["p"] is None or out["q"] is None:
         raise ValueError(f"{where}: 'p' and 'q' must be tensors, got None")
@@ -133,10 +143,6 @@ def check_bucket(index: Any, saved: Any) -> Dict[str, Any]:
     if not isinstance(flag, (bool, np.bool_)):
         raise ValueError(f"{where}, 'q_initialized' must be a bool, got {flag!r}")
     out["q_initialized"] = bool(flag)
-    phase = saved.get("phase", "p")  # absent in state dicts saved before the alternating hook
-    if phase not in ("p", "q"):
-        raise ValueError(f"{where}, 'phase' must be 'p' or 'q', got {phase!r}")
-    out["phase"] = phase
     names = saved.get("param_names")
     grads = 0 if layout.batched else len(layout.signature[5])
     if names is not None:

@@ -120,8 +120,9 @@ def _damage(sd, what):
         b["q"][3] = float("nan")
     elif what == "inf_error":
         b["error"][-1] = float("inf")
-    elif what == "nan_p":
+    elif what == "nan_kept_p":  # the alternating hook's next step (phase "q") reads the kept P
         b["p"][0] = float("nan")
+        b["phase"] = "q"
     elif what == "short_error":
         b["error"] = b["error"][:-5].clone()
     elif what == "long_q":
@@ -154,7 +155,7 @@ def _damage(sd, what):
 DAMAGE = {  # damage -> words the ValueError must contain
     "nan_q": ("bucket 0", "'q'", "non-finite"),
     "inf_error": ("bucket 0", "'error'", "non-finite"),
-    "nan_p": ("bucket 0", "'p'", "non-finite"),
+    "nan_kept_p": ("bucket 0", "'p'", "non-finite"),
     "short_error": ("bucket 0", "'error'", "elements"),
     "long_q": ("bucket 0", "'q'", "elements"),
     "half_p": ("bucket 0", "'p'", "torch.float32"),
@@ -181,6 +182,25 @@ def test_damaged_state_dict_is_refused_and_changes_nothing(world1, rng, what):
     for word in DAMAGE[what]:
         assert word in str(info.value), (word, str(info.value))
     assert _same(target.state_dict(), before)
+
+
+def test_state_saved_after_a_skipped_step_resumes(world1, rng):
+    """A non-finite step (GradScaler skips it) leaves powerSGD_hook's P non-finite, a P the next step does not read:
+    a state dict saved then loads (that P as zeros, as fresh memory) and resumes bitwise like the state it came
+    from. (It was refused as damaged: a checkpoint taken at a skipped step could not be resumed.)"""
+    state = _trained(rng)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=rng)))
+    _run(state, powerSGD_hook, 1, gen, scale=float("inf"))  # every gradient inf: a non-finite step
+    saved = copy.deepcopy(state.state_dict())
+    assert not torch.isfinite(saved["buckets"][0]["p"]).all() and saved["buckets"][0]["phase"] == "p"
+    fresh = _state()
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh.state_dict()["buckets"][0]["p"], torch.zeros_like(saved["buckets"][0]["p"]))
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    want = _run(state, powerSGD_hook, 3, torch.Generator().manual_seed(seed))
+    got = _run(fresh, powerSGD_hook, 3, torch.Generator().manual_seed(seed))
+    for (_, a), (_, b) in zip(want, got):
+        assert torch.isfinite(b).all() and torch.equal(a, b)
 
 
 def test_nan_q_would_have_poisoned_every_later_step(world1, rng):
