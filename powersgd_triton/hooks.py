@@ -11,7 +11,7 @@ A compressed step of one bucket (PowerSGD, Vogels et al. 2019, arXiv 1905.13727,
 1. all-reduce of the uncompressed gradients, issued first (async) so that it overlaps the rest;
 2. ``Q <- orthogonalize(Q memory)`` into a work buffer (a fresh random Q on first use / without warm start); with
    warm start this was done at the end of the previous step (7.), so there is nothing to do;
-3. ``P = (M + E)·Q``, all-reduce P;  4. orthogonalize P;  5. ``Q = (M + E)ᵀ·P``, all-reduce Q, ``Q /= world``;
+3. ``P = (M + E)·Q`` into a work buffer, all-reduce it;  4. orthogonalize P from it into the P memory;  5. ``Q = (M + E)ᵀ·P``, all-reduce Q, ``Q /= world``;
 6. ``M <- P·Qᵀ`` and ``E <- (M + E) - P·Qᵀ`` in one pass; commit the warm-start Q;
 7. (warm start) orthogonalize the kept Q into the work buffer for the next step: on CUDA on a side stream, so that
    it overlaps the rest of the iteration instead of delaying the next step
