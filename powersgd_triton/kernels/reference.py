@@ -400,20 +400,15 @@ def _zero64(layout: BucketLayout, rows: int, r: int) -> torch.Tensor:
     return z
 
 
-def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out: torch.Tensor) -> bool:
-    """Epsilon-0 Gram-Schmidt of every factor in a few batches (:func:`_ortho_plan`: usually one for the bucket) as
-    float64 Cholesky-QR (zero rows change no Gram matrix): ``G = XᵀX``, ``G = UᵀU``, ``X·U⁻¹``, the same factor as
-    modified Gram-Schmidt (on the columns, or on ``G`` as the Triton kernel) to rounding. Products of float32 values
-    are exact in float64, so ``G`` cannot overflow and the result scales exactly with a power-of-two scaling of ``x``.
-    Per batch: one ``cat`` (cast and padding), ``bmm``, ``cholesky_ex``, the check (``addcmul``, ``maximum``,
-    ``amax`` and one host read), ``solve_triangular``, one ``cat`` (or ``copy_``) into ``out``.
-
-    Returns False, having written nothing, where the per-group column path must run: a factor the Cholesky
-    factorization cannot take as it is -- a zero or dependent column (residual² <= :data:`DEPENDENT_TOL` times its
-    squared norm, the rule of :func:`gram_schmidt_`, tested as ``‖x_k‖² − residual²/DEPENDENT_TOL > 0``: the exact
-    tie, a rounding-level case, counts as independent here), an all-zero factor, non-finite values (NaN in that
-    margin), a failed factorization (``info > 0``). That test is a host check: the path runs on CPU tensors only."""
-    results = []
+def _ortho_prepare(x: torch.Tensor, layout: BucketLayout, which: str) -> Optional[list]:
+    """The float64 Cholesky factorizations of :func:`_orthogonalize_batch`, before its check: per batch of
+    :func:`_ortho_plan`, ``(offset, shape, pieces, batch, u, top)``: the padded float64 batch, its upper Cholesky
+    factor and ``top``, the 0-d largest margin ``‖x_k‖² − residual_k²/DEPENDENT_TOL`` (the batch is accepted where
+    ``top <= 0``; NaN for non-finite values). None when a factorization failed (``info > 0``: not positive definite,
+    a zero column, an all-zero factor, non-finite values), read by ``cholesky_ex`` itself (``check_errors``: LAPACK's
+    info is on the host already). Per batch: one ``cat`` (cast and padding), ``bmm``, ``cholesky_ex``, ``addcmul``,
+    ``amax``; nothing is written."""
+    prepared = []
     for off, (count, rows, r), pieces in _ortho_plan(layout, which):
         if pieces is None:
             batch = x[off : off + count * rows * r].view(count, rows, r).to(torch.float64)
@@ -426,14 +421,21 @@ def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out:
                     blocks.append(zero[:pad])
             batch = torch.cat(blocks).view(count, rows, r)  # float32 factors and float64 zeros: float64
         gram = torch.bmm(batch.transpose(1, 2), batch)
-        u, info = torch.linalg.cholesky_ex(gram, upper=True)
+        try:
+            u, _ = torch.linalg.cholesky_ex(gram, upper=True, check_errors=True)
+        except torch.linalg.LinAlgError:  # info > 0
+            return None
         residual = u.diagonal(dim1=1, dim2=2)
         margin = torch.addcmul(gram.diagonal(dim1=1, dim2=2), residual, residual, value=-1.0 / DEPENDENT_TOL)
-        # <= 0: every margin negative (or zero: the exact tie counts as independent here) and info 0
-        if not float(torch.maximum(margin, info.unsqueeze(1)).amax()) <= 0:  # dependent, failed, or NaN
-            return False
-        results.append((off, (count, rows, r), pieces, torch.linalg.solve_triangular(u, batch, upper=True,
-                                                                                     left=False)))
+        prepared.append((off, (count, rows, r), pieces, batch, u, margin.amax()))
+    return prepared
+
+
+def _ortho_apply(prepared: list, out: torch.Tensor) -> None:
+    """The accepted batches of :func:`_ortho_prepare` into ``out``: per batch one ``solve_triangular`` (``X·U⁻¹``)
+    and one ``cat`` (or ``copy_``) of the float64 rows rounded into ``out``."""
+    results = [(off, shape, pieces, torch.linalg.solve_triangular(u, batch, upper=True, left=False))
+               for off, shape, pieces, batch, u, _ in prepared]
     for off, (count, rows, r), pieces, y in results:
         if pieces is None:
             out[off : off + count * rows * r].view(count, rows, r).copy_(y)
@@ -442,6 +444,29 @@ def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out:
             total = sum(rw for _, rw, _ in pieces)
             torch.cat([y[i, :rw] for i, (_, rw, _) in enumerate(pieces)],
                       out=out[first : first + total * r].view(total, r))  # float64 rows rounded into out
+
+
+def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out: torch.Tensor) -> bool:
+    """Epsilon-0 Gram-Schmidt of every factor in a few batches (:func:`_ortho_plan`: usually one for the bucket) as
+    float64 Cholesky-QR (zero rows change no Gram matrix): ``G = XᵀX``, ``G = UᵀU``, ``X·U⁻¹``, the same factor as
+    modified Gram-Schmidt (on the columns, or on ``G`` as the Triton kernel) to rounding. Products of float32 values
+    are exact in float64, so ``G`` cannot overflow and the result scales exactly with a power-of-two scaling of ``x``.
+    Per batch: one ``cat`` (cast and padding), ``bmm``, ``cholesky_ex`` (which checks its ``info``), the check
+    (``addcmul``, ``amax`` and one host read), ``solve_triangular``, one ``cat`` (or ``copy_``) into ``out``
+    (:func:`_ortho_prepare`, :func:`_ortho_apply`).
+
+    Returns False, having written nothing, where the per-group column path must run: a factor the Cholesky
+    factorization cannot take as it is -- a zero or dependent column (residual² <= :data:`DEPENDENT_TOL` times its
+    squared norm, the rule of :func:`gram_schmidt_`, tested as ``‖x_k‖² − residual²/DEPENDENT_TOL > 0``: the exact
+    tie, a rounding-level case, counts as independent here), an all-zero factor, non-finite values (NaN in that
+    margin), a failed factorization (``info > 0``). That test is a host check: the path runs on CPU tensors only."""
+    prepared = _ortho_prepare(x, layout, which)
+    if prepared is None:
+        return False
+    for *_, top in prepared:
+        if not float(top) <= 0:  # dependent, or NaN
+            return False
+    _ortho_apply(prepared, out)
     return True
 
 
