@@ -167,6 +167,43 @@ def test_cpu_step_status_commit_and_error_memory(case, rng):
     assert torch.equal(buf.index_select(0, index), unc0)  # the averaged uncompressed gradients (world size 1)
 
 
+def _bits(t):
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int64)
+
+
+@pytest.mark.parametrize("case", ["finite", "zero_factor", "nan_factor", "inf_uncompressed", "dependent"])
+def test_cpu_commit_with_the_next_orthogonalization(case, rng):
+    """``ops.reconstruct(..., orthogonalize_kept=q)`` on CPU (what the hook's warm start does, ``q`` the averaged Q
+    itself): the bucket, the error memory and the kept Q bitwise as without it; where every Q is finite, non-zero
+    and independent and the uncompressed gradients finite, it returns True and ``q`` holds
+    ``ops.orthogonalize(kept)`` bitwise; else it returns False and leaves ``q`` as it was."""
+    buf, _, grads = make_bucket(SHAPES, torch.float32, rng)
+    layout = layerwise(buf, grads, 2, 2.0)
+    q, unc = _status_case("finite" if case == "dependent" else case, layout, rng)
+    if case == "dependent":
+        s = layout.matrices[2]
+        f = q[s.q_offset : s.q_offset + s.m * s.rank].view(s.m, s.rank)
+        f[:, 1] = 3.0 * f[:, 0]
+    p = torch.randn(layout.p_numel, generator=rng)
+    err = torch.randn(layout.e_numel, generator=rng)
+    kept = torch.randn(layout.q_numel, generator=rng)
+    got = {}
+    for ahead in (False, True):
+        b, e, k, qq, u = buf.clone(), err.clone(), kept.clone(), q.clone(), unc.clone()
+        flags = ops.average(qq, layout, "q", b, u, 1, backend="torch")
+        done = ops.reconstruct(b, layout, p, qq, 1.0, e, flags, commit=("q", k),
+                               orthogonalize_kept=qq if ahead else None, backend="torch")
+        got[ahead] = (b, e, k, qq, done)
+    assert got[False][4] is False and got[True][4] is (case == "finite")
+    for x, y in zip(got[False][:3], got[True][:3]):
+        assert torch.equal(_bits(x), _bits(y))
+    if case == "finite":
+        want = ops.orthogonalize(got[True][2].clone(), layout, "q", out=torch.empty_like(q), backend="torch")
+        assert torch.equal(_bits(got[True][3]), _bits(want))
+    else:
+        assert torch.equal(_bits(got[True][3]), _bits(q))
+
+
 # Shapes of one group at uneven offsets (two runs), another group at even ones, a singleton, vectors between them.
 SHAPES = [(12, 20), (7,), (12, 20), (12, 20), (5,), (12, 20), (9, 4, 3), (12, 20), (30, 8), (30, 8), (3,)]
 

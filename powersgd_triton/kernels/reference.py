@@ -431,7 +431,7 @@ def _ortho_prepare(x: torch.Tensor, layout: BucketLayout, which: str) -> Optiona
     return prepared
 
 
-def _ortho_apply(prepared: list, out: torch.Tensor) -> None:
+def orthogonalize_prepared(prepared: list, out: torch.Tensor) -> None:
     """The accepted batches of :func:`_ortho_prepare` into ``out``: per batch one ``solve_triangular`` (``X·U⁻¹``)
     and one ``cat`` (or ``copy_``) of the float64 rows rounded into ``out``."""
     results = [(off, shape, pieces, torch.linalg.solve_triangular(u, batch, upper=True, left=False))
@@ -453,7 +453,7 @@ def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out:
     are exact in float64, so ``G`` cannot overflow and the result scales exactly with a power-of-two scaling of ``x``.
     Per batch: one ``cat`` (cast and padding), ``bmm``, ``cholesky_ex`` (which checks its ``info``), the check
     (``addcmul``, ``amax`` and one host read), ``solve_triangular``, one ``cat`` (or ``copy_``) into ``out``
-    (:func:`_ortho_prepare`, :func:`_ortho_apply`).
+    (:func:`_ortho_prepare`, :func:`orthogonalize_prepared`).
 
     Returns False, having written nothing, where the per-group column path must run: a factor the Cholesky
     factorization cannot take as it is -- a zero or dependent column (residual² <= :data:`DEPENDENT_TOL` times its
@@ -466,7 +466,7 @@ def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out:
     for *_, top in prepared:
         if not float(top) <= 0:  # dependent, or NaN
             return False
-    _ortho_apply(prepared, out)
+    orthogonalize_prepared(prepared, out)
     return True
 
 
@@ -720,6 +720,33 @@ def step_status(factor: torch.Tensor, part: Optional[torch.Tensor], layout: Buck
     if not bool(all_finite(factor, part)):
         return False, None
     return True, None if peaks is None else peaks.ne(0)
+
+
+def status_and_orthogonalization(factor: torch.Tensor, part: Optional[torch.Tensor], layout: BucketLayout,
+                                  which: str) -> Optional[list]:
+    """The end of a warm-start step on CPU whose kept factor is orthogonalized next: :func:`step_status` and the
+    first half of that orthogonalization (:func:`_ortho_prepare`) from the same Gram matrices, one host read.
+
+    Returns the prepared batches of ``factor`` (float32 on CPU; for :func:`orthogonalize_prepared`) when every element of
+    ``factor`` and of ``part`` is finite, every matrix's factor is non-zero and the batched Cholesky-QR accepts every
+    factor; else None, having decided nothing (the caller runs :func:`step_status`). Accepted means: every Cholesky
+    factorization succeeded (so every column has a positive squared norm: no factor is all zero) and every margin
+    is <= 0 (not NaN: a NaN or inf element makes its column's squared norm, hence its margin, non-finite). Then
+    :func:`step_status` would say ``(True, None)``, the commit keeps every matrix's new factor, and
+    ``orthogonalize(kept)`` is :func:`orthogonalize_prepared` of these very batches, bit for bit. ``part``'s finiteness joins
+    the read as ``top + 0·Σ part`` (NaN unless the float64 sum is finite). Ops: those of :func:`_ortho_prepare`,
+    ``sum`` and ``add`` with ``part``, one host read."""
+    if factor.dtype != torch.float32 or factor.device.type != "cpu" or layout.num_matrices == 0:
+        return None
+    prepared = _ortho_prepare(factor, layout, which)
+    if prepared is None:
+        return None
+    top = prepared[0][-1]
+    for *_, t in prepared[1:]:
+        top = torch.maximum(top, t)
+    if part is not None and part.numel():
+        top = torch.add(top, part.sum(dtype=torch.float64), alpha=0)
+    return prepared if float(top) <= 0 else None
 
 
 def commit_factor(new: torch.Tensor, kept: torch.Tensor, layout: BucketLayout, which: str, ok,
