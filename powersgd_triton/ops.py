@@ -253,7 +253,7 @@ def reconstruct(
     if isinstance(flags, StepFlags) and flags.parts is not None:
         # CPU: the step's finiteness and the non-zero factors, one host read in the usual case; with
         # orthogonalize_kept read from the Gram matrices of that orthogonalization where every factor is kept
-        if orthogonalize_kept is not None:
+        if orthogonalize_kept is not None and commit[1].dtype == orthogonalize_kept.dtype == torch.float32:
             prepared = reference.status_and_orthogonalization(*flags.parts, layout, flags.which)
         if prepared is not None:
             ok = True

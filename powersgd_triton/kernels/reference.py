@@ -12,9 +12,10 @@ largest), and the error feedback is one ``torch._foreach_*`` op over all runs (p
 (epsilon 0) is one padded batch for the whole bucket (one per shape group where padding would cost too much,
 :data:`PAD_LIMIT`): the float64 Gram matrices of all factors, one batched Cholesky factorization and one batched
 triangular solve (Cholesky-QR, the same factor as Gram-Schmidt on the Gram matrix, what the Triton kernel does),
-9 ops. On CPU the end of a step (:func:`step_status`) reads the step's finiteness and the non-zero factors of the
-warm-start commit with one host read. So a step costs 3 products per run plus a constant (about 30 ops), not per
-matrix and per column (:func:`op_plan` tells which path a layout takes). Other dtypes, the batched view's padded
+8 ops. On CPU the end of a step (:func:`step_status`) reads the step's finiteness and the non-zero factors of the
+warm-start commit with one host read; with warm start that read is the next Q's orthogonalization's, whose Gram
+matrices tell both (:func:`status_and_orthogonalization`). So a step costs 3 products per run plus a constant (about
+24 ops), not per matrix and per column (:func:`op_plan` tells which path a layout takes). Other dtypes, the batched view's padded
 matrix, and factors with a zero or dependent column (or non-finite ones) take the per-matrix / per-shape-group column
 path (:func:`gram_schmidt_`), as before; on other devices the step flags stay on the device (no host read) and the
 error update where they are False takes the per-run ``torch.where`` path.
