@@ -261,11 +261,14 @@ def reconstruct(
             ok, fresh = reference.step_status(*flags.parts, layout, flags.which, per_matrix=commit is not None)
     else:
         ok = flags.ok if isinstance(flags, StepFlags) else flags
+    copy_also = None
+    if prepared is not None:  # every factor kept: the commit is one copy, made by the error update's foreach copy
+        copy_also = (commit[1], p if commit[0] == "p" else q)
     reference.reconstruct(
         buffer, layout, p, q, float(scale), error, ok, local_p=local_p, local_q=local_q,
-        compute_dtype=_compute_dtype(buffer), loss_scale=loss_scale,
+        compute_dtype=_compute_dtype(buffer), loss_scale=loss_scale, copy_also=copy_also,
     )
-    if commit is not None:
+    if commit is not None and copy_also is None:
         which, kept = commit
         reference.commit_factor(p if which == "p" else q, kept, layout, which, ok, fresh)
     if prepared is None:

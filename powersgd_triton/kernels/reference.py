@@ -533,13 +533,16 @@ def reconstruct(
     local_p: Optional[torch.Tensor] = None,
     local_q: Optional[torch.Tensor] = None,
     loss_scale: Optional[torch.Tensor] = None,
+    copy_also: Optional[tuple] = None,
 ) -> None:
     """M_i ← P_i · (scale · Q_i)ᵀ; with ``error`` also E_i ← M_i(before) − P_i · (scale · Q_i)ᵀ.
 
     ``update_error`` (0-d bool tensor on the device, or a Python bool) keeps the old E_i where it is False. With
     ``local_p`` (``local_q``) the error is the local residual E_i ← M_i − P_local,i · Q_iᵀ (M_i − P_i · Q_local,iᵀ).
     ``loss_scale`` (one-element tensor ``s``): the error is stored divided by ``s`` (unscaled units; the batched
-    padding's M(before) is ``s·E``).
+    padding's M(before) is ``s·E``). ``copy_also``: ``(dst, src)``, ``dst.copy_(src)`` with ``src`` as on entry
+    (``dst`` overlaps nothing this call reads or writes), in the error update's ``_foreach_copy_`` where there is
+    one (the warm-start commit of a step known to keep every factor: no op of its own).
     """
     if error is not None and update_error is not None and (isinstance(update_error, bool)
                                                            or update_error.device.type == "cpu"):
@@ -548,12 +551,19 @@ def reconstruct(
             error = None
         update_error = None
     runs = _grouped(layout, compute_dtype, buffer, p, q, error, local_p, local_q)
-    if runs is not None and error is not None and update_error is None and local_p is None and local_q is None:
+    foreach = runs is not None and error is not None and update_error is None and local_p is None and local_q is None
+    if copy_also is not None and not foreach:
+        copy_also[0].copy_(copy_also[1])
+        copy_also = None
+    if foreach:
         # E = (M + E) - P·(sQ)ᵀ without temporaries: E <- M + E, M <- P·(sQ)ᵀ, E -= M (one foreach op each, one
         # bmm per run), E /= s with a loss scale (CPU flag, or no flag)
         qs_all = q * scale if scale != 1.0 else q
         mats, errs = [run.mat(buffer) for run in runs], [run.err(error) for run in runs]
-        torch._foreach_copy_(errs, mats)
+        if copy_also is None:
+            torch._foreach_copy_(errs, mats)
+        else:
+            torch._foreach_copy_(errs + [copy_also[0]], mats + [copy_also[1]])
         for run, mat in zip(runs, mats):
             torch.bmm(run.p(p), run.q(qs_all).transpose(1, 2), out=mat)
         torch._foreach_sub_(errs, mats)
