@@ -99,7 +99,15 @@ def _side_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
     return stream
 
 
-def orthogonalize_next_q(mem: BucketMemory, epsilon: float) -> None:
+def next_q_target(state, mem: BucketMemory, epsilon: float) -> Optional[torch.Tensor]:
+    """``mem.q_work`` when :func:`orthogonalize_next_q` will follow this step's commit with epsilon 0 (what
+    ``ops.reconstruct``'s ``orthogonalize_kept`` may do itself: the torch backend on CPU), else None."""
+    if state.warm_start and ORTHOGONALIZE_AHEAD and epsilon == 0.0 and mem.layout.num_matrices:
+        return mem.q_work
+    return None
+
+
+def orthogonalize_next_q(mem: BucketMemory, epsilon: float, done: bool = False) -> None:
     """After a step that kept its Q in ``mem.q`` (warm start; ``reconstruct`` commits it where the step is finite):
     ``mem.q_work <- orthogonalize(mem.q)`` now, the next step's first computation, and ``mem.q_next`` says so.
 
@@ -109,15 +117,17 @@ def orthogonalize_next_q(mem: BucketMemory, epsilon: float) -> None:
     nothing else touches until the next step of this bucket (:func:`take_next_q`, which makes its stream wait for
     it) or a writer of either tensor (:func:`powersgd_triton._memory.drop_next_q`, called by the allocation,
     adoption and random draw of the memory). Same kernel, config and input as at the start of the next step:
-    bitwise the same Q."""
+    bitwise the same Q. ``done``: ``ops.reconstruct`` wrote it already (its ``orthogonalize_kept``, with
+    :func:`next_q_target`); only ``mem.q_next`` is set."""
     if not ORTHOGONALIZE_AHEAD or mem.layout.num_matrices == 0:
         return
     drop_next_q(mem)
     config = mem.config("orthogonalize")
-    stream = _side_stream(mem.q.device)
+    stream = None if done else _side_stream(mem.q.device)
     event = None
     if stream is None:
-        ops.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work, backend=mem.backend, config=config)
+        if not done:
+            ops.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work, backend=mem.backend, config=config)
     else:
         stream.wait_stream(torch.cuda.current_stream(mem.q.device))
         with torch.cuda.stream(stream):

@@ -134,7 +134,8 @@ class _Step:
         # Q /= world, uncompressed /= world and unpacked, step flags: one launch
         flags = ops.average(mem.q_work, layout, "q", self.buffer, self.packed, self.world_size, backend=self.backend)
         keep_memory = mem.error is not None or state.warm_start
-        ops.reconstruct(
+        next_q = _step.next_q_target(state, mem, self.eps)
+        done = ops.reconstruct(
             self.buffer,
             layout,
             mem.p,
@@ -144,12 +145,14 @@ class _Step:
             flags if keep_memory else None,
             # keep Q per matrix where the step is finite and Q is not all zero
             commit=("q", mem.q) if state.warm_start else None,
+            # CPU torch backend: the next step's Q orthogonalized here, from the Gram matrices that tell the status
+            orthogonalize_kept=next_q,
             loss_scale=self.loss_scale,
             backend=self.backend,
             config=mem.config("reconstruct"),
         )
         if state.warm_start:  # the next step's first computation, off its critical path
-            _step.orthogonalize_next_q(mem, self.eps)
+            _step.orthogonalize_next_q(mem, self.eps, done=done)
         return self.buffer
 
 

@@ -179,10 +179,11 @@ def reconstruct(
     local_p=None,
     local_q=None,
     commit=None,
+    orthogonalize_kept=None,
     loss_scale=None,
     backend: str = "auto",
     config=None,
-) -> None:
+) -> bool:
     """Step 4: ``M_i ← P_i · (scale·Q_i)ᵀ``; with ``error`` also ``E_i ← M_i(before) − P_i · (scale·Q_i)ᵀ``.
 
     One pass over the bucket (no clone of it). ``update_error``: a one-element bool device tensor, or the
@@ -197,6 +198,14 @@ def reconstruct(
     tensor ``s``, with ``error``): the error memory is in unscaled units, ``E_i ← (M_i(before) − P_i·(scale·Q_i)ᵀ)
     / s`` (``M_i(before)`` holds ``M + s·E`` after :func:`project` with the same ``s``; the batched padding's is
     ``s·E``); the output stays in the gradients' (scaled) units.
+
+    ``orthogonalize_kept`` (flat like ``kept``, not ``kept`` itself; ``q``/``p`` may be it: it is written last),
+    with ``commit``: the caller will set it to ``orthogonalize(kept, epsilon=0)`` next (warm start). Where that is
+    cheaper done here, it is: the torch backend on CPU (float32 factors) tells the step's finiteness and the non-zero
+    factors from the Gram matrices of that orthogonalization (one host read for both,
+    :func:`~powersgd_triton.kernels.reference.status_and_orthogonalization`). Returns True when
+    ``orthogonalize_kept`` now holds ``orthogonalize(kept, epsilon=0)`` (the same bits), else False (nothing was
+    written into it: the caller orthogonalizes).
     """
     _check_buffer(buffer, layout)
     _check_loss_scale(loss_scale, buffer.device)
@@ -222,8 +231,14 @@ def reconstruct(
         _check("kept", kept, layout.p_numel if which == "p" else layout.q_numel, buffer.device)
         if not isinstance(flags, StepFlags) or flags.which != which:
             raise ValueError(f"commit=({which!r}, ...) needs update_error from average() on the {which!r} factor")
+    if orthogonalize_kept is not None:
+        if commit is None:
+            raise ValueError("orthogonalize_kept needs commit")
+        _check("orthogonalize_kept", orthogonalize_kept, commit[1].numel(), buffer.device)
+        if orthogonalize_kept.data_ptr() == commit[1].data_ptr():
+            raise ValueError("orthogonalize_kept must not be the kept factor itself")
     if layout.num_matrices == 0:
-        return
+        return False
     if resolve_backend(backend, buffer) == "triton":
         if isinstance(flags, StepFlags):
             flag_tensor, first = flags.flags, flags.first
@@ -233,20 +248,34 @@ def reconstruct(
             buffer, layout, p, q, float(scale), error, flag_tensor, local_p=local_p, local_q=local_q,
             commit=commit, first=first, loss_scale=loss_scale, config=config,
         )
-    else:
-        fresh = None
-        if isinstance(flags, StepFlags) and flags.parts is not None:
-            # CPU: the step's finiteness and the non-zero factors, one host read in the usual case
-            ok, fresh = reference.step_status(*flags.parts, layout, flags.which, per_matrix=commit is not None)
+        return False
+    fresh = prepared = None
+    if isinstance(flags, StepFlags) and flags.parts is not None:
+        # CPU: the step's finiteness and the non-zero factors, one host read in the usual case; with
+        # orthogonalize_kept read from the Gram matrices of that orthogonalization where every factor is kept
+        if orthogonalize_kept is not None and commit[1].dtype == orthogonalize_kept.dtype == torch.float32:
+            prepared = reference.status_and_orthogonalization(*flags.parts, layout, flags.which)
+        if prepared is not None:
+            ok = True
         else:
-            ok = flags.ok if isinstance(flags, StepFlags) else flags
-        reference.reconstruct(
-            buffer, layout, p, q, float(scale), error, ok, local_p=local_p, local_q=local_q,
-            compute_dtype=_compute_dtype(buffer), loss_scale=loss_scale,
-        )
-        if commit is not None:
-            which, kept = commit
-            reference.commit_factor(p if which == "p" else q, kept, layout, which, ok, fresh)
+            ok, fresh = reference.step_status(*flags.parts, layout, flags.which, per_matrix=commit is not None)
+    else:
+        ok = flags.ok if isinstance(flags, StepFlags) else flags
+    copy_also = None
+    if prepared is not None:  # every factor kept: the commit is one copy, made by the error update's foreach copy
+        copy_also = (commit[1], p if commit[0] == "p" else q)
+    reference.reconstruct(
+        buffer, layout, p, q, float(scale), error, ok, local_p=local_p, local_q=local_q,
+        compute_dtype=_compute_dtype(buffer), loss_scale=loss_scale, copy_also=copy_also,
+    )
+    if commit is not None and copy_also is None:
+        which, kept = commit
+        reference.commit_factor(p if which == "p" else q, kept, layout, which, ok, fresh)
+    if prepared is None:
+        return False
+    # every factor was finite, non-zero and kept (kept == the new factor): its orthogonalization, prepared above
+    reference.orthogonalize_prepared(prepared, orthogonalize_kept)
+    return True
 
 
 class StepFlags:

@@ -227,12 +227,17 @@ def _ahead_worker(rank, world_size, backend, hook_name):
 def test_next_q_orthogonalized_ahead_is_bitwise_the_same(tmp_path, backend, hook_name):
     """The warm-start Q orthogonalized at the end of a step (for the next one) gives the outputs and memory of
     orthogonalizing it at the start of the next step, bitwise; an in-place write to the kept Q or a new epsilon in
-    between is noticed (the step orthogonalizes again, 3 calls instead of 2)."""
+    between is noticed (the step orthogonalizes again, 3 calls instead of 2). On the torch backend on CPU with
+    epsilon 0 the next Q is orthogonalized inside ``ops.reconstruct`` (``orthogonalize_kept``, from the Gram
+    matrices of the step status): one ``ops.orthogonalize`` call less per step up to step 5."""
     for res in run_ranks(_ahead_worker, 2, tmp_path, backend, hook_name, timeout=90):
         assert all(res["outputs"]) and res["memory"], res
         assert res["calls_inline"] == [0, 0] + [2] * 6
         # step 2 draws Q (inline) and orthogonalizes the next one; steps 4 and 6 redo the stale one
-        assert res["calls"] == [0, 0, 3, 2, 3, 2, 3, 2]
+        if backend == "torch":  # epsilon 1e-3 from step 6: the next Q is orthogonalized by ops.orthogonalize again
+            assert res["calls"] == [0, 0, 2, 1, 2, 1, 3, 2]
+        else:
+            assert res["calls"] == [0, 0, 3, 2, 3, 2, 3, 2]
 
 
 def _switch_worker(rank, world_size, backend):

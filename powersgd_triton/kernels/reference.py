@@ -12,9 +12,10 @@ largest), and the error feedback is one ``torch._foreach_*`` op over all runs (p
 (epsilon 0) is one padded batch for the whole bucket (one per shape group where padding would cost too much,
 :data:`PAD_LIMIT`): the float64 Gram matrices of all factors, one batched Cholesky factorization and one batched
 triangular solve (Cholesky-QR, the same factor as Gram-Schmidt on the Gram matrix, what the Triton kernel does),
-9 ops. On CPU the end of a step (:func:`step_status`) reads the step's finiteness and the non-zero factors of the
-warm-start commit with one host read. So a step costs 3 products per run plus a constant (about 30 ops), not per
-matrix and per column (:func:`op_plan` tells which path a layout takes). Other dtypes, the batched view's padded
+8 ops. On CPU the end of a step (:func:`step_status`) reads the step's finiteness and the non-zero factors of the
+warm-start commit with one host read; with warm start that read is the next Q's orthogonalization's, whose Gram
+matrices tell both (:func:`status_and_orthogonalization`). So a step costs 3 products per run plus a constant (about
+24 ops), not per matrix and per column (:func:`op_plan` tells which path a layout takes). Other dtypes, the batched view's padded
 matrix, and factors with a zero or dependent column (or non-finite ones) take the per-matrix / per-shape-group column
 path (:func:`gram_schmidt_`), as before; on other devices the step flags stay on the device (no host read) and the
 error update where they are False takes the per-run ``torch.where`` path.
@@ -400,20 +401,15 @@ def _zero64(layout: BucketLayout, rows: int, r: int) -> torch.Tensor:
     return z
 
 
-def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out: torch.Tensor) -> bool:
-    """Epsilon-0 Gram-Schmidt of every factor in a few batches (:func:`_ortho_plan`: usually one for the bucket) as
-    float64 Cholesky-QR (zero rows change no Gram matrix): ``G = XᵀX``, ``G = UᵀU``, ``X·U⁻¹``, the same factor as
-    modified Gram-Schmidt (on the columns, or on ``G`` as the Triton kernel) to rounding. Products of float32 values
-    are exact in float64, so ``G`` cannot overflow and the result scales exactly with a power-of-two scaling of ``x``.
-    Per batch: one ``cat`` (cast and padding), ``bmm``, ``cholesky_ex``, the check (``addcmul``, ``maximum``,
-    ``amax`` and one host read), ``solve_triangular``, one ``cat`` (or ``copy_``) into ``out``.
-
-    Returns False, having written nothing, where the per-group column path must run: a factor the Cholesky
-    factorization cannot take as it is -- a zero or dependent column (residual² <= :data:`DEPENDENT_TOL` times its
-    squared norm, the rule of :func:`gram_schmidt_`, tested as ``‖x_k‖² − residual²/DEPENDENT_TOL > 0``: the exact
-    tie, a rounding-level case, counts as independent here), an all-zero factor, non-finite values (NaN in that
-    margin), a failed factorization (``info > 0``). That test is a host check: the path runs on CPU tensors only."""
-    results = []
+def _ortho_prepare(x: torch.Tensor, layout: BucketLayout, which: str) -> Optional[list]:
+    """The float64 Cholesky factorizations of :func:`_orthogonalize_batch`, before its check: per batch of
+    :func:`_ortho_plan`, ``(offset, shape, pieces, batch, u, top)``: the padded float64 batch, its upper Cholesky
+    factor and ``top``, the 0-d largest margin ``‖x_k‖² − residual_k²/DEPENDENT_TOL`` (the batch is accepted where
+    ``top <= 0``; NaN for non-finite values). None when a factorization failed (``info > 0``: not positive definite,
+    a zero column, an all-zero factor, non-finite values), read by ``cholesky_ex`` itself (``check_errors``: LAPACK's
+    info is on the host already). Per batch: one ``cat`` (cast and padding), ``bmm``, ``cholesky_ex``, ``addcmul``,
+    ``amax``; nothing is written."""
+    prepared = []
     for off, (count, rows, r), pieces in _ortho_plan(layout, which):
         if pieces is None:
             batch = x[off : off + count * rows * r].view(count, rows, r).to(torch.float64)
@@ -426,14 +422,21 @@ def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out:
                     blocks.append(zero[:pad])
             batch = torch.cat(blocks).view(count, rows, r)  # float32 factors and float64 zeros: float64
         gram = torch.bmm(batch.transpose(1, 2), batch)
-        u, info = torch.linalg.cholesky_ex(gram, upper=True)
+        try:
+            u, _ = torch.linalg.cholesky_ex(gram, upper=True, check_errors=True)
+        except torch.linalg.LinAlgError:  # info > 0
+            return None
         residual = u.diagonal(dim1=1, dim2=2)
         margin = torch.addcmul(gram.diagonal(dim1=1, dim2=2), residual, residual, value=-1.0 / DEPENDENT_TOL)
-        # <= 0: every margin negative (or zero: the exact tie counts as independent here) and info 0
-        if not float(torch.maximum(margin, info.unsqueeze(1)).amax()) <= 0:  # dependent, failed, or NaN
-            return False
-        results.append((off, (count, rows, r), pieces, torch.linalg.solve_triangular(u, batch, upper=True,
-                                                                                     left=False)))
+        prepared.append((off, (count, rows, r), pieces, batch, u, margin.amax()))
+    return prepared
+
+
+def orthogonalize_prepared(prepared: list, out: torch.Tensor) -> None:
+    """The accepted batches of :func:`_ortho_prepare` into ``out``: per batch one ``solve_triangular`` (``X·U⁻¹``)
+    and one ``cat`` (or ``copy_``) of the float64 rows rounded into ``out``."""
+    results = [(off, shape, pieces, torch.linalg.solve_triangular(u, batch, upper=True, left=False))
+               for off, shape, pieces, batch, u, _ in prepared]
     for off, (count, rows, r), pieces, y in results:
         if pieces is None:
             out[off : off + count * rows * r].view(count, rows, r).copy_(y)
@@ -442,6 +445,29 @@ def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out:
             total = sum(rw for _, rw, _ in pieces)
             torch.cat([y[i, :rw] for i, (_, rw, _) in enumerate(pieces)],
                       out=out[first : first + total * r].view(total, r))  # float64 rows rounded into out
+
+
+def _orthogonalize_batch(x: torch.Tensor, layout: BucketLayout, which: str, out: torch.Tensor) -> bool:
+    """Epsilon-0 Gram-Schmidt of every factor in a few batches (:func:`_ortho_plan`: usually one for the bucket) as
+    float64 Cholesky-QR (zero rows change no Gram matrix): ``G = XᵀX``, ``G = UᵀU``, ``X·U⁻¹``, the same factor as
+    modified Gram-Schmidt (on the columns, or on ``G`` as the Triton kernel) to rounding. Products of float32 values
+    are exact in float64, so ``G`` cannot overflow and the result scales exactly with a power-of-two scaling of ``x``.
+    Per batch: one ``cat`` (cast and padding), ``bmm``, ``cholesky_ex`` (which checks its ``info``), the check
+    (``addcmul``, ``amax`` and one host read), ``solve_triangular``, one ``cat`` (or ``copy_``) into ``out``
+    (:func:`_ortho_prepare`, :func:`orthogonalize_prepared`).
+
+    Returns False, having written nothing, where the per-group column path must run: a factor the Cholesky
+    factorization cannot take as it is -- a zero or dependent column (residual² <= :data:`DEPENDENT_TOL` times its
+    squared norm, the rule of :func:`gram_schmidt_`, tested as ``‖x_k‖² − residual²/DEPENDENT_TOL > 0``: the exact
+    tie, a rounding-level case, counts as independent here), an all-zero factor, non-finite values (NaN in that
+    margin), a failed factorization (``info > 0``). That test is a host check: the path runs on CPU tensors only."""
+    prepared = _ortho_prepare(x, layout, which)
+    if prepared is None:
+        return False
+    for *_, top in prepared:
+        if not float(top) <= 0:  # dependent, or NaN
+            return False
+    orthogonalize_prepared(prepared, out)
     return True
 
 
@@ -507,13 +533,16 @@ def reconstruct(
     local_p: Optional[torch.Tensor] = None,
     local_q: Optional[torch.Tensor] = None,
     loss_scale: Optional[torch.Tensor] = None,
+    copy_also: Optional[tuple] = None,
 ) -> None:
     """M_i ← P_i · (scale · Q_i)ᵀ; with ``error`` also E_i ← M_i(before) − P_i · (scale · Q_i)ᵀ.
 
     ``update_error`` (0-d bool tensor on the device, or a Python bool) keeps the old E_i where it is False. With
     ``local_p`` (``local_q``) the error is the local residual E_i ← M_i − P_local,i · Q_iᵀ (M_i − P_i · Q_local,iᵀ).
     ``loss_scale`` (one-element tensor ``s``): the error is stored divided by ``s`` (unscaled units; the batched
-    padding's M(before) is ``s·E``).
+    padding's M(before) is ``s·E``). ``copy_also``: ``(dst, src)``, ``dst.copy_(src)`` with ``src`` as on entry
+    (``dst`` overlaps nothing this call reads or writes), in the error update's ``_foreach_copy_`` where there is
+    one (the warm-start commit of a step known to keep every factor: no op of its own).
     """
     if error is not None and update_error is not None and (isinstance(update_error, bool)
                                                            or update_error.device.type == "cpu"):
@@ -522,12 +551,19 @@ def reconstruct(
             error = None
         update_error = None
     runs = _grouped(layout, compute_dtype, buffer, p, q, error, local_p, local_q)
-    if runs is not None and error is not None and update_error is None and local_p is None and local_q is None:
+    foreach = runs is not None and error is not None and update_error is None and local_p is None and local_q is None
+    if copy_also is not None and not foreach:
+        copy_also[0].copy_(copy_also[1])
+        copy_also = None
+    if foreach:
         # E = (M + E) - P·(sQ)ᵀ without temporaries: E <- M + E, M <- P·(sQ)ᵀ, E -= M (one foreach op each, one
         # bmm per run), E /= s with a loss scale (CPU flag, or no flag)
         qs_all = q * scale if scale != 1.0 else q
         mats, errs = [run.mat(buffer) for run in runs], [run.err(error) for run in runs]
-        torch._foreach_copy_(errs, mats)
+        if copy_also is None:
+            torch._foreach_copy_(errs, mats)
+        else:
+            torch._foreach_copy_(errs + [copy_also[0]], mats + [copy_also[1]])
         for run, mat in zip(runs, mats):
             torch.bmm(run.p(p), run.q(qs_all).transpose(1, 2), out=mat)
         torch._foreach_sub_(errs, mats)
@@ -695,6 +731,33 @@ def step_status(factor: torch.Tensor, part: Optional[torch.Tensor], layout: Buck
     if not bool(all_finite(factor, part)):
         return False, None
     return True, None if peaks is None else peaks.ne(0)
+
+
+def status_and_orthogonalization(factor: torch.Tensor, part: Optional[torch.Tensor], layout: BucketLayout,
+                                  which: str) -> Optional[list]:
+    """The end of a warm-start step on CPU whose kept factor is orthogonalized next: :func:`step_status` and the
+    first half of that orthogonalization (:func:`_ortho_prepare`) from the same Gram matrices, one host read.
+
+    Returns the prepared batches of ``factor`` (float32 on CPU; for :func:`orthogonalize_prepared`) when every element of
+    ``factor`` and of ``part`` is finite, every matrix's factor is non-zero and the batched Cholesky-QR accepts every
+    factor; else None, having decided nothing (the caller runs :func:`step_status`). Accepted means: every Cholesky
+    factorization succeeded (so every column has a positive squared norm: no factor is all zero) and every margin
+    is <= 0 (not NaN: a NaN or inf element makes its column's squared norm, hence its margin, non-finite). Then
+    :func:`step_status` would say ``(True, None)``, the commit keeps every matrix's new factor, and
+    ``orthogonalize(kept)`` is :func:`orthogonalize_prepared` of these very batches, bit for bit. ``part``'s finiteness joins
+    the read as ``top + 0·Σ part`` (NaN unless the float64 sum is finite). Ops: those of :func:`_ortho_prepare`,
+    ``sum`` and ``add`` with ``part``, one host read."""
+    if factor.dtype != torch.float32 or factor.device.type != "cpu" or layout.num_matrices == 0:
+        return None
+    prepared = _ortho_prepare(factor, layout, which)
+    if prepared is None:
+        return None
+    top = prepared[0][-1]
+    for *_, t in prepared[1:]:
+        top = torch.maximum(top, t)
+    if part is not None and part.numel():
+        top = torch.add(top, part.sum(dtype=torch.float64), alpha=0)
+    return prepared if float(top) <= 0 else None
 
 
 def commit_factor(new: torch.Tensor, kept: torch.Tensor, layout: BucketLayout, which: str, ok,
