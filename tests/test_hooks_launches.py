@@ -34,7 +34,9 @@ def _count_worker(rank, world_size, layers, batched):
 def test_launches_independent_of_matrix_count(tmp_path, batched):
     few, many = (run_ranks(_count_worker, 1, tmp_path, layers, batched, timeout=60)[0] for layers in (2, 30))
     assert few == many, (few, many)
-    expected = {"orthogonalize": 2, "project": 1, "project_t": 1, "average": 1, "reconstruct": 1}
+    # orthogonalize: P's; the next step's Q is orthogonalized inside reconstruct on the CPU torch backend (whose
+    # Gram matrices tell the step status: reference.status_and_orthogonalization), by a launch of its own elsewhere
+    expected = {"orthogonalize": 1, "project": 1, "project_t": 1, "average": 1, "reconstruct": 1}
     if not batched:
         expected["pack_uncompressed"] = 1  # the biases lie in several ranges of the bucket
     assert few["kernels"] == expected
