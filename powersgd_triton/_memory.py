@@ -179,7 +179,7 @@ def allocate_alternating(mem: BucketMemory, buffer: torch.Tensor) -> None:
             mem.comm.dtype != f32["dtype"]:
         mem.comm = torch.empty(numel, **f32)
         mem.local = torch.empty(factor, **f32) if mem.error is not None else None
-        mem.p_work = torch.empty(layout.p_numel, **f32)
+        p_work(mem)
     if mem.q_work is None:
         mem.q_work = torch.empty(layout.q_numel, **f32)
 

@@ -102,7 +102,7 @@ def _tensor(where: str, t: Any, numel: int, bucket_dtype: torch.dtype, unread: b
         raise ValueError(f"{where} must be a flat tensor of {numel} elements for its layout, got shape {tuple(t.shape)}")
     t = t.detach().clone()
     if unread:
-        t = torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype))
+        t.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     if t.numel() and not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
         raise ValueError(

@@ -153,11 +153,9 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
 
     if len(layout.uncompressed) > 1:
         add("pack", T.plan("copy_segments", layout, dtype, num_sms=num_sms, variant=dict(to_packed=True)))
-    add("orthogonalize Q", T.orthogonalize_plan(layout, "q", configs.get("orthogonalize")))
-    if warm_start:  # made at the end of the last step on a side stream (hooks._Step; _step.orthogonalize_next_q)
-        for launch in out:
-            if launch["step"] == "orthogonalize Q":
-                launch["overlapped"] = True
+    # with warm start made at the end of the last step on a side stream (hooks._Step; _step.orthogonalize_next_q)
+    add("orthogonalize Q", [dict(launch, overlapped=warm_start)
+                            for launch in T.orthogonalize_plan(layout, "q", configs.get("orthogonalize"))])
     add("project", T.plan("project", layout, dtype, configs.get("project"), num_sms=num_sms,
                           variant=dict(HAS_ERROR=error_feedback)))
     # out of place (the hooks all-reduce P in mem.p_work and orthogonalize it into mem.p): APPLY_ROWS applies
@@ -246,16 +244,15 @@ def predict(launch: dict, spec: GPUSpec, usage: Optional[dict] = None) -> dict:
         "compute": flops / (spec.fp32_flops * spec.fma_efficiency)
         + (tensor_flops / spec.tensor_flops if tensor_flops else 0.0),
     }
-    if launch.get("overlapped"):
+    overlapped = bool(launch.get("overlapped"))
+    if overlapped:
         # off the critical path, on a side stream: what it takes from the work it overlaps, its SM time (each
         # program holds 1 / blocks_per_sm of an SM) spread over all SMs, or its traffic; no launch gap on the stream
         parts["latency"] = sum(durations) / bpsm / spec.sms
     bound = max(parts, key=parts.get)
-    time_s = parts[bound]
-    if launch.get("overlapped"):
+    time_s = parts[bound] + (0.0 if overlapped else spec.launch_overhead_s)
+    if overlapped:
         bound = f"overlapped ({bound})"
-    else:
-        time_s += spec.launch_overhead_s
     resident = min(bpsm, math.ceil(programs / spec.sms))
     return dict(
         step=launch.get("step", launch["kernel"]), kernel=launch["kernel"], programs=programs, waves=waves,

@@ -925,16 +925,24 @@ def _in_place_config(cfg: dict, in_place: bool) -> dict:
     return cfg
 
 
+def _ortho_inputs(x, layout: BucketLayout, which: str, out, config: Optional[dict]):
+    """``(cfg, plan, gram_tasks, tasks, workspace)`` of an :func:`orthogonalize` call: the resolved config (without
+    ``APPLY_ROWS`` in place), its plan, the plan's device task tables (``gram_tasks`` None when nothing is split)
+    and the float64 Gram workspace (allocated even when unused: one compiled signature), the last three kept with
+    the layout."""
+    cfg = _in_place_config(_resolve("orthogonalize", layout, x.dtype, config), _overlap(x, out))
+    plan = _ortho_plan(layout, which, cfg)
+    gram_tasks, tasks = plan.device_tables(x.device)
+    return cfg, plan, gram_tasks, tasks, _ortho_workspace(layout, plan.slots, plan.R)
+
+
 def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, config: Optional[dict] = None) -> None:
     """Orthogonalize every P_i (``which="p"``) or Q_i (``"q"``): ONE launch when every factor has at most
     ``SHORT_ROWS`` rows, else two (float64 Gram slots of the split factors, then the rest); see
     :mod:`powersgd_triton.kernels.orthogonalize`. Raises ``ValueError`` for a malformed config or another
     ``which``."""
     factor_columns(which)  # validates `which`; the task tables carry each factor's rows, rank and offset
-    cfg = _in_place_config(_resolve("orthogonalize", layout, x.dtype, config), _overlap(x, out))
-    plan = _ortho_plan(layout, which, cfg)
-    gram_tasks, tasks = plan.device_tables(x.device)
-    ws = _ortho_workspace(layout, plan.slots, plan.R)  # float64 even when unused: one compiled signature
+    cfg, plan, gram_tasks, tasks, ws = _ortho_inputs(x, layout, which, out, config)
     c = plan.consts
     if gram_tasks is not None:
         _ortho_gram_kernel[(gram_tasks.shape[0],)](
@@ -957,11 +965,7 @@ def orthogonalize_kept_tensors(x, layout: BucketLayout, which: str, out, *,
     layout is dropped: a bucket rebuild, ``load_state_dict``)."""
     if layout.num_matrices == 0:
         return []
-    cfg = _in_place_config(_resolve("orthogonalize", layout, x.dtype, config), _overlap(x, out))
-    plan = _ortho_plan(layout, which, cfg)
-    gram_tasks, tasks = plan.device_tables(x.device)
-    ws = _ortho_workspace(layout, plan.slots, plan.R)
-    return [t for t in (gram_tasks, tasks, ws) if t is not None]
+    return [t for t in _ortho_inputs(x, layout, which, out, config)[2:] if t is not None]
 
 
 def orthogonalize_plan(layout: BucketLayout, which: str, config: Optional[dict] = None, *,
