@@ -33,7 +33,7 @@ def add_parser(subparsers):
     p.add_argument("--markdown", default=None, help="write the table as markdown")
     p.add_argument("--model-only", action="store_true",
                    help="no timing: print the performance model's prediction (powersgd_triton.perfmodel) for "
-                        "--models/--ranks/--dtypes on --gpu, from the kernels compiled for it (no GPU needed)")
+                        "--models/--matrix-approximation-ranks/--dtypes on --gpu, from the kernels compiled for it (no GPU needed)")
     p.add_argument("--gpu", default="h200", help="GPU spec of --model-only: h100 or h200 (default h200)")
     p.add_argument("--history", default=None, metavar="PATH",
                    help="append the rows to this benchmark history (JSON lines keyed by git commit and device; "
