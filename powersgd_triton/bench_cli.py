@@ -10,7 +10,10 @@ tables see ``bench/``; for a full GPU check ``bench/gpu_check.py``.
 
 import json
 
-from .cli import RANK_HELP, add_rank_option, positive
+from .cli import RANK_HELP, add_rank_option, comma_list, positive
+from .shapes import MODELS  # no torch: the parser is built without it
+
+DTYPE_NAMES = ("fp32", "bf16", "fp16")  # powersgd_triton.benchmarking.DTYPES (tests/test_cli_help.py checks)
 
 
 def add_parser(subparsers):
@@ -18,14 +21,16 @@ def add_parser(subparsers):
                               description="Time PyTorch's powerSGD_hook against powersgd_triton's on real models' "
                               "buckets, side by side (world size 1, DDP-like 25 MB buckets, the two hooks in turn), "
                               "with ATen ops, all-reduce calls and bytes, and memory; prints a markdown table.")
-    p.add_argument("--models", default="resnet50",
-                   help="comma list of resnet50,bert-base,gpt2,vit-b16 (default resnet50)")
+    p.add_argument("--models", default="resnet50", type=comma_list(MODELS, "model"), metavar="MODEL,...",
+                   help=f"comma list of {','.join(MODELS)} (default resnet50)")
     add_rank_option(p, plural=True, deprecated="--ranks", default="4", metavar="R,...",
                     help=RANK_HELP + "; a comma list (default 4)")
-    p.add_argument("--dtypes", default="fp32", help="comma list of fp32,bf16,fp16 (default fp32)")
+    p.add_argument("--dtypes", default="fp32", type=comma_list(DTYPE_NAMES, "dtype"), metavar="DTYPE,...",
+                   help="comma list of fp32,bf16,fp16 (default fp32)")
     p.add_argument("--rounds", type=positive(int), default=5, help="timed rounds per hook (default 5)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    p.add_argument("--backend", default="auto", help="our backend: auto, triton or torch (default auto)")
+    p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                   help="our backend: auto, triton or torch (default auto)")
     p.add_argument("--threads", type=positive(int), default=None, help="torch CPU threads")
     p.add_argument("--shrink", type=positive(int), default=1, help="divide channel dims (quick runs)")
     p.add_argument("--no-counts", action="store_true", help="times only")

@@ -67,6 +67,25 @@ def positive(kind=float):
     return parse
 
 
+def comma_list(choices, what: str = "value"):
+    """An argparse ``type`` for a comma list of ``choices`` (``resnet50,gpt2``): returns the text as given, refuses an
+    empty list or an unknown item with the closest choice (``unknown model 'resnet5' (did you mean 'resnet50'?)``)."""
+    choices = list(choices)
+
+    def parse(text: str) -> str:
+        items = [t for t in text.split(",") if t]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(choices)}; got {text!r}")
+        for item in items:
+            if item not in choices:
+                raise argparse.ArgumentTypeError(
+                    f"unknown {what} {item!r}{_did_you_mean(item, choices)}; choose from {', '.join(choices)}")
+        return text
+
+    parse.__name__ = "comma list"
+    return parse
+
+
 RANK_HELP = ("PowerSGD's matrix approximation rank r (PyTorch's matrix_approximation_rank): the columns of the "
              "factors P and Q; not the process rank")
 

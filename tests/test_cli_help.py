@@ -104,3 +104,14 @@ def test_the_help_check_catches_a_stale_option_name(monkeypatch):
     assert "--ranks" in {o for a in sub._actions for o in a.option_strings}  # still parsed, with a warning
     sub.description += " Compare --models/--ranks/--dtypes."
     assert _named_options(sub) - _visible_options(sub) == {"--ranks"}
+
+
+def test_bench_comma_lists_name_the_closest_choice():
+    proc = _python(_HELP_PROBE, "bench", "--models", "resnet50,gtp2")
+    assert proc.stderr.splitlines() == [
+        "powersgd-triton bench: error: argument --models: unknown model 'gtp2' (did you mean 'gpt2'?); choose from "
+        "resnet50, bert-base, gpt2, vit-b16 (see powersgd-triton bench --help)", "EXIT 2 HEAVY -"], proc.stderr
+    from powersgd_triton.benchmarking import DTYPES
+    from powersgd_triton.bench_cli import DTYPE_NAMES
+
+    assert set(DTYPE_NAMES) == set(DTYPES)
