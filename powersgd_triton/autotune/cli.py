@@ -17,7 +17,6 @@ step over all buckets. Results go to the user cache; ``--export PATH`` also writ
 table shows the configs that would be used, and says so.
 """
 
-import argparse
 import math
 import sys
 from typing import Dict, List, Optional, Tuple
@@ -25,9 +24,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _env
-from ..cli import RANK_HELP, add_rank_option, positive, text_table
+from ..cli import text_table
 from ..layout import BucketLayout
-from ..shapes import MODELS
 from .cache import ConfigCache, export_device_file
 from .keys import DTYPE_NAMES, ShapeClass, parse_dtype, shape_class
 from .tuner import KERNELS, Choice, Tuner
