@@ -44,7 +44,7 @@ def test_help_does_not_import_torch(argv):
     assert proc.seconds < 20  # the interpreter's start included; the parse itself is ~0.1 s (no torch import)
 
 
-@pytest.mark.parametrize("argv, line", [
+MISSPELT = [
     (["train", "--hook", "powersgdd"],
      "powersgd-triton train: error: argument --hook: invalid choice: 'powersgdd' (did you mean 'powersgd'?); "
      "choose from powersgd, batched, alternating, reference, allreduce (see powersgd-triton train --help)"),
@@ -63,7 +63,10 @@ def test_help_does_not_import_torch(argv):
     (["train", "--amp", "xyz"],  # nothing close: no guess
      "powersgd-triton train: error: argument --amp: invalid choice: 'xyz'; choose from fp16, bf16 "
      "(see powersgd-triton train --help)"),
-])
+]
+
+
+@pytest.mark.parametrize("argv, line", MISSPELT, ids=[" ".join(argv) for argv, _ in MISSPELT])
 def test_misspelt_choice_gets_one_line_and_the_closest_choice(argv, line):
     proc = _python(_HELP_PROBE, *argv)
     err = proc.stderr.splitlines()
