@@ -176,6 +176,13 @@ class _HalfStep:
         if self.unc.numel():
             ops.pack_uncompressed(buffer, layout, self.unc, backend=backend)
 
+    def finish_chained(self, fut) -> torch.Tensor:
+        """:meth:`finish` as a ``then()`` callback: the loss scale (a copy made in the hook body when the scaler's is
+        on another device) is recorded on the callback's stream first (the stream rule of
+        :mod:`powersgd_triton._step`); everything else it reads is the state's."""
+        _step.keep_for_current_stream(self.loss_scale)
+        return self.finish()
+
     def finish(self) -> torch.Tensor:
         """Average, write the output and the local residual, commit the kept factor where the step is finite."""
         mem, layout, buffer, backend = self.mem, self.layout, self.buffer, self.backend
@@ -258,6 +265,6 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
     # in state.communication_dtype (default: the bucket's dtype), cast once and copied back once
     if _step.use_callback_chain(group, buffer):
         fut = _step.allreduce_factor(state, step.sent, buffer, group)
-        return fut.then(lambda _: step.finish())
+        return fut.then(step.finish_chained)
     _step.allreduce_factor(state, step.sent, buffer, group).wait()
     return _step.completed(step.finish())

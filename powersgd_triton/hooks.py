@@ -185,6 +185,15 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
             pos += n
         return buffer
 
+    def finish_chained(fut) -> torch.Tensor:
+        keep_for_callback()
+        return finish()
+
+    def keep_for_callback() -> None:
+        # Inside a then() callback (its own pool stream on NCCL): what the hook body allocated and the callback reads
+        # is recorded on the callback's stream (see the stream rule in powersgd_triton._step).
+        _step.keep_for_current_stream(step.packed, step.loss_scale, None if order is None else work)
+
     compressed = layout.num_matrices > 0
     step.start_uncompressed()
     step.compute_p()
@@ -193,17 +202,18 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
 
     if not compressed:
         if _step.use_callback_chain(group, buffer) and step.unc_work is not None:
-            return step.unc_work.get_future().then(lambda fut: finish())
+            return step.unc_work.get_future().then(finish_chained)
         return _step.completed(finish())
 
     if _step.use_callback_chain(group, buffer):
 
         def after_p(fut):
+            keep_for_callback()
             step.compute_q()
             return _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
 
         p_fut = _step.allreduce_factor(state, step.p_raw, buffer, group)
-        return p_fut.then(after_p).then(lambda fut: finish())
+        return p_fut.then(after_p).then(finish_chained)
 
     _step.allreduce_factor(state, step.p_raw, buffer, group).wait()
     step.compute_q()
