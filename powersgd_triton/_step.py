@@ -45,6 +45,7 @@ from . import ops
 from ._backend import device_backend
 from ._buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401 - the hooks' entry points
 from ._memory import BucketMemory, allocate_alternating, draw_q, drop_next_q, p_work  # noqa: F401 - the hooks' entry points
+from ._models import check_one_model
 from .layout import check_gradient_dtype
 from .state import PowerSGDState, check_grad_scaler
 
@@ -347,6 +348,7 @@ def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor):
     group = process_group(state)
     world_size = dist.get_world_size(group)
     if state.iter < state.start_powerSGD_iter:
+        check_one_model(state, bucket)  # a second DDP model on this state: refused at its first call
         state.maybe_increase_iter(bucket)
         return group, world_size, allreduce_average(group, world_size, buffer)
     if buffer.is_sparse:

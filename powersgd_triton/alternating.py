@@ -223,7 +223,8 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
         TypeError: complex or integer gradients, or ``state`` is not a :class:`~powersgd_triton.PowerSGDState`
             (before anything is changed).
         RuntimeError: ``state.backend == "triton"`` and the Triton kernels cannot run on the bucket's device (first
-            call, step 0, before anything is changed).
+            call, step 0, before anything is changed); ``state`` registered on two DDP models (at the second one's
+            first call).
 
     A sparse gradient's bucket is averaged with a plain all-reduce (as DDP does without a hook); a float64 bucket is
     computed in float64.

@@ -241,7 +241,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         TypeError: complex or integer gradients, or ``state`` is not a :class:`~powersgd_triton.PowerSGDState`
             (PyTorch's state: convert it with ``PowerSGDState.from_torch``); before anything is changed.
         RuntimeError: ``state.backend == "triton"`` and the Triton kernels cannot run on the bucket's device: on the
-            first call (step 0, in the warm-up too), before anything is changed.
+            first call (step 0, in the warm-up too), before anything is changed. ``state`` is registered on two DDP
+            models: at the second model's first call, naming both.
 
     Example::
 

@@ -198,6 +198,15 @@ class PowerSGDState:
     P and Q kept in float32 (float64 buckets: all three in float64, as PyTorch keeps them), all-reduced in
     ``communication_dtype`` (default the bucket's dtype, PyTorch's); a non-finite step leaves the memory as it was; ``error_dict`` / ``p_memory_dict`` /
     ``q_memory_dict`` are read-only views of the flat per-bucket buffers.
+
+    Settings changed on a live state (between steps): ``use_error_feedback`` is read at every compressed step, as
+    PyTorch's hook reads it (turned on, a zero error memory starts; turned off, the error memory is freed, so it is
+    neither added nor updated and ``state_dict()`` holds none; turned on again, it starts from zero where PyTorch's
+    hook would add the error it kept from before). ``matrix_approximation_rank`` and ``min_compression_rate``: each
+    bucket keeps the error memory of the matrices it compresses before and after, re-allocates P and Q (a fresh
+    initial Q where a rank changed) and warns once, naming the change. ``orthogonalization_epsilon``,
+    ``warm_start``, ``communication_dtype`` and ``grad_scaler`` take effect at the next step. A state serves one
+    model: registered on two DDP models, the second one's first hook call raises ``RuntimeError`` naming both.
     """
 
     def __init__(
