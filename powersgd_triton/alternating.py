@@ -152,7 +152,8 @@ class _HalfStep:
 
     def compute(self) -> None:
         """This rank's factor into ``comm[:F]`` (and ``local``), the uncompressed gradients into ``comm[F:]``."""
-        state, mem, layout, buffer, backend, ops = self.state, self.mem, self.layout, self.buffer, self.backend, self.ops
+        state, mem, layout, buffer, backend = self.state, self.mem, self.layout, self.buffer, self.backend
+        ops = self.ops
         # A Q that powerSGD_hook orthogonalized ahead in this memory (a state that served it before): this half-step
         # writes q_work (P step) or commits Q (Q step) with kernels that move no version counter, so forget it
         # now, after the current stream waits for its side stream (powersgd_triton._step.take_next_q)

@@ -421,6 +421,11 @@ class Check:
         """The bucket's gradients and memory as they were before the step."""
         mem = self.mem
         drop_next_q(mem)
+        if self.buffer.device.type == "cuda":  # copied on this stream (NCCL: a callback's), allocated on another
+            stream = torch.cuda.current_stream(self.buffer.device)
+            for t in [self.saved_buffer, *self.saved.values()]:
+                if t is not None:
+                    t.record_stream(stream)
         self.buffer.copy_(self.saved_buffer)
         for name, value in self.saved.items():
             if value is not None:

@@ -465,8 +465,8 @@ class Tuner:
             timings.append((cfg, t))
         self.stats["tuned"] += 1
         if not timings:
-            self._say_once(f"powersgd_triton autotune: every candidate of {kernel} disagreed with the torch backend for "
-                           f"{sc}; heuristic used (the hooks' first-use check decides)", warn=True)
+            self._say_once(f"powersgd_triton autotune: every candidate of {kernel} disagreed with the torch backend "
+                           f"for {sc}; heuristic used (the hooks' first-use check decides)", warn=True)
             return Choice(kernel, sc, dict(heuristic), "heuristic", note="every candidate disagreed", rejected=rejected)
         best_i = min(range(len(timings)), key=lambda i: (timings[i][1], i))
         best, best_t = timings[best_i]
