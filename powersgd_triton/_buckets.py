@@ -174,6 +174,7 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
         else:
             logger.info(message)
         mem.backend = "torch"
+    mem.verify_pending = True  # new kernels or configs: powersgd_triton.verify decides at the next step
     if mem.backend == "triton":
         from .autotune import configs_for_layout
 

@@ -31,6 +31,7 @@ class BucketMemory:
         "layout", "signature", "backend", "configs", "error", "p", "q", "q_work", "q_initialized", "q_next",
         "phase", "comm", "local", "p_work",
         "params", "param_names", "matrices", "strict", "verified", "order", "order_params", "shapes",
+        "verify_pending",
     )
 
     def __init__(self):
@@ -60,6 +61,9 @@ class BucketMemory:
         self.shapes: Optional[Tuple[Tuple[int, ...], ...]] = None
         self.backend: str = "torch"  # resolved backend for this bucket's device
         self.configs: Dict[str, Optional[dict]] = {}
+        # The next compressed step asks powersgd_triton.verify whether to check the Triton kernels (set again when
+        # the backend or the configs are chosen, and when ``state.verify`` is set); False: one attribute test a step.
+        self.verify_pending: bool = True
         self.error: Optional[torch.Tensor] = None
         self.p: Optional[torch.Tensor] = None
         self.q: Optional[torch.Tensor] = None
