@@ -55,6 +55,8 @@ def _run(hook, backend, dtype, buckets, inject):
                 kw = {} if on_side is None else {"on_side": on_side}
                 with sleep_in_callbacks(sleep, counts), sleep_on_side_stream(sleep, counts, **kw):
                     futs.append(hook(state, bucket))
+            if DEVICE.type != "cuda":  # gloo runs the then() callbacks on its worker thread, which a callback's
+                futs[-1].wait()  # own all-reduce needs: one bucket at a time (as tests/test_hooks_steps.py)
             del data, bucket
             for _ in range(3):  # the next bucket's and backward's allocations, written at once
                 torch.empty(sum(int(torch.Size(s).numel()) for s in shapes), dtype=dtype,
