@@ -9,7 +9,10 @@
 Runs when ``PowerSGDState`` accepts ``verify``; otherwise the section is listed as skipped with the reason.
 """
 
+import importlib
 import inspect
+import os
+import tempfile
 import time
 import warnings
 
@@ -40,6 +43,16 @@ def _run(backend, data, verify=None):
     return outs
 
 
+def _forget() -> None:
+    """``powersgd_triton.verify.forget()`` where it exists (the verdicts agreed in this process)."""
+    try:
+        mod = importlib.import_module("powersgd_triton.verify")
+    except ImportError:
+        return
+    if hasattr(mod, "forget"):
+        mod.forget()
+
+
 def _rel(a, b):
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -67,7 +80,11 @@ def section_verify():
 
     for case in ("correct", "wrong project_t"):
         t0 = time.time()
+        saved_dir = os.environ.get("POWERSGD_TRITON_CACHE_DIR")
         try:
+            # no verdict from an earlier case or run: a fresh verdict file, the process's verdicts forgotten
+            os.environ["POWERSGD_TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpu_check_verify_")
+            _forget()
             if case != "correct":
                 T.project_t = wrong_project_t
             with warnings.catch_warnings(record=True) as caught:
@@ -79,6 +96,11 @@ def section_verify():
             continue
         finally:
             T.project_t = original
+            if saved_dir is None:
+                os.environ.pop("POWERSGD_TRITON_CACHE_DIR", None)
+            else:
+                os.environ["POWERSGD_TRITON_CACHE_DIR"] = saved_dir
+            _forget()
         warned = [str(w.message)[:300] for w in caught if issubclass(w.category, RuntimeWarning)]
         worst = max(_rel(g, w) for g, w in zip(got, want))
         ok = worst <= TOL and (not warned if case == "correct" else bool(warned))
