@@ -20,7 +20,7 @@ def _run(*args):
     return proc.stdout
 
 
-@pytest.mark.slow  # slow tier (README, "Run the tests")
+@pytest.mark.slow  # slow tier (docs/development.md)
 def test_accuracy_table_runs_every_variant(tmp_path):
     out = _run("--workloads", "digits", "--seeds", "0", "--steps", "14", "--json", str(tmp_path / "rows.json"))
     rows = [line for line in out.splitlines() if line.startswith("| powersgd |") or line.startswith("| alternating |")]

@@ -25,7 +25,7 @@ def _run(tmp_path, *args, timeout=360):
     return proc, data, (tmp_path / "gpu_check.md").read_text()
 
 
-@pytest.mark.slow  # slow tier (README, "Run the tests")
+@pytest.mark.slow  # slow tier (docs/development.md)
 def test_gpu_check_dry_run(tmp_path):
     proc, data, md = _run(tmp_path, "--budget", "220")
     out = proc.stdout + proc.stderr

@@ -37,7 +37,7 @@
 # `powerSGD_hook` and `alternating_powerSGD_hook` over the replicate group, and native HSDP (`fully_shard` on the 2-D
 # mesh, PyTorch's own replicate all-reduce). Bytes are measured: every `dist.all_reduce` over the replicate group is
 # counted. The run is short (20 steps, compression from step 10) so that it fits CI on two CPU cores;
-# `POWERSGD_NB_FULL=1` runs the workload's 600 steps (README, "FSDP2 / HSDP", has those numbers).
+# `POWERSGD_NB_FULL=1` runs the workload's 600 steps (docs/benchmarks.md has those numbers).
 
 # %% tags=["parameters"]
 import os

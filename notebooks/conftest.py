@@ -1,4 +1,4 @@
-"""The notebooks run in the slow tier of the tests (README, "Run the tests"): ``pytest notebooks --nbmake -m slow``,
+"""The notebooks run in the slow tier of the tests (docs/development.md): ``pytest notebooks --nbmake -m slow``,
 as CI does after README's test command; each is a real training or benchmark run of 15 s to 2 min here."""
 
 import os

@@ -169,7 +169,7 @@ class PowerSGDState:
         communication_dtype: the dtype P and Q are all-reduced in. ``None`` (default): the bucket's dtype, as
             PyTorch's hook (an fp16/bf16 bucket under ``fp16_compress_wrapper`` / ``bf16_compress_wrapper`` sends
             half-precision factors; an fp32 bucket fp32 ones). ``torch.float16`` or ``torch.bfloat16`` also for fp32
-            buckets: half the compressed bytes (accuracy cost: README, "Communication dtype"). ``torch.float32``:
+            buckets: half the compressed bytes (accuracy cost: docs/guides/communication-dtype.md). ``torch.float32``:
             always fp32 factors. The arithmetic stays float32 in the kernels and the memory (error, warm-start Q,
             P) stays float32: the packed P (and Q) buffer is cast once before its all-reduce and copied back once
             after it. The cast rounds to nearest; a value beyond the dtype's range becomes inf (never a finite

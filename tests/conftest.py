@@ -72,8 +72,8 @@ os.environ.setdefault("POWERSGD_TEST_TIMEOUT_SCALE", str(TIMEOUT_SCALE))  # read
 
 
 # ------------------------------------------------------------------------------------------------- test tiers
-# README's test command deselects ``slow`` tests (``-m "not aot_matrix and not slow"``); the slow tier (README, "Run
-# the tests": ``-m slow`` plus the notebooks) runs after it in CI. Besides the tests marked ``@pytest.mark.slow`` where
+# README's test command deselects ``slow`` tests (``-m "not aot_matrix and not slow"``); the slow tier (docs/development.md:
+# ``-m slow`` plus the notebooks) runs after it in CI. Besides the tests marked ``@pytest.mark.slow`` where
 # they are written, these parametrized cases, each 20-50 s here, whose code paths quicker cases of the same test cover:
 _SLOW_CASES = {
     # world size 4 through the Triton interpreter: world size 2 runs the same kernels on 2 ranks, torch on 4 ranks

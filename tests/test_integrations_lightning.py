@@ -48,7 +48,7 @@ def _fit(out, *extra, timeout=150):
     return reports, params
 
 
-@pytest.mark.slow  # slow tier (README, "Run the tests"): a real 2-rank Lightning fit and resume
+@pytest.mark.slow  # slow tier (docs/development.md): a real 2-rank Lightning fit and resume
 def test_fit_on_cpu_runs_our_hook_and_resumes_exactly(tmp_path):
     reports, params = _fit(tmp_path / "full")
     for rank, r in enumerate(reports):
