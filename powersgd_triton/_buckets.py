@@ -21,7 +21,9 @@ DDP; :func:`end_of_iteration` forgets replaced memories and buckets DDP no longe
 attributes.
 """
 
+import itertools
 import logging
+import operator
 import warnings
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -41,7 +43,7 @@ def bucket_params(bucket) -> Optional[Tuple[torch.Tensor, ...]]:
         params = tuple(bucket.parameters())
     except Exception:  # noqa: BLE001 - duck-typed buckets
         return None
-    if not params or not all(isinstance(p, torch.nn.Parameter) for p in params):
+    if not params or not all(map(isinstance, params, itertools.repeat(torch.nn.Parameter))):
         return None
     return params
 
@@ -94,7 +96,7 @@ def _segments(buffer: torch.Tensor, params, gradients) -> Optional[Dict[int, Tup
 def _same_params(a, b) -> bool:
     if a is None or b is None:
         return a is None and b is None
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return len(a) == len(b) and all(map(operator.is_, a, b))  # C-level: no Python call per parameter
 
 
 def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) -> BucketMemory:
@@ -123,7 +125,7 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
                 ok = layout.batched and layout.signature == ("batched", buffer.numel(), buffer.dtype, rank)
             else:
                 key = (buffer.data_ptr(), buffer.numel(), buffer.dtype, rank, state.min_compression_rate,
-                       tuple(p.shape for p in params) if params is not None else None)
+                       tuple([p.shape for p in params]) if params is not None else None)
                 ok = params is not None and mem.verified == key
                 if not ok:
                     gradients = bucket.gradients()

@@ -40,7 +40,7 @@ No ``from __future__ import annotations`` here: DDP checks the hooks' annotation
 import torch
 import torch.distributed as dist
 
-from . import _step, ops
+from . import _hook_ops, _step
 from ._memory import BucketMemory
 from .state import PowerSGDState
 
@@ -61,7 +61,7 @@ class _Step:
     """
 
     __slots__ = ("state", "mem", "layout", "buffer", "group", "world_size", "unc", "packed", "unc_work", "backend",
-                 "eps", "loss_scale", "p_raw")
+                 "eps", "loss_scale", "p_raw", "ops")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int):
         self.state = state
@@ -71,6 +71,8 @@ class _Step:
         self.group = group
         self.world_size = world_size
         self.backend = mem.backend
+        # powersgd_triton.ops, or on the Triton backend its launchers unchecked (the state's own tensors)
+        self.ops = _hook_ops.for_memory(mem)
         self.eps = float(state.orthogonalization_epsilon)
         # error memory in unscaled units (state.grad_scaler): the scale of this step's gradients, a device tensor
         self.loss_scale = _step.loss_scale(state, buffer) if mem.error is not None else None
@@ -91,7 +93,7 @@ class _Step:
             self.unc = self.buffer[o : o + n]
         else:
             self.packed = self.buffer.new_empty(layout.uncompressed_numel)
-            ops.pack_uncompressed(self.buffer, layout, self.packed, backend=self.backend)
+            self.ops.pack_uncompressed(self.buffer, layout, self.packed, backend=self.backend)
             self.unc = self.packed
         self.unc_work = dist.all_reduce(self.unc, group=self.group, async_op=True)
 
@@ -105,20 +107,21 @@ class _Step:
         if layout.num_matrices == 0:
             return
         if not ahead:
-            ops.orthogonalize(
-                mem.q, layout, "q", self.eps, out=mem.q_work, backend=self.backend, config=mem.config("orthogonalize")
+            self.ops.orthogonalize(
+                mem.q, layout, "q", self.eps, out=mem.q_work, backend=self.backend,
+                config=mem.configs.get("orthogonalize")
             )
-        ops.project(self.buffer, layout, mem.q_work, self.p_raw, mem.error, loss_scale=self.loss_scale,
-                    backend=self.backend, config=mem.config("project"))
+        self.ops.project(self.buffer, layout, mem.q_work, self.p_raw, mem.error, loss_scale=self.loss_scale,
+                    backend=self.backend, config=mem.configs.get("project"))
 
     def compute_q(self) -> None:
         """Orthogonalize the all-reduced P (``p_raw``) into ``mem.p``; ``Q = (M + E)ᵀ·P`` into ``q_work``."""
         mem, layout = self.mem, self.layout
-        ops.orthogonalize(self.p_raw, layout, "p", self.eps, out=mem.p, backend=self.backend,
-                          config=mem.config("orthogonalize"))
-        ops.project_t(self.buffer, layout, mem.p, mem.q_work, error=mem.error if layout.batched else None,
+        self.ops.orthogonalize(self.p_raw, layout, "p", self.eps, out=mem.p, backend=self.backend,
+                          config=mem.configs.get("orthogonalize"))
+        self.ops.project_t(self.buffer, layout, mem.p, mem.q_work, error=mem.error if layout.batched else None,
                       loss_scale=self.loss_scale if layout.batched else None, backend=self.backend,
-                      config=mem.config("project_t"))
+                      config=mem.configs.get("project_t"))
 
     def finish(self) -> torch.Tensor:
         """Average, reconstruct, update the memory where the step is finite; the bucket buffer is the output."""
@@ -129,13 +132,13 @@ class _Step:
             if self.unc is not None:
                 self.unc.div_(self.world_size)
                 if self.packed is not None:
-                    ops.unpack_uncompressed(self.packed, layout, self.buffer, backend=self.backend)
+                    self.ops.unpack_uncompressed(self.packed, layout, self.buffer, backend=self.backend)
             return self.buffer
         # Q /= world, uncompressed /= world and unpacked, step flags: one launch
-        flags = ops.average(mem.q_work, layout, "q", self.buffer, self.packed, self.world_size, backend=self.backend)
+        flags = self.ops.average(mem.q_work, layout, "q", self.buffer, self.packed, self.world_size, backend=self.backend)
         keep_memory = mem.error is not None or state.warm_start
         next_q = _step.next_q_target(state, mem, self.eps)
-        done = ops.reconstruct(
+        done = self.ops.reconstruct(
             self.buffer,
             layout,
             mem.p,
@@ -149,7 +152,7 @@ class _Step:
             orthogonalize_kept=next_q,
             loss_scale=self.loss_scale,
             backend=self.backend,
-            config=mem.config("reconstruct"),
+            config=mem.configs.get("reconstruct"),
         )
         if state.warm_start:  # the next step's first computation, off its critical path
             _step.orthogonalize_next_q(mem, self.eps, done=done)

@@ -269,6 +269,27 @@ def host_overhead(model: str, rank: int, dtype="fp32", *, rounds: int = 30, shri
                                  for k in ("ours_us", "pytorch_us", "ours_calls", "pytorch_calls", "launches")})
 
 
+def launch_call_us(reps: int = 400) -> float:
+    """Host time of one launch through its launch plan: ``triton_ops.project`` (error feedback) on ResNet-50's
+    second bucket at rank 4, fp32 (plan lookup, :class:`~powersgd_triton._compat.DirectLaunch`, the stubbed C
+    launch), median in microseconds. Call inside :func:`fake_gpu`."""
+    from ..kernels import triton_ops
+    from ..layout import BucketLayout
+
+    bucket = _buckets(model_bucket_shapes("resnet50", torch.float32)[1:2], torch.float32)[0]
+    layout = BucketLayout.from_gradients(bucket.buffer(), bucket.gradients(), 4, 2.0)
+    q, p, e = torch.randn(layout.q_numel), torch.empty(layout.p_numel), torch.zeros(layout.e_numel)
+    buf = bucket.buffer()
+    for _ in range(3):
+        triton_ops.project(buf, layout, q, p, e)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        triton_ops.project(buf, layout, q, p, e)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
 def collective_call_us(reps: int = 200) -> float:
     """Host time of one async ``dist.all_reduce`` call of one float32 element and its ``get_future()`` on the
     current process group (gloo, world size 1, real), median in microseconds."""
@@ -316,6 +337,7 @@ def _run(models, ranks, dtypes, rounds, shrink, history, record) -> int:
     env = environment()
     rows, lines = [], []
     with fake_gpu(), no_collectives():
+        launch = launch_call_us()
         for model in models:
             for dtype in dtypes:
                 for rank in ranks:
@@ -333,7 +355,8 @@ def _run(models, ranks, dtypes, rounds, shrink, history, record) -> int:
     print(f"{env['date']}; {env['cpu']} ({env['cpus_usable']} CPUs usable, load {load}); python {env['python']}, "
           f"torch {env['torch']}, triton {triton.__version__}; fake sm_{FAKE_ARCH} GPU ({FAKE_SMS} SMs); process "
           f"group {pg}; {rounds} rounds, the two hooks interleaved; medians per bucket\n{STUBBED}\ncollective call "
-          f"(gloo all_reduce of 1 element + get_future + wait, world 1): {coll:.1f} us\n")
+          f"(gloo all_reduce of 1 element + get_future + wait, world 1): {coll:.1f} us; one launch through its "
+          f"launch plan (triton_ops.project, ResNet-50 bucket 1): {launch:.1f} us\n")
     for r in rows:
         for k in ("ours_us", "pytorch_us"):
             r[k + "_h"] = f"{r[k]:.0f}"
@@ -347,11 +370,11 @@ def _run(models, ranks, dtypes, rounds, shrink, history, record) -> int:
     print(markdown_table(rows, cols))
     print("\n" + "\n".join(lines))
     if record:
-        _record(rows, env, history, coll)
+        _record(rows, env, history, coll, launch)
     return 0
 
 
-def _record(rows, env, path, coll):
+def _record(rows, env, path, coll, launch):
     from .. import history as H
 
     path = path or H.default_path()
@@ -367,8 +390,9 @@ def _record(rows, env, path, coll):
             out.append(dict(model=r["model"], matrix_approximation_rank=r["matrix_approximation_rank"],
                             dtype=r["dtype"], impl=impl, variant="host-overhead",
                             host_us=r[impl + "_us"], python_calls=r[impl + "_calls"],
-                            triton_launches=r["launches"] if impl == "ours" else None))
-    env = dict(env, collective_call_us=coll)
+                            triton_launches=r["launches"] if impl == "ours" else None,
+                            launch_call_us=launch if impl == "ours" else None,
+                            collective_call_us=coll if impl == "ours" else None))
     # no numbers are computed (launches stubbed): nothing to check against PyTorch's hook
     n = H.append(path, H.make_records(out, source="bench-host", env=env, commit=commit, dirty=dirty), correct=True)
     print(f"recorded {n} rows in {path} (commit {commit[:10]}{', dirty work tree' if dirty else ''})")
