@@ -138,10 +138,14 @@ class HostSpec:
     collective_s: float
 
 
-# Measured on this project's CPU machine (AMD EPYC, 2 cores shared with other jobs, load average ~8-12 while
-# measured; bench/RESULTS.md, "Host overhead"): on a fast idle host expect about half.
+# Measured on this project's CPU machine by `powersgd-triton bench --host-overhead` (bench/RESULTS.md, "Host
+# overhead", 2026-12-01, after the launch plans): AMD EPYC, 2 cores shared with other jobs, load average ~22 while
+# measured, so every figure is several times what an idle host takes. launch_s: one triton_ops.project through its
+# launch plan (10.0 us); step_s: ResNet-50 r4 fp32's mean host time per bucket step (400 us) less its 7.8 launches;
+# collective_s: a gloo all_reduce call of one element with its future, world size 1 (46 us).
 HOSTS: Dict[str, HostSpec] = {
-    "epyc-2core": HostSpec("AMD EPYC, 2 cores (loaded)", "3.9.0", launch_s=8e-6, step_s=40e-6, collective_s=40e-6),
+    "epyc-2core": HostSpec("AMD EPYC, 2 cores, load ~22", "3.9.0", launch_s=10.0e-6, step_s=322e-6,
+                           collective_s=46e-6),
 }
 
 # The step's segments between its collectives, by step_plan's step names, and the all-reduce calls ending each
