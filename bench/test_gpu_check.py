@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(tmp_path, *args, timeout=240):
+def _run(tmp_path, *args, timeout=360):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OUT=str(tmp_path), PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)  # the script sets it itself for --dry-run
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", *args],
@@ -27,7 +27,7 @@ def _run(tmp_path, *args, timeout=240):
 
 @pytest.mark.slow  # slow tier (README, "Run the tests")
 def test_gpu_check_dry_run(tmp_path):
-    proc, data, md = _run(tmp_path, "--budget", "150")
+    proc, data, md = _run(tmp_path, "--budget", "220")
     out = proc.stdout + proc.stderr
     bad = [f"{c['variant']} {c['dtype']}: {c.get('checks') or c.get('error')}"
            for c in data["sections"].get("nonfinite", {}).get("cases", []) if not c.get("ok")]
@@ -46,7 +46,22 @@ def test_gpu_check_dry_run(tmp_path):
         assert all(r["commit"] == H.git_commit(str(ROOT))[0] and r["device"].startswith("cpu: ") for r in recs)
         assert any(r["key"].get("kernel") == "project" and r["metrics"]["median_ms"] > 0 for r in recs)
     sections = data["sections"]
-    assert {"env", "compile", "copy", "correctness", "nonfinite", "kernels", "hooks"} <= set(sections)
+    assert {"env", "compile", "model", "copy", "correctness", "paths", "nonfinite", "kernels", "hooks",
+            "streams"} <= set(sections)
+    # GPU paths: the heuristic configs took the split tensor-core path, tl.dot, the float64 Gram launch, APPLY_ROWS
+    paths = sections["paths"]
+    assert paths["failed"] == 0 and paths["passed"] > 0, paths
+    taken = {k for c in paths["cases"] for k, v in c["path"].items() if v}
+    assert {"SPLIT_BF16", "USE_DOT"} <= taken, taken
+    # the performance model's compiles are a section of their own (none in the dry run), never inside a timed one
+    assert not sections["model"].get("missed"), sections["model"]
+    # sleep injection: the GPU check is skipped with the reason; its plumbing ran (callbacks delayed, values equal)
+    assert any(s.startswith("streams: sleep injection on a world of 1 NCCL (dry run") for s in data["skipped"])
+    st = sections["streams"]
+    assert st["failed"] == 0 and st["rows"] and all(r["callbacks_delayed"] > 0 for r in st["rows"]), st
+    # the first-use check ran, or is listed as skipped with the reason
+    assert "verify" in sections and (sections["verify"].get("cases") or any(
+        s.startswith("verify: the first-use check (") for s in data["skipped"]))
     # compile phase: sm_90 binaries with their registers, spills, shared memory and occupancy
     comp = sections["compile"]
     assert comp["binaries"] and all(b["ok"] for b in comp["binaries"])

@@ -10,7 +10,10 @@ tables see ``bench/``; for a full GPU check ``bench/gpu_check.py``.
 
 import json
 
-from .cli import RANK_HELP, add_rank_option, positive
+from .cli import RANK_HELP, add_rank_option, comma_list, positive
+from .shapes import MODELS  # no torch: the parser is built without it
+
+DTYPE_NAMES = ("fp32", "bf16", "fp16")  # powersgd_triton.benchmarking.DTYPES (tests/test_cli_help.py checks)
 
 
 def add_parser(subparsers):
@@ -18,15 +21,17 @@ def add_parser(subparsers):
                               description="Time PyTorch's powerSGD_hook against powersgd_triton's on real models' "
                               "buckets, side by side (world size 1, DDP-like 25 MB buckets, the two hooks in turn), "
                               "with ATen ops, all-reduce calls and bytes, and memory; prints a markdown table.")
-    p.add_argument("--models", default="resnet50",
-                   help="comma list of resnet50,bert-base,gpt2,vit-b16 (default resnet50)")
+    p.add_argument("--models", default="resnet50", type=comma_list(MODELS, "model"), metavar="MODEL,...",
+                   help=f"comma list of {','.join(MODELS)} (default resnet50)")
     add_rank_option(p, plural=True, deprecated="--ranks", default="4", metavar="R,...",
                     help=RANK_HELP + "; a comma list (default 4)")
-    p.add_argument("--dtypes", default="fp32", help="comma list of fp32,bf16,fp16 (default fp32)")
+    p.add_argument("--dtypes", default="fp32", type=comma_list(DTYPE_NAMES, "dtype"), metavar="DTYPE,...",
+                   help="comma list of fp32,bf16,fp16 (default fp32)")
     p.add_argument("--rounds", type=positive(int), default=None,
                    help="timed rounds per hook (default 5; 40 with --host-overhead)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    p.add_argument("--backend", default="auto", help="our backend: auto, triton or torch (default auto)")
+    p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                   help="our backend: auto, triton or torch (default auto)")
     p.add_argument("--threads", type=positive(int), default=None, help="torch CPU threads")
     p.add_argument("--shrink", type=positive(int), default=1, help="divide channel dims (quick runs)")
     p.add_argument("--no-counts", action="store_true", help="times only")
@@ -34,7 +39,7 @@ def add_parser(subparsers):
     p.add_argument("--markdown", default=None, help="write the table as markdown")
     p.add_argument("--model-only", action="store_true",
                    help="no timing: print the performance model's prediction (powersgd_triton.perfmodel) for "
-                        "--models/--ranks/--dtypes on --gpu, from the kernels compiled for it (no GPU needed)")
+                        "--models/--matrix-approximation-ranks/--dtypes on --gpu, from the kernels compiled for it (no GPU needed)")
     p.add_argument("--host-overhead", action="store_true",
                    help="no GPU: time the host side of a compressed bucket step, ours (Triton launch path, the C "
                         "launch and the collectives stubbed) against PyTorch's hook, with Python calls per bucket "

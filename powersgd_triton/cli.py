@@ -1,7 +1,12 @@
 """Command line: ``powersgd-triton train | autotune | bench`` (also ``python -m powersgd_triton``).
 
-Each sub-command lives in its own module, which exposes ``add_parser(subparsers)`` (registers its arguments and
-sets ``func`` on the parsed namespace); this module only wires them together with argparse.
+Each sub-command's parser lives in a module that exposes ``add_parser(subparsers)`` (registers its arguments and
+sets ``func`` on the parsed namespace); this module only wires them together with argparse. None of those modules
+imports torch at import time, so ``powersgd-triton --help`` and ``powersgd-triton <command> --help`` answer in a
+fraction of a second; the command's own module (and torch) is imported when it runs.
+
+A mistake on the command line gets one line on stderr, ``<prog>: error: <what> (see <prog> --help)``, exit status
+2; a misspelt choice or option name also gets the closest valid one (``did you mean 'powersgd'?``).
 """
 
 import argparse
@@ -14,9 +19,33 @@ from typing import Dict, List, Optional
 # sub-command name -> module providing add_parser(subparsers)
 SUBCOMMANDS = {
     "train": "powersgd_triton.train.cli",
-    "autotune": "powersgd_triton.autotune.cli",
+    "autotune": "powersgd_triton._autotune_parser",
     "bench": "powersgd_triton.bench_cli",
 }
+
+
+def _did_you_mean(word: str, options) -> str:
+    """`` (did you mean 'x'?)`` for the option closest to ``word`` (difflib), ``""`` when none is close."""
+    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``<prog>: error: <message> (see <prog> --help)`` on stderr, exit status 2
+    (argparse prints the whole usage first); an invalid choice names the closest valid one and the choices."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def _check_value(self, action, value):
+        choices = action.choices
+        if choices is not None and value not in choices:
+            listed = ", ".join(map(str, choices))
+            if isinstance(action, argparse._SubParsersAction):
+                raise argparse.ArgumentError(
+                    None, f"unknown command {value!r}{_did_you_mean(value, choices)}; the commands: {listed}")
+            raise argparse.ArgumentError(
+                action, f"invalid choice: {value!r}{_did_you_mean(value, choices)}; choose from {listed}")
 
 
 def positive(kind=float):
@@ -35,6 +64,25 @@ def positive(kind=float):
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+def comma_list(choices, what: str = "value"):
+    """An argparse ``type`` for a comma list of ``choices`` (``resnet50,gpt2``): returns the text as given, refuses an
+    empty list or an unknown item with the closest choice (``unknown model 'resnet5' (did you mean 'resnet50'?)``)."""
+    choices = list(choices)
+
+    def parse(text: str) -> str:
+        items = [t for t in text.split(",") if t]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(choices)}; got {text!r}")
+        for item in items:
+            if item not in choices:
+                raise argparse.ArgumentTypeError(
+                    f"unknown {what} {item!r}{_did_you_mean(item, choices)}; choose from {', '.join(choices)}")
+        return text
+
+    parse.__name__ = "comma list"
     return parse
 
 
@@ -90,11 +138,11 @@ def text_table(headers: List[str], rows: List[List[str]]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; ``parser.subcommand_parsers`` maps each sub-command name to its own parser."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="powersgd-triton",
         description="PowerSGD gradient compression for PyTorch DDP with grouped Triton kernels.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}", parser_class=Parser)
     sub.required = True
     parser.subcommand_parsers = {}  # type: Dict[str, argparse.ArgumentParser]
     for name, module in SUBCOMMANDS.items():
@@ -109,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _unknown_options(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser, extra: List[str]) -> None:
-    """argparse's error for ``extra`` from the sub-command's parser (its usage, not the top-level one), with the
-    closest option names (``--workoad``: did you mean ``--workload``?). Exits with status 2."""
+    """The error for ``extra`` from the sub-command's parser (its name, not the top-level one), with the closest
+    option names (``--workoad``: did you mean ``--workload``?). Exits with status 2."""
     known = [o for a in sub._actions for o in a.option_strings if a.help is not argparse.SUPPRESS]
     hints = []
     for word in extra:
@@ -118,7 +166,7 @@ def _unknown_options(parser: argparse.ArgumentParser, sub: argparse.ArgumentPars
             close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1)
             if close:
                 hints.append(f"{word}: did you mean {close[0]}?")
-    sub.error("unrecognized arguments: " + " ".join(extra) + ("" if not hints else " (" + "; ".join(hints) + ")"))
+    sub.error("unrecognized arguments: " + " ".join(extra) + "".join("; " + h for h in hints))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -40,7 +40,7 @@ No ``from __future__ import annotations`` here: DDP checks the hooks' annotation
 import torch
 import torch.distributed as dist
 
-from . import _hook_ops, _step
+from . import _hook_ops, _step, verify
 from ._memory import BucketMemory
 from .state import PowerSGDState
 
@@ -63,7 +63,8 @@ class _Step:
     __slots__ = ("state", "mem", "layout", "buffer", "group", "world_size", "unc", "packed", "unc_work", "backend",
                  "eps", "loss_scale", "p_raw", "ops")
 
-    def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int):
+    def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int,
+                 check=None):
         self.state = state
         self.mem = mem
         self.layout = mem.layout
@@ -71,8 +72,9 @@ class _Step:
         self.group = group
         self.world_size = world_size
         self.backend = mem.backend
-        # powersgd_triton.ops, or on the Triton backend its launchers unchecked (the state's own tensors)
-        self.ops = _hook_ops.for_memory(mem)
+        # the numeric steps: powersgd_triton.ops, or on the Triton backend its launchers unchecked (the state's own
+        # tensors), or the first-use check's (powersgd_triton.verify)
+        self.ops = _hook_ops.for_memory(mem) if check is None else check.ops
         self.eps = float(state.orthogonalization_epsilon)
         # error memory in unscaled units (state.grad_scaler): the scale of this step's gradients, a device tensor
         self.loss_scale = _step.loss_scale(state, buffer) if mem.error is not None else None
@@ -176,10 +178,15 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
     # powersgd_triton._buckets): compute on a copy in the memory's order, then write each gradient back.
     order = mem.order
     work = buffer if order is None else torch.cat([buffer[o : o + n] for o, n in order])
-    step = _Step(state, mem, work, group, world_size)
+    # first-use verification of the Triton kernels (powersgd_triton.verify); after its verdict: this test only
+    check = verify.begin(state, mem, work, group, world_size, bucket.index(), len(layout.uncompressed) > 1) \
+        if mem.verify_pending else None
+    step = _Step(state, mem, work, group, world_size, check)
 
     def finish() -> torch.Tensor:
         out = step.finish()
+        if check is not None:
+            out = check.end(out, lambda: _torch_step(state, mem, work, buffer, group, world_size))
         if order is None:
             return out
         pos = 0
@@ -188,30 +195,52 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
             pos += n
         return buffer
 
+    def finish_chained(fut) -> torch.Tensor:
+        _step.keep_for_current_stream(*kept)
+        return finish()
+
     compressed = layout.num_matrices > 0
     step.start_uncompressed()
     step.compute_p()
+    # Inside a then() callback (its own pool stream on NCCL): what the hook body allocated and the callback reads
+    # is recorded on the callback's stream (see the stream rule in powersgd_triton._step); called inline there
+    kept = (step.packed, step.loss_scale, None if order is None else work)
     # Counted here, not in a callback: `iter` is exact whatever the backend and bucket count.
     state.maybe_increase_iter(bucket)
 
     if not compressed:
         if _step.use_callback_chain(group, buffer) and step.unc_work is not None:
-            return step.unc_work.get_future().then(lambda fut: finish())
+            return step.unc_work.get_future().then(finish_chained)
         return _step.completed(finish())
 
     if _step.use_callback_chain(group, buffer):
 
         def after_p(fut):
+            _step.keep_for_current_stream(*kept)
             step.compute_q()
             return _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
 
         p_fut = _step.allreduce_factor(state, step.p_raw, buffer, group)
-        return p_fut.then(after_p).then(lambda fut: finish())
+        return p_fut.then(after_p).then(finish_chained)
 
     _step.allreduce_factor(state, step.p_raw, buffer, group).wait()
     step.compute_q()
     _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
     return _step.completed(finish())
+
+
+def _torch_step(state: PowerSGDState, mem: BucketMemory, work: torch.Tensor, buffer: torch.Tensor, group,
+                world_size: int) -> torch.Tensor:
+    """The whole step again on the torch backend, in the caller (the first-use check found a kernel wrong and put
+    the memory back as it was before the step: :meth:`powersgd_triton.verify.Check.end`); every rank runs it."""
+    step = _Step(state, mem, work, group, world_size)
+    step.start_uncompressed()
+    step.compute_p()
+    if mem.layout.num_matrices:
+        _step.allreduce_factor(state, step.p_raw, buffer, group).wait()
+        step.compute_q()
+        _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
+    return step.finish()
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -234,7 +263,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         TypeError: complex or integer gradients, or ``state`` is not a :class:`~powersgd_triton.PowerSGDState`
             (PyTorch's state: convert it with ``PowerSGDState.from_torch``); before anything is changed.
         RuntimeError: ``state.backend == "triton"`` and the Triton kernels cannot run on the bucket's device: on the
-            first call (step 0, in the warm-up too), before anything is changed.
+            first call (step 0, in the warm-up too), before anything is changed. ``state`` is registered on two DDP
+            models: at the second model's first call, naming both.
 
     Example::
 

@@ -1,6 +1,7 @@
-"""README tables regenerated from the command written beside each, and checked against a fresh run.
+"""README and docs tables regenerated from the command written beside each, and checked against a fresh run.
 
-Every measured table in ``README.md`` follows a marker line naming the command that prints it::
+Every measured table in ``README.md`` and in the documentation pages (``docs/**/*.md``) follows a marker line naming
+the command that prints it::
 
     <!-- readme-table check: powersgd-triton train --workload digits --compare -->
     | hook | DDP buckets | final test acc | ... |
@@ -18,12 +19,17 @@ project's commands run: ``powersgd-triton ...`` and ``python -m powersgd_triton 
 package this module belongs to first on ``PYTHONPATH``, in the README's folder, without ``TRITON_INTERPRET``: on CPU
 our hooks run their torch backend, as in the tables).
 
+Without ``--file`` the commands work on README.md and every page under ``docs/`` that has a marked table; a command
+marked in several places (the digits table is in the README and in ``docs/benchmarks.md``) runs once and its table
+goes to every place. Commands run from the checkout's root (the folder with ``pyproject.toml``).
+
 Usage (from a checkout)::
 
     python -m powersgd_triton.readme_tables --list               # the tables and their commands
     python -m powersgd_triton.readme_tables --check              # every check table against a fresh run
     python -m powersgd_triton.readme_tables --write              # regenerate every table in place
     python -m powersgd_triton.readme_tables --check --only digits # tables whose marker contains "digits"
+    python -m powersgd_triton.readme_tables --check --file docs/benchmarks.md   # one file
     python -m powersgd_triton.readme_tables --write --append='--timeout 3600'   # train's own 900 s limit raised
 
 The digits depend on the CPU's math kernels: ``powersgd-triton train`` pins them on CPU
@@ -253,16 +259,52 @@ def run_command(command: str, cwd: str, timeout: Optional[float] = None, extra: 
     return table, seconds
 
 
+def _run_dir(path: str) -> str:
+    """Where a file's commands run: the nearest folder above it with a ``pyproject.toml`` (the checkout's root),
+    else the file's own folder."""
+    here = folder = os.path.dirname(os.path.abspath(path))
+    while True:
+        if os.path.exists(os.path.join(folder, "pyproject.toml")):
+            return folder
+        up = os.path.dirname(folder)
+        if up == folder:
+            return here
+        folder = up
+
+
+def _fresh(command: str, path: str, timeout, extra, cache: Optional[dict]) -> Tuple[List[str], float]:
+    """:func:`run_command` of ``command`` for the file ``path``, once per command when ``cache`` is a dict."""
+    if cache is not None and command in cache:
+        return cache[command]
+    out = run_command(command, _run_dir(path), timeout, extra)
+    if cache is not None:
+        cache[command] = out
+    return out
+
+
+def marked_files(root: str) -> List[str]:
+    """``root/README.md`` and every markdown file under ``root/docs`` that has a marked table, in that order."""
+    files = [os.path.join(root, "README.md")]
+    docs = []
+    for folder, _, names in os.walk(os.path.join(root, "docs")):
+        docs += [os.path.join(folder, n) for n in names if n.endswith(".md")]
+    for path in sorted(docs):
+        with open(path, encoding="utf-8") as f:
+            if find_tables(f.read()):
+                files.append(path)
+    return [f for f in files if os.path.exists(f)]
+
+
 def select(tables: Sequence[Table], only: Optional[str]) -> List[Table]:
     return [t for t in tables if only is None or only in t.command]
 
 
 def check(path: str, only: Optional[str] = None, timeout: Optional[float] = None, log=print,
-          extra: Sequence[str] = ()) -> List[str]:
+          extra: Sequence[str] = (), cache: Optional[dict] = None) -> List[str]:
     """Run every ``check`` table's command (those containing ``only``) and return the differences (``[]``: agree).
 
     ``regenerate`` tables are skipped (logged). Raises ``ReadmeTableError`` for a marker without a table, a failing
-    command, and when nothing matched ``only``.
+    command, and when nothing matched ``only``. ``cache`` (a dict, shared between files): each command runs once.
     """
     with open(path) as f:
         text = f.read()
@@ -281,7 +323,7 @@ def check(path: str, only: Optional[str] = None, timeout: Optional[float] = None
             continue
         if not t.lines:
             raise ReadmeTableError(f"{path} {t.label}: no table after the marker (run --write)")
-        fresh, seconds = run_command(t.command, os.path.dirname(os.path.abspath(path)), timeout, extra)
+        fresh, seconds = _fresh(t.command, path, timeout, extra, cache)
         found = compare_tables(t.lines, fresh, tolerant=tolerant)
         exact = not tolerant or not compare_tables(t.lines, fresh)
         verdict = "DIFFERS" if found else "agrees" if exact else "agrees within the other-machine tolerance"
@@ -291,10 +333,11 @@ def check(path: str, only: Optional[str] = None, timeout: Optional[float] = None
 
 
 def write(path: str, only: Optional[str] = None, timeout: Optional[float] = None, log=print,
-          extra: Sequence[str] = ()) -> Dict[str, float]:
+          extra: Sequence[str] = (), cache: Optional[dict] = None) -> Dict[str, float]:
     """Regenerate every marked table (those containing ``only``) in place; ``{command: seconds}``.
 
-    The file is rewritten after each table, so an interrupted run keeps the tables done so far.
+    The file is rewritten after each table, so an interrupted run keeps the tables done so far. ``cache`` (a dict,
+    shared between files): each command runs once.
     """
     with open(path) as f:
         text = f.read()
@@ -305,7 +348,7 @@ def write(path: str, only: Optional[str] = None, timeout: Optional[float] = None
     times = {}
     for index in wanted:
         command = all_tables[index].command
-        fresh, seconds = run_command(command, os.path.dirname(os.path.abspath(path)), timeout, extra)
+        fresh, seconds = _fresh(command, path, timeout, extra, cache)
         times[command] = seconds
         with open(path) as f:  # re-read: line numbers of later tables move when a table grows or shrinks
             lines = f.read().split("\n")
@@ -351,22 +394,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     mode.add_argument("--write", action="store_true", help="regenerate the tables in place")
     mode.add_argument("--list", action="store_true", help="list the marked tables")
     p.add_argument("--only", default=None, help="only tables whose command contains this text")
-    p.add_argument("--file", default="README.md", help="the markdown file")
+    p.add_argument("--file", action="append", default=None,
+                   help="a markdown file (repeatable; default: README.md and the docs/ pages with marked tables)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per command")
     p.add_argument("--append", default="", metavar="ARGS",
                    help="arguments appended to every command that do not change its numbers, e.g. "
                         "--append='--timeout 3600' for train on a loaded machine")
     args = p.parse_args(argv)
+    files = args.file or marked_files(os.getcwd())
+    cache: dict = {}
     try:
+        texts = {}
+        for path in files:
+            with open(path, encoding="utf-8") as f:
+                texts[path] = f.read()
+        wanted = [path for path in files if select(find_tables(texts[path]), args.only)]
+        if not wanted:
+            raise ReadmeTableError(f"no marked table in {', '.join(files)}"
+                                   + (f" whose command contains {args.only!r}" if args.only else ""))
         if args.list:
-            with open(args.file) as f:
-                for t in select(find_tables(f.read()), args.only):
-                    print(f"{t.mode:10s} {t.label} ({len(t.lines)} lines)")
+            for path in wanted:
+                for t in select(find_tables(texts[path]), args.only):
+                    print(f"{t.mode:10s} {os.path.relpath(path)} {t.label} ({len(t.lines)} lines)")
             return 0
-        if args.write:
-            write(args.file, args.only, args.timeout, extra=shlex.split(args.append))
-            return 0
-        diffs = check(args.file, args.only, args.timeout, extra=shlex.split(args.append))
+        diffs = []
+        for path in wanted:
+            log = (lambda line, _p=path: print(f"{os.path.relpath(_p)}: {line}", flush=True))
+            if args.write:
+                write(path, args.only, args.timeout, log=log, extra=shlex.split(args.append), cache=cache)
+            else:
+                diffs += [f"{os.path.relpath(path)} {d}" for d in check(path, args.only, args.timeout, log=log,
+                                                                           extra=shlex.split(args.append), cache=cache)]
     except (OSError, ReadmeTableError) as exc:
         print(f"readme_tables: error: {exc}", file=sys.stderr)
         return 2

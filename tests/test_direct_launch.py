@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(r"""
     with host.fake_gpu() as fake, host.no_collectives():
         buckets = host._buckets(model_bucket_shapes(model, dtype, shrink=shrink), dtype)
         state = PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
-                              backend="triton")
+                              backend="triton", verify="off")  # the stubbed kernels compute nothing to verify
 
         def step():
             for b in buckets:

@@ -154,26 +154,73 @@ def test_cpu_runs_pin_the_math_libraries_unless_the_user_set_them():
 
 
 def test_readme_tables_are_marked_filled_and_runnable():
-    with open(README) as f:
-        text = f.read()
-    tables = RT.find_tables(text)
-    assert RT.recorded_machine(text), "README: no readme-tables machine line (python -m powersgd_triton.readme_tables --write)"
-    commands = [t.command for t in tables]
-    assert "powersgd-triton train --workload digits --compare" in commands
-    for t in tables:
-        RT.command_argv(t.command)  # runnable here
-        assert t.lines, f"{t.label}: no table (python -m powersgd_triton.readme_tables --write)"
-        if t.mode == "check":
-            head, _ = RT.parse_table(t.lines)
-            assert len(RT.timing_columns(head)) < len(head) - 1
+    """README.md and the docs pages: every marked table filled and runnable here; each file with check tables records
+    its machine; the README keeps the digits table; a command marked in two places has the same table in both."""
+    files = RT.marked_files(ROOT)
+    assert files[0] == README and any(f.endswith(os.path.join("docs", "benchmarks.md")) for f in files), files
+    by_command = {}
+    for path in files:
+        with open(path) as f:
+            text = f.read()
+        tables = RT.find_tables(text)
+        if any(t.mode == "check" for t in tables):
+            assert RT.recorded_machine(text), f"{path}: no readme-tables machine line (readme_tables --write)"
+        for t in tables:
+            RT.command_argv(t.command)  # runnable here
+            assert t.lines, f"{path} {t.label}: no table (python -m powersgd_triton.readme_tables --write)"
+            if t.mode == "check":
+                head, _ = RT.parse_table(t.lines)
+                assert len(RT.timing_columns(head)) < len(head) - 1
+                if t.command in by_command:
+                    assert RT.compare_tables(by_command[t.command], t.lines) == [], (path, t.label)
+                by_command[t.command] = t.lines
+        if path == README:
+            assert "powersgd-triton train --workload digits --compare" in [t.command for t in tables]
+
+
+def test_files_are_found_and_a_command_marked_twice_runs_once(tmp_path, rng, monkeypatch):
+    """``marked_files``: README first, then the docs pages with a marker (not the others); ``write``/``check`` with a
+    shared cache run a command marked in two files once and write its table to both; commands run from the
+    checkout's root (the folder with pyproject.toml), also for a page under docs/."""
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "docs" / "guides").mkdir(parents=True)
+    marker = "<!-- readme-table check: powersgd-triton train --compare -->"
+    (tmp_path / "README.md").write_text(f"# r\n{marker}\n")
+    (tmp_path / "docs" / "guides" / "b.md").write_text(f"text\n\n{marker}\n\nafter\n")
+    (tmp_path / "docs" / "plain.md").write_text("no tables here\n")
+    files = RT.marked_files(str(tmp_path))
+    assert files == [str(tmp_path / "README.md"), str(tmp_path / "docs" / "guides" / "b.md")]
+    table, _ = _random_table(rng)
+    calls = []
+
+    def fake(command, cwd, timeout=None, extra=()):
+        calls.append((command, cwd))
+        return table, 0.25
+
+    monkeypatch.setattr(RT, "run_command", fake)
+    cache = {}
+    for path in files:
+        RT.write(path, log=lambda *a: None, cache=cache)
+    assert calls == [("powersgd-triton train --compare", str(tmp_path))]
+    for path in files:
+        assert [t.lines for t in RT.find_tables(open(path).read())] == [table]
+        assert RT.check(path, log=lambda *a: None, cache=cache) == []
+    assert len(calls) == 1
+    assert RT.main(["--list", "--file", files[1]]) == 0
 
 
 @pytest.mark.slow
 def test_readme_digits_table_reproduces():
-    """The README's digits table against a fresh ``powersgd-triton train --workload digits --compare`` (4 hooks, 2
-    gloo ranks, about a minute on 2 cores). A difference means the training numbers changed: regenerate the README's tables
+    """The digits table, wherever it is marked (README.md, docs/benchmarks.md), against one fresh
+    ``powersgd-triton train --workload digits --compare`` (4 hooks, 2 gloo ranks, about a minute on 2 cores). A
+    difference means the training numbers changed: regenerate the tables
     (``python -m powersgd_triton.readme_tables --write``) and say why in the commit."""
-    logged = []
-    diffs = RT.check(README, only="--workload digits --compare", timeout=600, log=logged.append)
-    assert diffs == [], "\n".join(logged + diffs)
-    assert logged[-1].startswith("agrees"), logged
+    only = "--workload digits --compare"
+    files = [f for f in RT.marked_files(ROOT) if RT.select(RT.find_tables(open(f).read()), only)]
+    assert files[0] == README and len(files) >= 2, files
+    cache, logged, diffs = {}, [], []
+    for path in files:
+        diffs += RT.check(path, only=only, timeout=600, log=logged.append, cache=cache)
+    assert len(cache) == 1 and diffs == [], "\n".join(logged + diffs)
+    verdicts = [line for line in logged if line.startswith(("agrees", "DIFFERS"))]
+    assert len(verdicts) == len(files) and all(v.startswith("agrees") for v in verdicts), logged

@@ -5,7 +5,7 @@
     powersgd-triton autotune --model resnet50|bert-base|gpt2|vit-b16 [--matrix-approximation-rank R ...]
                              [--dtype D ...]
                              [--hook layerwise|batched|both] [--bucket-cap-mb MB] [--force] [--export PATH]
-    powersgd-triton autotune --show
+    powersgd-triton autotune --show     (the cache, candidates the tuner dropped and why, the hooks' verdicts)
     powersgd-triton autotune --clear
 
 The model's gradient shapes come from :mod:`powersgd_triton.shapes` (no download), split into DDP-like buckets; every
@@ -17,7 +17,6 @@ step over all buckets. Results go to the user cache; ``--export PATH`` also writ
 table shows the configs that would be used, and says so.
 """
 
-import argparse
 import math
 import sys
 from typing import Dict, List, Optional, Tuple
@@ -25,41 +24,17 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _env
-from ..cli import RANK_HELP, add_rank_option, positive, text_table
+from ..cli import text_table
 from ..layout import BucketLayout
-from ..shapes import MODELS
 from .cache import ConfigCache, export_device_file
 from .keys import DTYPE_NAMES, ShapeClass, parse_dtype, shape_class
 from .tuner import KERNELS, Choice, Tuner
 
 HOOKS = ("layerwise", "batched")
 
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "autotune",
-        help="tune the Triton kernels' block sizes for a model's gradient shapes on this GPU",
-        description="Tune the shape classes of a model's gradients on this GPU (cached per GPU model), "
-        "or show / clear the cache.",
-    )
-    p.add_argument("--model", choices=sorted(MODELS), help="model whose gradient shapes are tuned")
-    add_rank_option(p, type=positive(int), nargs="+", default=[4], metavar="R",
-                    help=RANK_HELP + "; several may be given (default 4)")
-    p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["fp32", "fp16", "bf16"], help="gradient dtype(s)")
-    p.add_argument("--hook", choices=["layerwise", "batched", "both"], default="layerwise",
-                   help="powerSGD_hook (layerwise) and/or batched_powerSGD_hook shapes")
-    p.add_argument("--bucket-cap-mb", type=positive(float), default=25.0, help="DDP bucket size (default 25)")
-    p.add_argument("--first-bucket-mb", type=float, default=1.0,
-                   help="DDP's smaller first bucket (default 1, DDP's default; 0: none)")
-    p.add_argument("--min-compression-rate", type=positive(float), default=2.0)
-    p.add_argument("--force", action="store_true", help="re-tune shape classes already cached")
-    p.add_argument("--export", metavar="PATH", help="also write the results as a shipped-format <gpu>.json")
-    p.add_argument("--warmup-ms", type=positive(float), default=25.0, help="do_bench warm-up per candidate")
-    p.add_argument("--rep-ms", type=positive(float), default=100.0, help="do_bench measurement time per candidate")
-    p.add_argument("--show", action="store_true", help="print the cache and exit")
-    p.add_argument("--clear", action="store_true", help="empty the cache")
-    p.set_defaults(func=run)
-    return p
+# The parser lives in a module without torch (``powersgd-triton autotune --help`` answers without importing it);
+# its ``func`` calls :func:`run` below.
+from .._autotune_parser import add_parser  # noqa: E402,F401
 
 
 def make_tuner(args) -> Tuner:
@@ -119,7 +94,6 @@ def _show(out) -> int:
     print(f"autotune cache: {cache.path}", file=out)
     if not devices:
         print("(empty)", file=out)
-        return 0
     for dkey, dev in devices:
         print(f"\n{dkey}: {len(dev['entries'])} entries", file=out)
         rows = []
@@ -132,7 +106,37 @@ def _show(out) -> int:
             speed = f"{h / t:.2f}x" if h and t and math.isfinite(h) and math.isfinite(t) else "-"
             rows.append(cells + [format_config(e["config"]), _ms(t), _ms(h), speed, str(e.get("tuned_at", ""))])
         print(text_table(CLASS_HEADERS + ["config", "ms", "heuristic ms", "speed-up", "tuned at"], rows), file=out)
+        for key, e in sorted(dev["entries"].items()):
+            for r in e.get("rejected") or ():
+                if isinstance(r, dict):
+                    print(f"  rejected for {key}: {format_config(r.get('config') or {})}: {r.get('why')}", file=out)
+    _show_verdicts(out)
     return 0
+
+
+def _show_verdicts(out) -> None:
+    """The hooks' first-use verdicts (:mod:`powersgd_triton.verify`), per device: kernel, shape class, config."""
+    from ..verify import store
+
+    verdicts = store()
+    devices = sorted(verdicts.load(refresh=True)["devices"].items())
+    print(f"\nfirst-use verdicts: {verdicts.path}", file=out)
+    if not devices:
+        print("(none)", file=out)
+    for dkey, dev in devices:
+        print(f"\n{dkey}: {len(dev['verdicts'])} verdicts", file=out)
+        rows = []
+        for key, e in sorted(dev["verdicts"].items()):
+            try:
+                cells = _class_cells(ShapeClass.parse(key.split("|{", 1)[0]))
+            except ValueError:
+                cells = [key] + [""] * (len(CLASS_HEADERS) - 1)
+            worst = e.get("worst")
+            rows.append(cells + [format_config(e["config"]) if e["config"] else "-", "ok" if e["ok"] else "WRONG",
+                                 "-" if worst is None else f"{worst:.2g}", str(e.get("detail") or ""),
+                                 str(e.get("checked_at", ""))])
+        print(text_table(CLASS_HEADERS + ["config", "verdict", "worst rel. error", "detail", "checked at"], rows),
+              file=out)
 
 
 def run(args, out=None) -> int:

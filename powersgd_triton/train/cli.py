@@ -11,9 +11,10 @@ import tempfile
 from typing import Any, Dict, List
 
 from ..cli import add_rank_option, positive, text_table
-from .fsdp import LABELS as FSDP_LABELS
-from .fsdp import parse_mesh
-from .loop import COMPARE_HOOKS, FSDP_HOOKS, HOOK_LABELS, HOOKS, TrainConfig, WORKLOAD_DEFAULTS
+from .names import COMPARE_HOOKS, FSDP_HOOKS, HOOKS, WORKLOAD_DEFAULTS
+
+# The parser is built without torch (``powersgd-triton train --help`` answers in well under a second); the
+# training modules are imported when a command runs.
 
 PROG = "powersgd-triton train"
 
@@ -26,6 +27,13 @@ def _hook_list(text: str) -> List[str]:
     if len(set(hooks)) != len(hooks):
         raise argparse.ArgumentTypeError(f"a hook is listed twice in {text!r}")
     return hooks
+
+
+def parse_mesh(text: str):
+    """``--fsdp RxS``: :func:`powersgd_triton.train.fsdp.parse_mesh`, imported when the option is given."""
+    from .fsdp import parse_mesh as parse
+
+    return parse(text)
 
 
 def _port(text: str) -> int:
@@ -153,7 +161,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
+def config_from_args(args: argparse.Namespace):
+    """The :class:`~powersgd_triton.train.loop.TrainConfig` of parsed ``train`` arguments."""
+    from .loop import TrainConfig
+
     hooks = tuple(args.compare) if args.compare else (args.hook,)
     if args.fsdp is not None and hooks == COMPARE_HOOKS:  # a bare --compare: the hooks FSDP runs
         hooks = FSDP_HOOKS
@@ -212,6 +223,9 @@ def _buckets(run: Dict[str, Any]) -> str:
 
 def format_table(result: Dict[str, Any]) -> str:
     """The side-by-side table (markdown) of every run in ``result["runs"]``."""
+    from .fsdp import LABELS as FSDP_LABELS
+    from .loop import HOOK_LABELS
+
     runs = result["runs"]
     cfg = result["config"]
     charlm = cfg["workload"] == "charlm"

@@ -1,0 +1,109 @@
+"""The sleep injection of bench/gpu_check.py's ``streams`` section (``bench/gpucheck/inject.py``), on CPU: a world of 1
+gloo with the ``then()`` chain forced (NCCL's schedule) and test doubles for ``torch.cuda._sleep`` and for "the current
+stream is a side stream". The GPU check itself needs CUDA and NCCL (run by ``gpu_check.py``)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpucheck.inject import Injected, sleep_in_callbacks, sleep_on_side_stream  # noqa: E402
+
+from powersgd_triton import PowerSGDState, _step, batched_powerSGD_hook, ops, powerSGD_hook  # noqa: E402
+from powersgd_triton import benchmarking as B  # noqa: E402
+
+BUCKETS = [[(24, 32), (32,), (8, 4, 3, 3), (8,)], [(40, 30), (30,), (7,)]]  # packed 1-D gradients in both
+STEPS = 4  # 2 uncompressed, 2 compressed
+# a memory reset (the warning that the bucket's parameters changed) would make the compressed steps trivial
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
+
+@pytest.fixture
+def chain_world(monkeypatch):
+    import torch.distributed as dist
+
+    mine = not dist.is_initialized()
+    B.ensure_process_group("gloo")
+    monkeypatch.setattr(_step, "FORCE_CALLBACK_CHAIN", True)
+    yield
+    if mine and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run(hook, events=None, inject=None, seed=0):
+    state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, backend="torch")
+    params = [[torch.empty(s, device="meta") for s in shapes] for shapes in BUCKETS]  # the same model every step
+    outs, counts = [], Injected()
+    for step in range(STEPS):
+        for index, shapes in enumerate(BUCKETS):
+            g = torch.Generator().manual_seed(seed + 101 * step + index)
+            data = torch.randn(sum(torch.Size(s).numel() for s in shapes), generator=g)
+            bucket = B.FakeGradBucket(data, shapes, index=index, num_buckets=len(BUCKETS), parameters=params[index])
+            if inject is None:
+                outs.append(hook(state, bucket).wait().clone())
+            else:
+                with sleep_in_callbacks(inject, counts):
+                    outs.append(hook(state, bucket).wait().clone())
+    return outs, counts
+
+
+@pytest.mark.parametrize("hook", [powerSGD_hook, batched_powerSGD_hook], ids=["powerSGD", "batched"])
+def test_every_then_callback_sleeps_first(hook, chain_world, monkeypatch):
+    """Each callback of the chain sleeps before its body: the bucket's last step (``ops.average``, in the final
+    callback) comes right after a sleep, every time; at least one delayed callback per bucket and step; the outputs
+    are bitwise those without injection (the double does not sleep: the numbers cannot change)."""
+    seed = int(torch.randint(0, 2**20, (1,)))
+    want, _ = _run(hook, seed=seed)
+    events = []
+    original = ops.average
+
+    def average(*args, **kwargs):
+        events.append("average")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "average", average)
+    got, counts = _run(hook, inject=lambda: events.append("sleep"), seed=seed)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert counts.callbacks == events.count("sleep") >= STEPS * len(BUCKETS)
+    averages = [i for i, e in enumerate(events) if e == "average"]
+    assert averages and all(i > 0 and events[i - 1] == "sleep" for i in averages), events
+
+
+def test_futures_keep_their_interface(chain_world):
+    """The proxies answer ``wait``/``value``/``done``/``then`` as the futures they wrap."""
+    import torch.distributed as dist
+
+    with sleep_in_callbacks(lambda: None) as counts:
+        x = torch.ones(3)
+        fut = dist.all_reduce(x, async_op=True).get_future()
+        doubled = fut.then(lambda f: f.value()[0] * 2)
+        assert torch.equal(doubled.wait(), torch.full((3,), 2.0)) and doubled.done()
+        assert torch.equal(fut.value()[0], x)
+        assert dist.all_reduce(torch.ones(1)) is None  # synchronous: nothing to wrap
+    assert counts.callbacks == 1
+
+
+def test_side_stream_orthogonalizations_sleep_first(chain_world, monkeypatch):
+    """Every ``ops.orthogonalize`` call made while ``on_side()`` holds sleeps right before it; with the default
+    predicate on CPU (no side streams) none does."""
+    events = []
+    original = ops.orthogonalize
+
+    def orthogonalize(*args, **kwargs):
+        events.append("orthogonalize")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "orthogonalize", orthogonalize)
+    with sleep_on_side_stream(lambda: events.append("sleep"), on_side=lambda: True) as counts:
+        _run(powerSGD_hook)
+    calls = [i for i, e in enumerate(events) if e == "orthogonalize"]
+    assert calls and counts.side == len(calls) == events.count("sleep")
+    assert all(events[i - 1] == "sleep" for i in calls)
+    assert ops.orthogonalize is orthogonalize  # restored
+    events.clear()
+    with sleep_on_side_stream(lambda: events.append("sleep")) as counts:
+        _run(powerSGD_hook)
+    assert counts.side == 0 and "sleep" not in events and "orthogonalize" in events
