@@ -137,7 +137,8 @@ class _Step:
                     self.ops.unpack_uncompressed(self.packed, layout, self.buffer, backend=self.backend)
             return self.buffer
         # Q /= world, uncompressed /= world and unpacked, step flags: one launch
-        flags = self.ops.average(mem.q_work, layout, "q", self.buffer, self.packed, self.world_size, backend=self.backend)
+        flags = self.ops.average(mem.q_work, layout, "q", self.buffer, self.packed, self.world_size,
+                                 backend=self.backend)
         keep_memory = mem.error is not None or state.warm_start
         next_q = _step.next_q_target(state, mem, self.eps)
         done = self.ops.reconstruct(
