@@ -22,6 +22,7 @@ attributes.
 """
 
 import logging
+import operator
 import warnings
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -57,7 +58,7 @@ def _segments(buffer: torch.Tensor, params, gradients) -> Optional[Dict[int, Tup
 def _same_params(a, b) -> bool:
     if a is None or b is None:
         return a is None and b is None
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return len(a) == len(b) and all(map(operator.is_, a, b))  # C-level: no Python call per parameter
 
 
 def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) -> BucketMemory:
@@ -88,7 +89,7 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
                 ok = layout.batched and layout.signature == ("batched", buffer.numel(), buffer.dtype, rank)
             else:
                 key = (buffer.data_ptr(), buffer.numel(), buffer.dtype, rank, state.min_compression_rate,
-                       tuple(p.shape for p in params) if params is not None else None)
+                       tuple([p.shape for p in params]) if params is not None else None)
                 ok = params is not None and mem.verified == key
                 if not ok:
                     gradients = bucket.gradients()

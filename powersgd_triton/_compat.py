@@ -15,6 +15,7 @@ internals), not run by the suite here.
 | ``triton.backends.compiler.GPUTarget(backend, arch, warp_size)`` | triton 3.0 | :func:`gpu_target` |
 | smallest inner dimension ``K`` of ``tl.dot`` on NVIDIA (float64: 16 in triton 3.6, 4 in 3.9) | triton 3.7-3.9 | :func:`dot_min_k` (the orthogonalization kernel's float64 products broadcast below it) |
 | ``FSDPModule.set_all_reduce_hook`` (FSDP2 over the replicate group of HSDP) | torch 2.7 | :func:`fsdp_all_reduce_hook_missing` |
+| ``JITFunction.run``'s last call, ``kernel.run(grid, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)`` (the launch of a compiled kernel, bypassing the binding) | read in triton 3.6.0 and 3.9.0 (``runtime/jit.py``): the same call | :class:`DirectLaunch` (other versions: the JIT call) |
 """
 
 import inspect
@@ -129,3 +130,169 @@ def dot_min_k(bits: int) -> int:
         return int(min_dot_size(gpu_target(90))(operand, operand)[2])
     except Exception:  # noqa: BLE001 - any other layout of the backend: the conservative bound
         return 16
+
+
+# Triton versions whose JITFunction.run ends in the call DirectLaunch makes (runtime/jit.py read for each: 3.6.0 and
+# 3.9.0 both call kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
+# launch_metadata, launch_enter_hook, launch_exit_hook, *bound_args.values()), launch_metadata None without hooks).
+DIRECT_LAUNCH_TRITON = ((3, 6), (3, 9))
+_direct_state = {}
+
+
+def _direct_launch_supported() -> bool:
+    """Whether :class:`DirectLaunch` may call compiled kernels itself here: a triton of
+    :data:`DIRECT_LAUNCH_TRITON` whose launch hooks are hook chains (decided once per process, when
+    ``JITFunction.run`` is Triton's own: not while a launch counter or a profiler has replaced it)."""
+    ok = _direct_state.get("ok")
+    if ok is None:
+        try:
+            from triton import knobs
+            from triton.runtime.jit import JITFunction
+
+            run = JITFunction.run
+            if getattr(run, "__qualname__", "") != "JITFunction.run":
+                return False  # replaced for now: ask again later
+            v = triton_version()
+            hooks = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+            ok = v is not None and v[:2] in DIRECT_LAUNCH_TRITON and all(hasattr(h, "calls") for h in hooks)
+            if ok:
+                _direct_state.update(run=run, cls=JITFunction, hooks=hooks)
+        except Exception:  # noqa: BLE001 - another layout of triton: the JIT call
+            ok = False
+        _direct_state["ok"] = ok
+    return ok
+
+
+# Tests set this to False to launch every kernel through JITFunction.run (the JIT path DirectLaunch replaces).
+DIRECT_LAUNCH = True
+
+
+def _c_launch_v39(launcher, g, stream, function, packed, args):
+    """triton 3.9's ``CudaLauncher.__call__`` without scratch memory, launch hooks or GSan: its C ``launch`` with
+    the arguments it passes (``backends/nvidia/driver.py``)."""
+    launcher.launch(g[0], g[1], g[2], stream, function, launcher.launch_cooperative_grid, launcher.launch_pdl, packed,
+                    None, None, None, None, None, launcher.arg_annotations, launcher.kernel_signature, args)
+
+
+def _c_launch_v36(launcher, g, stream, function, packed, args):
+    """triton 3.6's ``CudaLauncher.__call__`` without scratch memory or launch hooks: its C ``launch`` with the
+    arguments it passes (``backends/nvidia/driver.py``: the launch metadata and hooks lead the kernel's arguments)."""
+    launcher.launch(g[0], g[1], g[2], stream, function, launcher.launch_cooperative_grid, launcher.launch_pdl, None,
+                    None, packed, None, None, None, *args)
+
+
+# The C entry of the NVIDIA launcher, per Triton version whose CudaLauncher.__call__ was read (3.6.0, 3.9.0).
+_C_LAUNCH = {(3, 6): _c_launch_v36, (3, 9): _c_launch_v39}
+
+
+def _c_launch(launcher):
+    """The C-entry launch of ``launcher`` (the compiled kernel's ``run``) when it is this Triton's own NVIDIA
+    ``CudaLauncher`` (or a subclass keeping its ``__call__``) with no scratch memory and no GSan: then its
+    ``__call__`` only forwards to ``launcher.launch``; else None (``kernel.run`` is called)."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+    except Exception:  # noqa: BLE001 - no NVIDIA backend
+        return None
+    fn = _C_LAUNCH.get((triton_version() or ())[:2])
+    if (fn is None or not isinstance(launcher, CudaLauncher) or type(launcher).__call__ is not CudaLauncher.__call__
+            or getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)
+            or getattr(launcher, "gsan_enabled", False) or not hasattr(launcher, "launch")):
+        return None
+    return fn
+
+
+class DirectLaunch:
+    """One kernel launch of a ``@triton.jit`` function with a fixed grid and fixed keyword arguments (constexprs and
+    launch options), called with the positional (runtime) arguments: ``launch(*args)``.
+
+    The first call, and any call where the direct path does not apply, is the JIT call ``fn[grid](*args,
+    **kwargs)`` (binding, cache key, compile on a miss). It keeps the compiled kernel it returns and the
+    specialization-relevant facts of ``args`` (per tensor: its dtype and ``data_ptr() % 16 == 0``; every other
+    argument's value, compared by ``==``, None by identity). A later call with the same facts calls the compiled
+    kernel itself, as ``JITFunction.run`` ends (triton 3.6 and 3.9, :data:`DIRECT_LAUNCH_TRITON`):
+    ``kernel.run(grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)`` on
+    the current stream of the device the kernel was launched on first, the constexprs in parameter order; where
+    that launcher is Triton's NVIDIA ``CudaLauncher`` with no scratch memory, the C ``launch`` it forwards to,
+    with the arguments its ``__call__`` passes (:data:`_C_LAUNCH`, per version). It falls back to the JIT call
+    (which sees everything as usual) when: Triton is another version, ``fn`` is not a ``JITFunction`` (the
+    interpreter), ``JITFunction.run`` has been replaced (a launch counter, a profiler), a launch enter/exit hook
+    is set (``triton.knobs.runtime``), :data:`DIRECT_LAUNCH` is False, or the facts changed. Not checked on the
+    direct path: Triton's "used global values have not changed" test (our kernels' globals are constants).
+    Raises whatever the JIT call raises (a missing argument, a compile error).
+    """
+
+    __slots__ = ("fn", "grid", "kwargs", "tail", "kernel", "facts", "stream", "device", "g", "run", "c_launch")
+
+    def __init__(self, fn, grid, kwargs: dict):
+        self.fn, self.grid, self.kwargs = fn, tuple(grid), dict(kwargs)
+        self.g = (self.grid + (1, 1))[:3]
+        self.kernel = None
+        self.facts = None
+        self.tail = None
+        self.c_launch = None
+
+    @staticmethod
+    def _facts(args) -> tuple:
+        out = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                out.append((a.dtype, a.data_ptr() % 16 == 0))
+            else:
+                out.append(a)
+        return tuple(out)
+
+    def __call__(self, *args) -> None:
+        kernel = self.kernel
+        if kernel is not None and DIRECT_LAUNCH:
+            facts = self.facts
+            i = 0
+            for a in args:  # the specialization facts, inline (no Python call per argument)
+                f = facts[i]
+                if type(f) is tuple:  # a tensor: (dtype, 16-byte aligned)
+                    if (not isinstance(a, torch.Tensor) or a.dtype is not f[0]
+                            or (a.data_ptr() % 16 == 0) is not f[1]):
+                        break
+                elif a is not f and (type(a) is not type(f) or a != f):
+                    break
+                i += 1
+            else:
+                run = _direct_state
+                enter, exit_ = run["hooks"]
+                if run["cls"].run is run["run"] and not enter.calls and not exit_.calls:
+                    g = self.g
+                    if self.c_launch is not None:
+                        self.c_launch(self.run, g, self.stream(self.device), kernel.function, kernel.packed_metadata,
+                                      args + self.tail)
+                    else:
+                        self.run(g[0], g[1], g[2], self.stream(self.device), kernel.function,
+                                 kernel.packed_metadata, None, None, None, *args, *self.tail)
+                    return
+        self._jit(args)
+
+    def _jit(self, args) -> None:
+        kernel = self.fn[self.grid](*args, **self.kwargs)
+        if not DIRECT_LAUNCH or not _direct_launch_supported() or type(self.fn) is not _direct_state.get("cls"):
+            return
+        if hasattr(kernel, "result"):  # an async compile's future (triton 3.6 / 3.9)
+            kernel = kernel.result()
+        if kernel is None or not hasattr(kernel, "packed_metadata"):
+            return
+        from triton.runtime import driver
+
+        params = list(self.fn.signature.parameters.values())
+        tail = []
+        for p in params[len(args):]:  # the bound values after the positional ones, in parameter order
+            if p.name in self.kwargs:
+                tail.append(self.kwargs[p.name])
+            elif p.default is not inspect.Parameter.empty:
+                tail.append(p.default)
+            else:  # pragma: no cover - the JIT call above raised already
+                return
+        active = driver.active
+        self.device = active.get_current_device()
+        self.stream = active.get_current_stream
+        self.tail = tuple(tail)
+        self.facts = self._facts(args)
+        self.run = kernel.run  # the launcher (CompiledKernel.run is a property: made once, then kept)
+        self.c_launch = _c_launch(self.run)
+        self.kernel = kernel

@@ -8,6 +8,7 @@ calls, through :func:`powersgd_triton._step.warm_up`) and :func:`refuse_second_m
 (:func:`powersgd_triton._buckets.name_params`).
 """
 
+import itertools
 import weakref
 from typing import Optional, Tuple
 
@@ -20,7 +21,7 @@ def bucket_params(bucket) -> Optional[Tuple[torch.Tensor, ...]]:
         params = tuple(bucket.parameters())
     except Exception:  # noqa: BLE001 - duck-typed buckets
         return None
-    if not params or not all(isinstance(p, torch.nn.Parameter) for p in params):
+    if not params or not all(map(isinstance, params, itertools.repeat(torch.nn.Parameter))):
         return None
     return params
 

@@ -41,7 +41,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from . import ops
+from . import _hook_ops
 from ._backend import device_backend
 from ._buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401 - the hooks' entry points
 from ._memory import BucketMemory, allocate_alternating, draw_q, drop_next_q, p_work  # noqa: F401 - the hooks' entry points
@@ -140,16 +140,17 @@ def orthogonalize_next_q(mem: BucketMemory, epsilon: float, done: bool = False) 
     if not ORTHOGONALIZE_AHEAD or mem.layout.num_matrices == 0:
         return
     drop_next_q(mem)
-    config = mem.config("orthogonalize")
+    config = mem.configs.get("orthogonalize")
     stream = None if done else _side_stream(mem.q.device)
     event = None
+    steps = _hook_ops.for_memory(mem)  # ops, or its Triton launchers unchecked (the state's own tensors)
     if stream is None:
         if not done:
-            ops.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work, backend=mem.backend, config=config)
+            steps.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work, backend=mem.backend, config=config)
     else:
         stream.wait_stream(torch.cuda.current_stream(mem.q.device))
         with torch.cuda.stream(stream):
-            ops.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work, backend=mem.backend, config=config)
+            steps.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work, backend=mem.backend, config=config)
         # the caching allocator must not hand these out to another stream while the side stream uses them: Q, its
         # output, and what the Triton launcher keeps per layout (task tables, Gram workspace), all allocated on
         # other streams and freed without waiting for this one when the memory is dropped (rebuild, load)
@@ -175,7 +176,7 @@ def take_next_q(mem: BucketMemory, epsilon: float) -> bool:
     if ahead is None:
         return False
     mem.q_next = None
-    return ahead.wait() and ahead.matches(mem, epsilon, mem.config("orthogonalize"))
+    return ahead.wait() and ahead.matches(mem, epsilon, mem.configs.get("orthogonalize"))
 
 
 def keep_for_current_stream(*tensors: Optional[torch.Tensor]) -> None:

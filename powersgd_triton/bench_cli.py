@@ -27,7 +27,8 @@ def add_parser(subparsers):
                     help=RANK_HELP + "; a comma list (default 4)")
     p.add_argument("--dtypes", default="fp32", type=comma_list(DTYPE_NAMES, "dtype"), metavar="DTYPE,...",
                    help="comma list of fp32,bf16,fp16 (default fp32)")
-    p.add_argument("--rounds", type=positive(int), default=5, help="timed rounds per hook (default 5)")
+    p.add_argument("--rounds", type=positive(int), default=None,
+                   help="timed rounds per hook (default 5; 40 with --host-overhead)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help="our backend: auto, triton or torch (default auto)")
@@ -39,6 +40,10 @@ def add_parser(subparsers):
     p.add_argument("--model-only", action="store_true",
                    help="no timing: print the performance model's prediction (powersgd_triton.perfmodel) for "
                         "--models/--matrix-approximation-ranks/--dtypes on --gpu, from the kernels compiled for it (no GPU needed)")
+    p.add_argument("--host-overhead", action="store_true",
+                   help="no GPU: time the host side of a compressed bucket step, ours (Triton launch path, the C "
+                        "launch and the collectives stubbed) against PyTorch's hook, with Python calls per bucket "
+                        "step (powersgd_triton.benchmarking.host)")
     p.add_argument("--gpu", default="h200", help="GPU spec of --model-only: h100 or h200 (default h200)")
     p.add_argument("--history", default=None, metavar="PATH",
                    help="append the rows to this benchmark history (JSON lines keyed by git commit and device; "
@@ -89,6 +94,12 @@ def run(args) -> int:
         if args.gpu not in perfmodel.GPUS:
             return _usage(f"--gpu must be one of {sorted(perfmodel.GPUS)}, got {args.gpu!r}")
         return perfmodel.run(argparse_namespace(models=models, ranks=ranks, dtypes=dtypes, gpu=args.gpu))
+    if getattr(args, "host_overhead", False):
+        from .benchmarking import host
+
+        return host.run(models, ranks, dtypes, rounds=args.rounds or 40, shrink=args.shrink, history=args.history,
+                        record=not args.no_history)
+    args.rounds = args.rounds or 5
     if args.device == "cuda" and not torch.cuda.is_available():
         return _usage("--device cuda: no CUDA device here")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)

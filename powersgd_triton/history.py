@@ -31,9 +31,11 @@ DEFAULT_PATH = os.path.join("bench", "history.jsonl")
 KEY_FIELDS = ("model", "matrix_approximation_rank", "dtype", "impl", "ops_backend", "shrink", "kernel", "bucket",
               "variant", "layout")
 METRICS = ("median_ms", "p20_ms", "p80_ms", "aten_compute", "triton_launches", "allreduce_calls", "allreduce_bytes",
-           "held_bytes", "peak_extra_bytes", "gb_s", "kernels_per_step")
+           "held_bytes", "peak_extra_bytes", "gb_s", "kernels_per_step",
+           "host_us", "python_calls", "launch_call_us", "collective_call_us")  # the last four: bench --host-overhead
 LOWER_IS_BETTER = {"median_ms", "p20_ms", "p80_ms", "aten_compute", "triton_launches", "allreduce_calls",
-                   "allreduce_bytes", "held_bytes", "peak_extra_bytes", "kernels_per_step"}
+                   "allreduce_bytes", "held_bytes", "peak_extra_bytes", "kernels_per_step",
+                   "host_us", "python_calls", "launch_call_us", "collective_call_us"}
 
 
 class HistoryError(ValueError):

@@ -40,7 +40,7 @@ No ``from __future__ import annotations`` here: DDP checks the hooks' annotation
 import torch
 import torch.distributed as dist
 
-from . import _step, ops, verify
+from . import _hook_ops, _step, verify
 from ._memory import BucketMemory
 from .state import PowerSGDState
 
@@ -65,8 +65,6 @@ class _Step:
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int,
                  check=None):
-        # the numeric steps: powersgd_triton.ops, or the first-use check's (powersgd_triton.verify)
-        self.ops = ops if check is None else check.ops
         self.state = state
         self.mem = mem
         self.layout = mem.layout
@@ -74,6 +72,9 @@ class _Step:
         self.group = group
         self.world_size = world_size
         self.backend = mem.backend
+        # the numeric steps: powersgd_triton.ops, or on the Triton backend its launchers unchecked (the state's own
+        # tensors), or the first-use check's (powersgd_triton.verify)
+        self.ops = _hook_ops.for_memory(mem) if check is None else check.ops
         self.eps = float(state.orthogonalization_epsilon)
         # error memory in unscaled units (state.grad_scaler): the scale of this step's gradients, a device tensor
         self.loss_scale = _step.loss_scale(state, buffer) if mem.error is not None else None
@@ -109,19 +110,20 @@ class _Step:
             return
         if not ahead:
             self.ops.orthogonalize(
-                mem.q, layout, "q", self.eps, out=mem.q_work, backend=self.backend, config=mem.config("orthogonalize")
+                mem.q, layout, "q", self.eps, out=mem.q_work, backend=self.backend,
+                config=mem.configs.get("orthogonalize")
             )
         self.ops.project(self.buffer, layout, mem.q_work, self.p_raw, mem.error, loss_scale=self.loss_scale,
-                    backend=self.backend, config=mem.config("project"))
+                    backend=self.backend, config=mem.configs.get("project"))
 
     def compute_q(self) -> None:
         """Orthogonalize the all-reduced P (``p_raw``) into ``mem.p``; ``Q = (M + E)ᵀ·P`` into ``q_work``."""
         mem, layout = self.mem, self.layout
         self.ops.orthogonalize(self.p_raw, layout, "p", self.eps, out=mem.p, backend=self.backend,
-                          config=mem.config("orthogonalize"))
+                          config=mem.configs.get("orthogonalize"))
         self.ops.project_t(self.buffer, layout, mem.p, mem.q_work, error=mem.error if layout.batched else None,
                       loss_scale=self.loss_scale if layout.batched else None, backend=self.backend,
-                      config=mem.config("project_t"))
+                      config=mem.configs.get("project_t"))
 
     def finish(self) -> torch.Tensor:
         """Average, reconstruct, update the memory where the step is finite; the bucket buffer is the output."""
@@ -153,7 +155,7 @@ class _Step:
             orthogonalize_kept=next_q,
             loss_scale=self.loss_scale,
             backend=self.backend,
-            config=mem.config("reconstruct"),
+            config=mem.configs.get("reconstruct"),
         )
         if state.warm_start:  # the next step's first computation, off its critical path
             _step.orthogonalize_next_q(mem, self.eps, done=done)
@@ -195,17 +197,15 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
         return buffer
 
     def finish_chained(fut) -> torch.Tensor:
-        keep_for_callback()
+        _step.keep_for_current_stream(*kept)
         return finish()
-
-    def keep_for_callback() -> None:
-        # Inside a then() callback (its own pool stream on NCCL): what the hook body allocated and the callback reads
-        # is recorded on the callback's stream (see the stream rule in powersgd_triton._step).
-        _step.keep_for_current_stream(step.packed, step.loss_scale, None if order is None else work)
 
     compressed = layout.num_matrices > 0
     step.start_uncompressed()
     step.compute_p()
+    # Inside a then() callback (its own pool stream on NCCL): what the hook body allocated and the callback reads
+    # is recorded on the callback's stream (see the stream rule in powersgd_triton._step); called inline there
+    kept = (step.packed, step.loss_scale, None if order is None else work)
     # Counted here, not in a callback: `iter` is exact whatever the backend and bucket count.
     state.maybe_increase_iter(bucket)
 
@@ -217,7 +217,7 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
     if _step.use_callback_chain(group, buffer):
 
         def after_p(fut):
-            keep_for_callback()
+            _step.keep_for_current_stream(*kept)
             step.compute_q()
             return _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
 

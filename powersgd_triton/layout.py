@@ -200,6 +200,7 @@ class BucketLayout:
         self.numel = numel
         self.device = torch.device(device)
         self.matrices = matrices
+        self.num_matrices = len(matrices)  # an attribute, not a property: read several times per hook step
         self.uncompressed = _merge_segments(uncompressed)
         self.signature = signature
         self.numel_before_compression = numel_before
@@ -343,10 +344,6 @@ class BucketLayout:
             sig.append((gi, off, tuple(g.shape)))
         expected = ("layerwise", buffer.numel(), buffer.dtype, rank, min_rate, tuple(sig))
         return expected == self.signature
-
-    @property
-    def num_matrices(self) -> int:
-        return len(self.matrices)
 
     def memo(self, key: tuple, build: Callable[[], object]) -> object:
         """``build()``'s result, computed once per ``key`` and kept with the layout's tile tables (plans and tables

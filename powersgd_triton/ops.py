@@ -74,10 +74,16 @@ def _check_buffer(buffer: torch.Tensor, layout: BucketLayout) -> None:
     _check("buffer", buffer, layout.numel, buffer.device)
 
 
-def _kernels():
-    from .kernels import triton_ops  # imported lazily: triton is optional on CPU
+_KERNELS = []
 
-    return triton_ops
+
+def _kernels():
+    """:mod:`powersgd_triton.kernels.triton_ops`, imported on first use (triton is optional on CPU)."""
+    if not _KERNELS:
+        from .kernels import triton_ops
+
+        _KERNELS.append(triton_ops)
+    return _KERNELS[0]
 
 
 def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_scale=None, backend: str = "auto",

@@ -49,9 +49,18 @@ The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_chec
    program holds ``1 / blocks_per_sm`` of an SM for its duration) over all SMs, or their bytes at copy bandwidth
    if that is longer, and no launch overhead.
 
+7. Orthogonalize's serial r x r Gram-Schmidt (the plan's ``rank_steps``, R per program of the finishing launch)
+   adds one block-wide reduction per column (``block_reduction_s``) to each of its programs (1 block per SM).
+8. The host (:class:`HostSpec`, measured by ``powersgd-triton bench --host-overhead`` on a CPU, recorded with the
+   Triton version): the step is three segments between its collectives (pack, project | all-reduce P |
+   orthogonalize P, project_t | all-reduce Q | average, reconstruct, the next Q's orthogonalization). A segment's
+   host time is its share of the hook's own Python (``step_s / 3``), ``launch_s`` per launch (and per torch op:
+   the wire-dtype casts of P and Q) and ``collective_s`` per all-reduce call; its device time the sum of its
+   launches; it takes the slower of the two (:func:`predict_host`). A bucket is host-bound when its host time is
+   the larger in total.
+
 Not modelled: DRAM page and channel effects, L2 hits of the bucket itself, the cost of warp shuffles and of the
-reductions after the loops, orthogonalize's serial r x r Gram-Schmidt (the plan's ``rank_steps``: float64 register
-work between its two passes), the all-reduces.
+reductions after the loops, the all-reduces' transfer time.
 
 The percentages are "bytes moved / predicted time" over copy bandwidth. Nothing here is measured; bench/RESULTS.md
 says which figures a GPU run replaced.
@@ -93,6 +102,9 @@ class GPUSpec:
     l2_latency_s: float = 300e-9
     launch_overhead_s: float = 2.0e-6
     fma_efficiency: float = 0.5
+    # one block-wide reduction (warp shuffles, a shared-memory round trip and two barriers, float64) of the serial
+    # Gram-Schmidt loop of orthogonalize, per column: ~600 cycles at ~1.9 GHz (an estimate, not measured)
+    block_reduction_s: float = 0.3e-6
 
     @property
     def copy_bandwidth(self) -> float:
@@ -108,6 +120,37 @@ GPUS: Dict[str, GPUSpec] = {
     "h100": GPUSpec("H100 SXM", 90, 132, 3.35e12, 0.9, 10e12, 67e12, tensor_flops=989e12),
     "h200": GPUSpec("H200 SXM", 90, 132, 4.8e12, 0.9, 10e12, 67e12, tensor_flops=989e12),
 }
+
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """Host costs of a compressed bucket step, in seconds, measured on one machine by ``powersgd-triton bench
+    --host-overhead`` (:mod:`powersgd_triton.benchmarking.host`: the C launch and the collectives stubbed) with one
+    Triton version: ``launch_s`` one kernel launch through its launch plan (our launcher and Triton's
+    ``CompiledKernel.run``), ``step_s`` the hook's own Python per bucket step besides its launches, ``collective_s``
+    one async all-reduce call and its future (gloo, world size 1: NCCL's call is of the same order)."""
+
+    name: str
+    triton: str
+    launch_s: float
+    step_s: float
+    collective_s: float
+
+
+# Measured on this project's CPU machine by `powersgd-triton bench --host-overhead` (bench/RESULTS.md, "Host
+# overhead", 2026-12-01, after the launch plans): AMD EPYC, 2 cores shared with other jobs, load average ~22 while
+# measured, so every figure is several times what an idle host takes. launch_s: one triton_ops.project through its
+# launch plan (10.0 us); step_s: ResNet-50 r4 fp32's mean host time per bucket step (400 us) less its 7.8 launches;
+# collective_s: a gloo all_reduce call of one element with its future, world size 1 (46 us).
+HOSTS: Dict[str, HostSpec] = {
+    "epyc-2core": HostSpec("AMD EPYC, 2 cores, load ~22", "3.9.0", launch_s=10.0e-6, step_s=322e-6,
+                           collective_s=46e-6),
+}
+
+# The step's segments between its collectives, by step_plan's step names, and the all-reduce calls ending each
+# (the uncompressed gradients' is issued first, in the first segment).
+SEGMENTS = (("pack", "project"), ("orthogonalize P", "project_t"), ("average", "reconstruct", "orthogonalize Q"))
 
 Usage = Callable[[dict, int], dict]
 _USAGE: Dict[tuple, dict] = {}
@@ -235,7 +278,8 @@ def predict(launch: dict, spec: GPUSpec, usage: Optional[dict] = None) -> dict:
     stages = depth(launch, usage)
     latency = spec.l2_latency_s if launch.get("serial") else spec.dram_latency_s
     lookups = int(launch.get("lookups", 2))
-    durations = [lookups * spec.dram_latency_s + max(1, int(it)) * latency / stages for it in per_program]
+    serial = int(launch.get("rank_steps", 0)) * spec.block_reduction_s  # orthogonalize's r x r Gram-Schmidt
+    durations = [lookups * spec.dram_latency_s + serial + max(1, int(it)) * latency / stages for it in per_program]
     parts = {
         "latency": makespan(durations, slots),
         "bandwidth": total / spec.copy_bandwidth,
@@ -270,16 +314,54 @@ def floor_bytes(layout: BucketLayout, dtype: torch.dtype) -> int:
 
 
 def predict_step(layout: BucketLayout, dtype: torch.dtype, spec: GPUSpec, *, usage: Optional[Usage] = None,
-                 **kwargs) -> dict:
-    """Every launch of one compressed step (:func:`step_plan`) predicted; ``step_s`` their sum, ``floor_s`` the
-    7-pass floor at copy bandwidth, ``of_floor`` = floor / step."""
+                 host: Optional[HostSpec] = None, **kwargs) -> dict:
+    """Every launch of one compressed step (:func:`step_plan`) predicted; ``step_s`` their sum (device time),
+    ``floor_s`` the 7-pass floor at copy bandwidth, ``of_floor`` = floor / step; with ``host``, ``host``:
+    :func:`predict_host` (host and device per segment, the slower of the two, the bucket's bound)."""
     rows = []
     for launch in step_plan(layout, dtype, num_sms=spec.sms, **kwargs):
         u = usage(launch, spec.arch) if usage is not None else None
         rows.append(predict(launch, spec, u))
     step_s = sum(r["time_s"] for r in rows)
     floor_s = floor_bytes(layout, dtype) / spec.copy_bandwidth
-    return dict(launches=rows, step_s=step_s, floor_s=floor_s, of_floor=floor_s / step_s)
+    out = dict(launches=rows, step_s=step_s, floor_s=floor_s, of_floor=floor_s / step_s)
+    if host is not None:
+        out["host"] = predict_host(rows, layout, dtype, host)
+    return out
+
+
+def predict_host(launches: Sequence[dict], layout: BucketLayout, dtype: torch.dtype, host: HostSpec,
+                 wire_dtype: Optional[torch.dtype] = None) -> dict:
+    """The step of one bucket as host and device work per segment between collectives (:data:`SEGMENTS`).
+
+    ``launches``: :func:`predict`'s rows of the step (with their ``step`` names); ``wire_dtype``: the dtype P and Q
+    are all-reduced in (default the bucket's: a cast before and a copy after each factor's all-reduce when it is not
+    float32, torch ops charged ``launch_s`` each). Returns ``segments`` (per segment: ``host_s``, ``device_s``,
+    ``time_s`` = the larger, ``bound``), ``host_s``, ``device_s``, ``time_s`` (the sum of the segments' times) and
+    ``bound`` ("host" when the host's total is the larger, else "device")."""
+    wire = dtype if wire_dtype is None else wire_dtype
+    casts = 1 if wire != torch.float32 else 0
+    collectives = [1 + (1 if layout.uncompressed_numel else 0), 1, 0]
+    torch_ops = [casts, 2 * casts, casts]
+    segments = []
+    for names, calls, ops in zip(SEGMENTS, collectives, torch_ops):
+        rows = [r for r in launches if r["step"] in names]
+        host_s = host.step_s / len(SEGMENTS) + (len(rows) + ops) * host.launch_s + calls * host.collective_s
+        device_s = sum(r["time_s"] for r in rows)
+        segments.append(dict(host_s=host_s, device_s=device_s, time_s=max(host_s, device_s),
+                             bound="host" if host_s > device_s else "device"))
+    host_s = sum(g["host_s"] for g in segments)
+    device_s = sum(g["device_s"] for g in segments)
+    return dict(segments=segments, host_s=host_s, device_s=device_s, time_s=sum(g["time_s"] for g in segments),
+                bound="host" if host_s > device_s else "device")
+
+
+def default_host() -> HostSpec:
+    """The :data:`HOSTS` entry measured with the installed Triton's version, else the first."""
+    from ._compat import triton_version
+
+    v = ".".join(map(str, triton_version() or ()))
+    return next((h for h in HOSTS.values() if h.triton == v), next(iter(HOSTS.values())))
 
 
 def spec_for_device(device) -> Optional[GPUSpec]:
@@ -362,24 +444,29 @@ def model_layouts(model: str, rank: int, dtype: torch.dtype, bucket_cap_mb: floa
 
 
 def model_table(models: Sequence[str], ranks: Sequence[int], dtypes: Sequence[str], gpu: str = "h200",
-                usage: Optional[Usage] = None) -> List[dict]:
+                usage: Optional[Usage] = None, host: Optional[HostSpec] = None) -> List[dict]:
     """One row per (model, rank, dtype, bucket, launch) with :func:`predict`'s figures, plus a ``step`` row per
-    bucket (``kernel="step"``: the sum, and ``of_floor``)."""
+    bucket (``kernel="step"``: the sum, and ``of_floor``; ``host_s``, ``device_s``, ``predicted_s`` and ``bound``
+    from :func:`predict_host` with ``host``, default :func:`default_host`)."""
     spec = GPUS[gpu]
+    host = host or default_host()
     rows = []
     for model in models:
         for dname in dtypes:
             dtype = DTYPES[dname]
             for rank in ranks:
                 for bi, layout in enumerate(model_layouts(model, rank, dtype)):
-                    pred = predict_step(layout, dtype, spec, usage=usage)
+                    pred = predict_step(layout, dtype, spec, usage=usage, host=host)
+                    h = pred["host"]
                     base = dict(model=model, rank=rank, dtype=dname, bucket=bi,
                                 bucket_mb=layout.numel * torch.empty((), dtype=dtype).element_size() / 2**20)
                     for r in pred["launches"]:
                         rows.append(dict(base, **r))
                     rows.append(dict(base, step="step", kernel="step", time_s=pred["step_s"],
                                      floor_s=pred["floor_s"], of_floor=pred["of_floor"],
-                                     bytes=floor_bytes(layout, dtype)))
+                                     bytes=floor_bytes(layout, dtype), host_s=h["host_s"], device_s=h["device_s"],
+                                     predicted_s=h["time_s"], bound=h["bound"],
+                                     host_segments=sum(g["bound"] == "host" for g in h["segments"])))
     return rows
 
 
@@ -395,9 +482,14 @@ def format_table(rows: Sequence[dict]) -> str:
         if step == "step":
             t = sum(r["time_s"] for r in rs)
             f = sum(r["floor_s"] for r in rs)
-            lines.append(f"| {model} | {dname} | {rank} | **whole step** ({len(rs)} buckets) | | | | | | "
+            lines.append(f"| {model} | {dname} | {rank} | **whole step** ({len(rs)} buckets), device | | | | | | "
                          f"{sum(r['bytes'] for r in rs) / 1e6:.1f} (floor) | {t * 1e6:.1f} | "
                          f"floor {f * 1e6:.1f} µs = {100 * f / t:.0f} % | |")
+            for r in rs:
+                if "host_s" in r:
+                    lines.append(f"| {model} | {dname} | {rank} | bucket {r['bucket']}: host {r['host_s'] * 1e6:.1f} "
+                                 f"µs, device {r['device_s'] * 1e6:.1f} µs | | | | | | | {r['predicted_s'] * 1e6:.1f} "
+                                 f"| | **{r['bound']}-bound** ({r['host_segments']}/3 segments host-bound) |")
             continue
         worst = min(rs, key=lambda r: r["copy_fraction"])
         lines.append(
@@ -432,8 +524,12 @@ def run(args) -> int:
         return 2
     spec = GPUS[args.gpu]
     rows = model_table(args.models, args.ranks, args.dtypes, args.gpu, usage=compiled_usage)
+    host = default_host()
     print(f"Performance model, {spec.name} (sm_{spec.arch}, {spec.sms} SMs, copy {spec.copy_bandwidth / 1e12:.2f} TB/s)"
-          f"; worst bucket per launch; not a measurement")
+          f"; worst bucket per launch; not a measurement. Host: {host.name}, triton {host.triton} (measured by "
+          f"bench --host-overhead): {host.launch_s * 1e6:.1f} µs per launch, {host.step_s * 1e6:.1f} µs of hook "
+          f"Python per bucket step, {host.collective_s * 1e6:.1f} µs per all-reduce call; per bucket: the slower of "
+          "host and device per segment between collectives")
     print(format_table(rows))
     return 0
 

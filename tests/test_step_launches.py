@@ -31,7 +31,7 @@ def test_device_ops_per_compressed_step(hook, error_feedback, rng, world1, monke
     monkeypatch.setattr(launch_common, "DEFAULT_NUM_SMS", 132)
     bucket = _bucket(rng)
     state = PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2, backend="triton",
-                          use_error_feedback=error_feedback)
+                          use_error_feedback=error_feedback, verify="off")  # kernels not run: nothing to verify
     fn = HOOKS[hook]
     with B.count_triton_launches(execute=False):
         for _ in range(4):  # 2 plain steps, the first compressed step (draws Q), one more (the other half-step)

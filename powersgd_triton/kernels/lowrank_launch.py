@@ -12,10 +12,11 @@ from typing import List, Optional
 
 import torch
 
+from .._compat import DirectLaunch
 from ..layout import KERNELS, BucketLayout
 from .configs import _resolve, heuristic_config
 from .launch_common import (
-    PROGRAMS_PER_SM, _factor_rank, _flag_bytes, _launch_options, _pow2_split, device_sms, steps_per_trip,
+    PROGRAMS_PER_SM, _factor_rank, _launch_options, _pow2_split, device_sms, steps_per_trip,
 )
 from .lowrank_configs import (
     PROJECT_T_PROGRAMS_PER_SM, REDUCE_MAX_SPLITS, REDUCE_STEP_ELEMENTS, REDUCE_TILE_ELEMENTS, SPLIT_DOTS,
@@ -231,44 +232,66 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
 def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_scale=None,
             config: Optional[dict] = None) -> None:
     """One launch: ``P_i = (M_i [+ s·E_i]) · Q_i`` for all i (see :func:`powersgd_triton.ops.project`); ``p2``: a
-    second copy of P written by the same launch; ``loss_scale``: the one-element float32 ``s`` (else ``s = 1``)."""
-    cfg = _resolve("project", layout, buffer.dtype, config)
+    second copy of P written by the same launch; ``loss_scale``: the one-element float32 ``s`` (else ``s = 1``).
+    The launch plan (config, tiles, grid, constexprs, the compiled kernel:
+    :class:`~powersgd_triton._compat.DirectLaunch`) is built once per layout, config and variant."""
+    key = ("launch:project", buffer.dtype, None if config is None else tuple(config.items()), error is not None,
+           p2 is not None, loss_scale is not None)
+    plan = layout._tiles.get(key)  # the layout's memo (layout.memo), read without a call
+    if plan is None:
+        plan = layout.memo(key, lambda: _project_launch(layout, buffer.dtype, config, *key[3:]))
+    launch, tiles = plan
+    launch(buffer, q, p, p2 if p2 is not None else p, error if error is not None else p, layout.table, tiles,
+           loss_scale if loss_scale is not None else p)
+
+
+def _project_launch(layout, dtype, config, has_error, has_p2, has_ls):
+    cfg = _resolve("project", layout, dtype, config)
     tiles = layout.tiles("rows", cfg["BLOCK_N"])
     R = _factor_rank(layout, cfg)
-    _project_kernel[(tiles.shape[0],)](
-        buffer, q, p, p2 if p2 is not None else p, error if error is not None else p, layout.table, tiles,
-        loss_scale if loss_scale is not None else p,
-        HAS_ERROR=error is not None, PAD_ERROR=layout.batched and error is not None, HAS_P2=p2 is not None,
+    return DirectLaunch(_project_kernel, (tiles.shape[0],), dict(
+        HAS_ERROR=has_error, PAD_ERROR=layout.batched and has_error, HAS_P2=has_p2,
         R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0),
-        LOSS_SCALE=loss_scale is not None and error is not None, CARRY=bool(cfg.get("CARRY", False)),
-        **_launch_options(cfg),
-    )
+        LOSS_SCALE=has_ls and has_error, CARRY=bool(cfg.get("CARRY", False)), **_launch_options(cfg))), tiles
 
 
 def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_scale=None,
               config: Optional[dict] = None) -> None:
     """``Q_i = M_iᵀ · P_i`` for all i (see :func:`powersgd_triton.ops.project_t`): one launch, plus one for the
     fixed-order reduction when the plan splits a matrix over rows. ``error``: the batched view's error memory (its
-    padding's part is the padding's M + E); ``q2``: a second copy of Q."""
+    padding's part is the padding's M + E); ``q2``: a second copy of Q. Launch plans as :func:`project`'s (the row
+    splits planned once, from the device's SM count)."""
     pad = layout.batched and error is not None
-    cfg = padding_error_config(_resolve("project_t", layout, buffer.dtype, config), pad)
+    key = ("launch:project_t", buffer.dtype, None if config is None else tuple(config.items()), pad, q2 is not None,
+           loss_scale is not None)
+    plan = layout._tiles.get(key)  # the layout's memo (layout.memo), read without a call
+    if plan is None:
+        plan = layout.memo(key, lambda: _project_t_launch(layout, buffer.dtype, config, *key[3:]))
+    main, tiles, reduce, reduce_tiles, ws = plan
+    q2 = q2 if q2 is not None else q
+    main(buffer, p, q, q2, error if pad else p, ws if ws is not None else p, layout.table, tiles,
+         loss_scale if loss_scale is not None else p)
+    if reduce is not None:
+        reduce(ws, q, q2, layout.table, reduce_tiles)
+
+
+def _project_t_launch(layout, dtype, config, pad, has_q2, has_ls):
+    cfg = padding_error_config(_resolve("project_t", layout, dtype, config), pad)
     split = split_rows(layout, cfg, device_sms(layout.device))
     R = _factor_rank(layout, cfg)
     reduce_bm = reduce_block_m(cfg, R)
     tiles, reduce_tiles, ws_numel = layout.project_t_tiles(cfg["BLOCK_M"], split, reduce_bm)
-    ws = layout.workspace(ws_numel) if reduce_tiles is not None else p
-    _project_t_kernel[(tiles.shape[0],)](
-        buffer, p, q, q2 if q2 is not None else q, error if pad else p, ws, layout.table, tiles,
-        loss_scale if loss_scale is not None else p,
-        PAD_ERROR=pad, HAS_Q2=q2 is not None, R=R, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
-        USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0), LOSS_SCALE=pad and loss_scale is not None,
-        PADDED=layout.batched, SPLIT_BF16=bool(cfg.get("SPLIT_BF16", False)), **_launch_options(cfg),
-    )
+    ws = layout.workspace(ws_numel) if reduce_tiles is not None else None
+    main = DirectLaunch(_project_t_kernel, (tiles.shape[0],), dict(
+        PAD_ERROR=pad, HAS_Q2=has_q2, R=R, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
+        USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0), LOSS_SCALE=pad and has_ls,
+        PADDED=layout.batched, SPLIT_BF16=bool(cfg.get("SPLIT_BF16", False)), **_launch_options(cfg)))
+    reduce = None
     if reduce_tiles is not None:
-        _reduce_splits_kernel[(reduce_tiles.shape[0],)](
-            ws, q, q2 if q2 is not None else q, layout.table, reduce_tiles, HAS_Q2=q2 is not None, R=R,
-            BLOCK_M=reduce_bm, SPLIT_BLOCK=reduce_split_block(reduce_bm, R), num_warps=4, num_stages=1,
-        )
+        reduce = DirectLaunch(_reduce_splits_kernel, (reduce_tiles.shape[0],), dict(
+            HAS_Q2=has_q2, R=R, BLOCK_M=reduce_bm, SPLIT_BLOCK=reduce_split_block(reduce_bm, R), num_warps=4,
+            num_stages=1))
+    return main, tiles, reduce, reduce_tiles, ws
 
 
 def reconstruct(
@@ -293,26 +316,39 @@ def reconstruct(
     ``update_error``: uint8/bool device flags (all must have bit 0 set for the error update). ``commit``:
     ``(which, kept)``: also ``kept_i <- p_i`` (``"p"``) or ``q_i`` (``"q"``) where the step is finite and the
     matrix's flags (``first``, from :meth:`~powersgd_triton.layout.BucketLayout.average_tiles`) say non-zero.
-    ``loss_scale``: one-element float32 ``s``; the error is stored divided by it (unscaled units).
+    ``loss_scale``: one-element float32 ``s``; the error is stored divided by it (unscaled units). Launch plans as
+    :func:`project`'s (the column splits planned once, from the device's SM count).
     """
-    cfg = _resolve("reconstruct", layout, buffer.dtype, config)
-    split = split_cols(layout, cfg, device_sms(layout.device))
-    tiles = layout.reconstruct_tiles(cfg["BLOCK_N"], split)
-    R = _factor_rank(layout, cfg)
-    flags = _flag_bytes(update_error.reshape(-1)) if update_error is not None else p
-    n_flags = update_error.numel() if update_error is not None else 0
     local_err = 1 if local_p is not None else 2 if local_q is not None else 0
     local = local_p if local_p is not None else local_q if local_q is not None else p
     commit_mode, kept = 0, p
     if commit is not None:
         which, kept = commit
         commit_mode = 1 if which == "p" else 2
-    _reconstruct_kernel[(tiles.shape[0],)](
-        buffer, p, q, local, error if error is not None else p, kept, flags, first if first is not None else tiles,
-        layout.table, tiles, loss_scale if loss_scale is not None else p, n_flags, float(scale),
-        HAS_ERROR=error is not None, HAS_FLAG=update_error is not None, LOCAL_ERR=local_err,
-        PAD_ERROR=layout.batched and error is not None, COMMIT=commit_mode,
-        R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0),
-        LOSS_SCALE=loss_scale is not None and error is not None, CARRY=bool(cfg.get("CARRY", False)),
-        **_launch_options(cfg),
-    )
+    key = ("launch:reconstruct", buffer.dtype, None if config is None else tuple(config.items()), error is not None,
+           update_error is not None, local_err, commit_mode, loss_scale is not None)
+    plan = layout._tiles.get(key)  # the layout's memo (layout.memo), read without a call
+    if plan is None:
+        plan = layout.memo(key, lambda: _reconstruct_launch(layout, buffer.dtype, config, *key[3:]))
+    launch, tiles = plan
+    if update_error is not None:
+        flags = update_error.reshape(-1)
+        if flags.dtype == torch.bool:
+            flags = flags.view(torch.uint8)
+        n_flags = update_error.numel()
+    else:
+        flags, n_flags = p, 0
+    launch(buffer, p, q, local, error if error is not None else p, kept, flags, first if first is not None else tiles,
+           layout.table, tiles, loss_scale if loss_scale is not None else p, n_flags, float(scale))
+
+
+def _reconstruct_launch(layout, dtype, config, has_error, has_flag, local_err, commit_mode, has_ls):
+    cfg = _resolve("reconstruct", layout, dtype, config)
+    split = split_cols(layout, cfg, device_sms(layout.device))
+    tiles = layout.reconstruct_tiles(cfg["BLOCK_N"], split)
+    R = _factor_rank(layout, cfg)
+    return DirectLaunch(_reconstruct_kernel, (tiles.shape[0],), dict(
+        HAS_ERROR=has_error, HAS_FLAG=has_flag, LOCAL_ERR=local_err, PAD_ERROR=layout.batched and has_error,
+        COMMIT=commit_mode, R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"],
+        PREFETCH=cfg.get("PREFETCH", 0), LOSS_SCALE=has_ls and has_error, CARRY=bool(cfg.get("CARRY", False)),
+        **_launch_options(cfg))), tiles

@@ -11,6 +11,7 @@ from typing import List, Optional
 
 import torch
 
+from .._compat import DirectLaunch
 from ..layout import BucketLayout, padded_rank, table_row
 from ..layout import GRAM_HEAD, GRAM_MAT, GRAM_N, GRAM_OFF, GRAM_R, GRAM_RM, GRAM_ROW0, GRAM_SLOT, ORTHO_GRAM_TASK_WIDTH
 from ..layout import ORTHO_HEAD, ORTHO_MAT, ORTHO_N, ORTHO_OFF, ORTHO_R, ORTHO_RM, ORTHO_ROW0, ORTHO_ROW_END
@@ -127,34 +128,50 @@ def _in_place_config(cfg: dict, in_place: bool) -> dict:
     return cfg
 
 
-def _ortho_inputs(x, layout: BucketLayout, which: str, out, config: Optional[dict]):
+def _ortho_inputs(x, layout: BucketLayout, which: str, out, config: Optional[dict], both: bool = False):
     """``(cfg, plan, gram_tasks, tasks, workspace)`` of an :func:`orthogonalize` call: the resolved config (without
     ``APPLY_ROWS`` in place), its plan, the plan's device task tables (``gram_tasks`` None when nothing is split)
     and the float64 Gram workspace (allocated even when unused: one compiled signature), the last three kept with
-    the layout."""
+    the layout. ``both``: the workspace is sized for both factors' plans of this config (a launch plan keeps it:
+    the other factor's call then finds it large enough and keeps the same tensor)."""
     cfg = _in_place_config(_resolve("orthogonalize", layout, x.dtype, config), _overlap(x, out))
     plan = _ortho_plan(layout, which, cfg)
     gram_tasks, tasks = plan.device_tables(x.device)
-    return cfg, plan, gram_tasks, tasks, _ortho_workspace(layout, plan.slots, plan.R)
+    slots = plan.slots
+    if both:
+        slots = max(slots, _ortho_plan(layout, "q" if which == "p" else "p", cfg).slots)
+    return cfg, plan, gram_tasks, tasks, _ortho_workspace(layout, slots, plan.R)
 
 
 def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, config: Optional[dict] = None) -> None:
     """Orthogonalize every P_i (``which="p"``) or Q_i (``"q"``): ONE launch when every factor has at most
     ``SHORT_ROWS`` rows, else two (float64 Gram slots of the split factors, then the rest); see
-    :mod:`powersgd_triton.kernels.orthogonalize`. Raises ``ValueError`` for a malformed config or another
-    ``which``."""
+    :mod:`powersgd_triton.kernels.orthogonalize`. Launch plans per layout, factor, config and in-place-ness (as
+    :func:`project`'s). Raises ``ValueError`` for a malformed config or another ``which``."""
+    a, b = x.data_ptr(), out.data_ptr()  # in place (shared memory): the hooks orthogonalize P that way
+    in_place = a < b + out.numel() * out.element_size() and b < a + x.numel() * x.element_size()
+    key = ("launch:orthogonalize", which, x.dtype, None if config is None else tuple(config.items()), in_place)
+    plan = layout._tiles.get(key)  # the layout's memo (layout.memo), read without a call
+    if plan is None:
+        plan = layout.memo(key, lambda: _ortho_launch(x, layout, which, out, config))
+    gram, gram_tasks, finish, tasks, ws = plan
+    if gram is not None:
+        gram(x, ws, gram_tasks)
+    finish(x, out, ws, tasks, float(epsilon))
+
+
+def _ortho_launch(x, layout, which, out, config):
     factor_columns(which)  # validates `which`; the task tables carry each factor's rows, rank and offset
-    cfg, plan, gram_tasks, tasks, ws = _ortho_inputs(x, layout, which, out, config)
+    cfg, plan, gram_tasks, tasks, ws = _ortho_inputs(x, layout, which, out, config, both=True)
     c = plan.consts
+    gram = None
     if gram_tasks is not None:
-        _ortho_gram_kernel[(gram_tasks.shape[0],)](
-            x, ws, gram_tasks, R=plan.R, BLOCK=c["GRAM_BLOCK"], GROUP_TILES=c["GROUP_TILES"], **_launch_options(cfg)
-        )
-    _orthogonalize_kernel[(tasks.shape[0],)](
-        x, out, ws, tasks, float(epsilon), R=plan.R, BLOCK=c["BLOCK"], CHUNK_TILES=c["CHUNK_TILES"],
-        SHORT_CHUNKS=c["SHORT_CHUNKS"], APPLY_CHUNKS=c["APPLY_CHUNKS"], SLOT_BLOCK=c["SLOT_BLOCK"],
-        **_launch_options(cfg),
-    )
+        gram = DirectLaunch(_ortho_gram_kernel, (gram_tasks.shape[0],), dict(
+            R=plan.R, BLOCK=c["GRAM_BLOCK"], GROUP_TILES=c["GROUP_TILES"], **_launch_options(cfg)))
+    finish = DirectLaunch(_orthogonalize_kernel, (tasks.shape[0],), dict(
+        R=plan.R, BLOCK=c["BLOCK"], CHUNK_TILES=c["CHUNK_TILES"], SHORT_CHUNKS=c["SHORT_CHUNKS"],
+        APPLY_CHUNKS=c["APPLY_CHUNKS"], SLOT_BLOCK=c["SLOT_BLOCK"], **_launch_options(cfg)))
+    return gram, gram_tasks, finish, tasks, ws
 
 
 def orthogonalize_kept_tensors(x, layout: BucketLayout, which: str, out, *,
