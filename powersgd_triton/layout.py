@@ -345,6 +345,13 @@ class BucketLayout:
         expected = ("layerwise", buffer.numel(), buffer.dtype, rank, min_rate, tuple(sig))
         return expected == self.signature
 
+    def __getstate__(self) -> dict:
+        """Pickled without what is derived from it (tile tables, launch plans holding compiled-kernel handles, the
+        workspace): rebuilt on first use after unpickling, so a pickled layout never carries a kernel object."""
+        state = dict(self.__dict__)
+        state["_tiles"], state["_uncompressed_index"], state["_workspace"] = {}, None, None
+        return state
+
     def memo(self, key: tuple, build: Callable[[], object]) -> object:
         """``build()``'s result, computed once per ``key`` and kept with the layout's tile tables (plans and tables
         derived from the layout by the kernels' launchers and the torch backend; ``None`` is kept like any value)."""

@@ -190,3 +190,19 @@ def test_orthogonalize_task_tables_by_column_name_cover_each_factor(which, rng):
             assert (g[:, L.GRAM_RM] == rm).all()
             assert (mine[:, L.ORTHO_SLOT0] == slots[0]).all() and (mine[:, L.ORTHO_SLOTS] == len(g)).all()
             assert (mine[:, L.ORTHO_HEAD] == head).all()
+
+
+def test_a_layout_pickles_without_its_derived_plans():
+    """A layout's memo holds launch plans (compiled-kernel handles, which do not pickle: the test of the factor bytes
+    in tests/test_comm_dtype_ddp.py sends layouts between processes); pickling drops them and they are rebuilt."""
+    import pickle
+
+    rng = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    layout = _random_layout(rng, batched=False)
+    tiles = layout.tiles("rows", 4).clone()
+    layout.memo(("a plan",), lambda: (lambda: None))  # like a launch plan: not picklable
+    back = pickle.loads(pickle.dumps(layout))
+    assert back.signature == layout.signature and back.num_matrices == layout.num_matrices
+    assert back.memo(("a plan",), lambda: 7) == 7  # rebuilt, not carried
+    assert torch.equal(back.tiles("rows", 4), tiles)
+    assert ("a plan",) in layout._tiles  # the original keeps its plans
