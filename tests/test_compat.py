@@ -51,13 +51,13 @@ def old_triton(monkeypatch):
 
 def test_triton_older_than_the_floor_is_not_used(old_triton):
     reason = _compat.triton_too_old()
-    assert reason and "triton 3.1.0 is older than 3.6" in reason
+    assert reason and "triton 3.1.0 is older than 3.4" in reason
     assert not _env.triton_available()
-    assert "triton 3.1.0 is older than 3.6" in _env.triton_unavailable_reason(torch.device("cpu"))
+    assert "triton 3.1.0 is older than 3.4" in _env.triton_unavailable_reason(torch.device("cpu"))
     assert any("triton 3.1.0" in n for n in _compat.untested_versions())
     from powersgd_triton import PowerSGDState
 
-    with pytest.raises(RuntimeError, match="triton 3.1.0 is older than 3.6"):
+    with pytest.raises(RuntimeError, match="triton 3.1.0 is older than 3.4"):
         PowerSGDState(process_group=None, matrix_approximation_rank=2, backend="triton")
     from powersgd_triton.ops import resolve_backend
 
@@ -100,15 +100,35 @@ def test_fsdp_hook_gate(monkeypatch):
         _fsdp_api()
 
 
+def test_fsdp_gates_read_either_torchs_internals():
+    """The FSDP2 internals that differ between torch 2.8-2.11 and later releases, on stand-ins of both layouts."""
+    from types import SimpleNamespace as NS
+
+    a, b = object(), object()
+    assert _compat.fsdp_param_groups(NS(_fsdp_param_groups=[a, b])) == [a, b]  # after torch 2.11
+    assert _compat.fsdp_param_groups(NS(_fsdp_param_group=a)) == [a]  # torch 2.8-2.11
+    assert _compat.fsdp_param_groups(NS(_fsdp_param_group=None)) == []  # a module without parameters
+    assert _compat.fsdp_param_groups(NS(_fsdp_param_groups=[], _fsdp_param_group=a)) == []  # the list wins
+    assert not _compat.fsdp_divide_factor_set(NS(gradient_divide_factor=None))
+    assert _compat.fsdp_divide_factor_set(NS(gradient_divide_factor=3.0))  # torch >= 2.8
+    assert _compat.fsdp_divide_factor_set(NS(reduce_scatter_reduce_op="premul_sum"))  # torch 2.7
+    assert not _compat.fsdp_divide_factor_set(NS())
+    assert _compat.fsdp_unused_params_option(NS(set_reduce_scatter_unused_params=lambda flag: None))
+    assert not _compat.fsdp_unused_params_option(NS(set_reduce_scatter_unused_params=None))
+    assert not _compat.fsdp_unused_params_option(NS())
+
+
 def test_version_dependent_apis_are_reached_through_compat_only():
-    """``ASTSource``/``GPUTarget`` are built in ``_compat.py`` alone; FSDP2's hook is probed there alone."""
+    """``ASTSource``/``GPUTarget`` are built in ``_compat.py`` alone; FSDP2's hook and its version-dependent internals
+    (parameter groups, divide factor, unused-parameter option) are probed there alone."""
     offenders = []
     for path in (ROOT / "powersgd_triton").rglob("*.py"):
         if path.name == "_compat.py":
             continue
         text = path.read_text()
         for pattern in (r"\bASTSource\(", r"\bGPUTarget\(", r"import ASTSource", r"import GPUTarget",
-                        r"hasattr\([^)]*set_all_reduce_hook"):
+                        r"hasattr\([^)]*set_all_reduce_hook", r"_fsdp_param_groups?\b", r"\bgradient_divide_factor\b",
+                        r"(has|get)attr\([^)]*set_reduce_scatter_unused_params"):
             if re.search(pattern, text):
                 offenders.append(f"{os.path.relpath(path, ROOT)}: {pattern}")
     assert not offenders, offenders
