@@ -171,9 +171,9 @@ def test_gram_launch_tiles_narrower_than_apply_tiles(which, monkeypatch, rng):
     apply tiles would spill there): with 8-row Gram tiles under a 16-row config the plan counts 4 tiles per 32-row
     slot and the result still matches float64 Gram-Schmidt."""
     pytest.importorskip("triton")
-    from powersgd_triton.kernels import triton_ops
+    from powersgd_triton.kernels import ortho_configs, triton_ops
 
-    monkeypatch.setattr(triton_ops, "ORTHO_GRAM_BLOCK", 8)
+    monkeypatch.setattr(ortho_configs, "ORTHO_GRAM_BLOCK", 8)  # its home: triton_ops re-exports the value
     buf, _, grads = make_bucket(SPLIT_SHAPES, torch.float32, rng)
     layout = layerwise(buf, grads, 3)
     x = _random_factor(layout, which, rng, cond=100.0)

@@ -152,7 +152,11 @@ def name_matches(tag: str, gpu: str) -> bool:
     return f"_{tag}_" in f"_{gpu}_"
 
 
-KERNEL_SOURCES = ("lowrank_mm.py", "orthogonalize.py", "reconstruct.py", "triton_ops.py")
+# The kernels and the launch modules that decide their configs, splits and launch arguments (split out of
+# triton_ops.py, which now only re-exports them).
+KERNEL_SOURCES = ("lowrank_mm.py", "orthogonalize.py", "reconstruct.py", "triton_ops.py", "launch_common.py",
+                  "lowrank_configs.py", "ortho_configs.py", "configs.py", "lowrank_launch.py", "ortho_launch.py",
+                  "segments_launch.py", "aot_compile.py", "occupancy.py")
 
 
 @functools.lru_cache(maxsize=None)

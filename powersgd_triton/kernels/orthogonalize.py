@@ -21,7 +21,7 @@ would keep that column of the warm-start Q at zero for ever (``M·0 = 0``). A fa
 (no NaN, also with epsilon 0); NaN or inf input gives non-finite output. The torch backend
 (:func:`powersgd_triton.kernels.reference.gram_schmidt_`) follows the same rules.
 
-Launches (see :func:`powersgd_triton.kernels.triton_ops.orthogonalize`): factors of at most ``SHORT_ROWS`` rows get
+Launches (see :func:`powersgd_triton.kernels.ortho_launch.orthogonalize`): factors of at most ``SHORT_ROWS`` rows get
 one program each in ONE launch of :func:`_orthogonalize_kernel` (Gram pass, r x r work, apply pass); taller factors
 are split over rows: :func:`_ortho_gram_kernel` writes the float64 Gram of each ``GRAM_ROWS`` rows to a workspace
 slot, then one program per ``SPLIT_ROWS`` rows of :func:`_orthogonalize_kernel` sums the slots of its matrix (every
@@ -58,7 +58,7 @@ from .common import (
     TABLE_WIDTH,
     loop_range,
 )
-from .reference import DEPENDENT_TOL
+from .reference_ortho import DEPENDENT_TOL
 
 _TAU = tl.constexpr(DEPENDENT_TOL)
 # tl.dot's smallest float64 inner dimension in this Triton (4 in 3.9, 16 in 3.6): below it, broadcast and sum

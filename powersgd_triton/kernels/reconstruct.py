@@ -143,7 +143,7 @@ def _reconstruct_kernel(
     that is not a multiple of (p + 1) x ``BLOCK_K`` columns ends with steps past its end: their loads and stores
     are masked (``c_end``). ``CARRY`` (with ``PREFETCH`` 1) keeps the older form, one step per trip whose next
     tiles are copied into this step's registers: fewer registers (kept where the unrolled loop would cost a block
-    per SM, :data:`powersgd_triton.kernels.triton_ops.RECONSTRUCT_TILES`)."""
+    per SM, :data:`powersgd_triton.kernels.lowrank_configs.RECONSTRUCT_TILES`)."""
     pid = tl.program_id(0)
     mat = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_MAT).to(tl.int64)
     row0 = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_ROW0).to(tl.int64)
