@@ -13,6 +13,7 @@ floors in ``pyproject.toml`` (``torch>=2.8``, ``triton>=3.4``) are the tested mi
 | ``triton.compiler.ASTSource(fn, signature, constexprs=...)``, the signature keyed by argument name | triton 3.2 (3.0/3.1: ``constants=``, keyed by index) | :func:`ast_source` |
 | ``triton.backends.compiler.GPUTarget(backend, arch, warp_size)`` | triton 3.0 | :func:`gpu_target` |
 | smallest inner dimension ``K`` of ``tl.dot`` on NVIDIA (float64: 16 in triton 3.6, 4 in 3.9) | triton 3.7-3.9 | :func:`dot_min_k` (the orthogonalization kernel's float64 products broadcast below it) |
+| float64 operands of ``tl.dot`` (the orthogonalization kernel's Gram and products) | after triton 3.4 (3.6 has them) | :func:`dot_float64_supported` (without: broadcast and sum) |
 | ``FSDPModule.set_all_reduce_hook`` (FSDP2 over the replicate group of HSDP) | torch 2.7 | :func:`fsdp_all_reduce_hook_missing` |
 | FSDP2's parameter groups per module: ``FSDPState._fsdp_param_groups`` (a list) | after torch 2.11 (2.8-2.11: one ``_fsdp_param_group``) | :func:`fsdp_param_groups` |
 | a custom gradient divide factor: ``FSDPParamGroup.gradient_divide_factor`` | torch 2.8 (2.7: ``reduce_scatter_reduce_op``) | :func:`fsdp_divide_factor_set` |
@@ -118,12 +119,37 @@ def fsdp_all_reduce_hook_missing() -> Optional[str]:
     return None
 
 
+NO_DOT_K = 1 << 30  # dot_min_k of a width tl.dot does not take: no inner dimension reaches it
+
+
+def dot_float64_supported() -> bool:
+    """Whether this Triton's ``tl.dot`` takes float64 operands: not in triton 3.4 (its semantic asserts int8, uint8,
+    float16, bfloat16 or float32), yes in 3.6 and later; for a version in between, its ``dot`` is read. False
+    without triton."""
+    v = triton_version()
+    if v is None or v[:2] <= (3, 4):
+        return False
+    if v[:2] >= (3, 6):
+        return True
+    try:
+        from triton.language import semantic
+
+        src = inspect.getsource(semantic)
+        start = src.index("def dot(")
+        return "float64" in src[start:start + 3000]
+    except Exception:  # noqa: BLE001 - unreadable: broadcast (slower, never wrong)
+        return False
+
+
 def dot_min_k(bits: int) -> int:
     """The smallest inner dimension ``K`` that this Triton's NVIDIA backend accepts in ``tl.dot`` for operands of
     ``bits`` width (``min_dot_size``: 16 for every width but 8-bit in triton 3.6; 4 for float64 and 8 for float32 in
-    3.9). 16 when the backend cannot be asked (no NVIDIA backend, another API)."""
+    3.9); :data:`NO_DOT_K` for float64 on a Triton whose ``tl.dot`` has no float64 (:func:`dot_float64_supported`).
+    16 when the backend cannot be asked (no NVIDIA backend, another API)."""
     from types import SimpleNamespace
 
+    if int(bits) == 64 and not dot_float64_supported():
+        return NO_DOT_K
     try:
         from triton.backends.nvidia.compiler import min_dot_size
 
