@@ -187,4 +187,22 @@ def test_dot_min_k_follows_the_installed_triton():
         assert (k64, k32) == (4, 8)
     elif version == (3, 6):
         assert (k64, k32) == (16, 16)
+    if version <= (3, 4):  # no float64 tl.dot at all: the kernel broadcasts every float64 product
+        assert not _compat.dot_float64_supported() and k64 == _compat.NO_DOT_K
+    elif version >= (3, 6):
+        assert _compat.dot_float64_supported() and k64 <= 16
+    assert bool(O._DOT64) == _compat.dot_float64_supported()
     assert int(O._DOT64_K) == k64 and int(O._DOT64_K8) == max(8, k64)
+
+
+def test_older_triton_tiles_are_keyed_by_version(monkeypatch):
+    """A tile that spills under an older Triton is swapped for that Triton only (triton 3.6: reconstruct at R 8)."""
+    from powersgd_triton.kernels import lowrank_configs as L
+
+    older = L.OLDER_TRITON_TILES[(3, 6)][("reconstruct", 8, 4)]
+    assert older != L.RECONSTRUCT_TILES[(8, 4)]
+    for version, expected in (((3, 4), older), ((3, 6), older), ((3, 8), L.RECONSTRUCT_TILES[(8, 4)]),
+                              ((3, 9), L.RECONSTRUCT_TILES[(8, 4)]), (None, L.RECONSTRUCT_TILES[(8, 4)])):
+        monkeypatch.setattr(L, "_triton_minor", lambda version=version: version)
+        assert L.broadcast_tile("reconstruct", L.RECONSTRUCT_TILES, 8, 4) == expected, version
+        assert L.broadcast_tile("project", L.PROJECT_TILES, 8, 4) == L.PROJECT_TILES[(8, 4)]

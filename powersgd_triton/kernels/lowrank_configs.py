@@ -7,6 +7,7 @@ compile, ptxas -v, the SASS replay of :func:`powersgd_triton.autotune.aot.sass_l
 read them. No kernel is imported here.
 """
 
+import functools
 import itertools
 from typing import List, Optional
 
@@ -93,6 +94,35 @@ RECONSTRUCT_TILES = {
     (4, 4): (8, 64, 2, 128), (4, 2): (8, 64, 2, 128),
     (8, 4): (16, 32, 2, 128), (8, 2): (16, 32, 2, 128),
 }
+# Tiles for an older Triton whose register allocation spills a table's tile: {the newest triton (major, minor) the
+# entry applies to: {(kernel, padded rank, element size): tile}} (broadcast_tile). Seen on the sm_90 compile under
+# triton 3.6 (ptxas -v, every variant): reconstruct's R 8 tile 16 x 32 PREFETCH 2 spills 56 bytes in fp32 and 104
+# in bf16 (PREFETCH 1: 24 / 32); the nearest tile that does not spill keeps BLOCK_K, PREFETCH and maxnreg and takes
+# half the rows (8 x 32 PREFETCH 2 at 128 registers: no spills in fp32, bf16). Not tuned against the model.
+OLDER_TRITON_TILES = {
+    (3, 6): {("reconstruct", 8, 4): (8, 32, 2, 128), ("reconstruct", 8, 2): (8, 32, 2, 128)},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_minor() -> Optional[tuple]:
+    from .. import _compat
+
+    v = _compat.triton_version()
+    return None if v is None else tuple(v[:2])
+
+
+def broadcast_tile(kernel: str, table: dict, r: int, es: int) -> tuple:
+    """The tile of ``table[(r, es)]`` (:data:`PROJECT_TILES`, :data:`PROJECT_T_TILES`, :data:`RECONSTRUCT_TILES`) for
+    this Triton: :data:`OLDER_TRITON_TILES`' entry for an installed triton at or below the entry's version."""
+    v = _triton_minor()
+    if v is not None:
+        for newest, tiles in sorted(OLDER_TRITON_TILES.items()):
+            if v <= newest and (kernel, r, es) in tiles:
+                return tiles[(kernel, r, es)]
+    return table[(r, es)]
+
+
 # project_t on the batched view (one padded s x s matrix: the PADDED and PAD_ERROR variants, whose masks and
 # padding-error loads take more registers): one tile for every R <= 8, no unrolling (one step in flight), chosen
 # like PROJECT_T_TILES for both variants (no spills, one latency per step at R 1-8, fp32 and bf16).
@@ -171,7 +201,7 @@ def _project_t_broadcast_configs(R: int) -> List[dict]:
     """project_t's broadcast candidates at padded rank ``R`` (see ``_PROJECT_T_TILES``); none above R 8."""
     if R > 8:
         return []
-    out = [_broadcast_config("project_t", *PROJECT_T_TILES[(R, es)]) for es in (4, 2)]
+    out = [_broadcast_config("project_t", *broadcast_tile("project_t", PROJECT_T_TILES, R, es)) for es in (4, 2)]
     if _broadcast_config("project_t", *PROJECT_T_BATCHED_TILE) not in out:
         out.append(_broadcast_config("project_t", *PROJECT_T_BATCHED_TILE))
     for (bm, bk), prefetch, maxnreg in itertools.product(_PROJECT_T_TILES, (0, 1, 2), _PROJECT_T_MAXNREG):
