@@ -29,48 +29,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ._backend import device_backend
-from ._memory import BucketMemory, adopt_loaded, allocate
+from ._memory import BucketMemory, adopt_loaded, allocate, follow_error_feedback
+from ._models import bucket_params, refuse_second_model, registered_module  # noqa: F401 - also the tests' names
 from .layout import BucketLayout, matrix_segment
 
 logger = logging.getLogger("powersgd_triton.state")
-
-
-def bucket_params(bucket) -> Optional[Tuple[torch.Tensor, ...]]:
-    """``bucket.parameters()`` when they are ``nn.Parameter`` objects (a real DDP bucket), else None."""
-    try:
-        params = tuple(bucket.parameters())
-    except Exception:  # noqa: BLE001 - duck-typed buckets
-        return None
-    if not params or not all(isinstance(p, torch.nn.Parameter) for p in params):
-        return None
-    return params
-
-
-def registered_module(state, params) -> Optional[torch.nn.Module]:
-    """The module of the DistributedDataParallel that ``state`` is registered on as a comm hook state (DDP keeps the
-    ``(hook, state)`` pairs of ``register_comm_hook`` in ``_comm_hooks``) and that holds ``params``; None when there
-    is not exactly one (a state registered on an old DDP and on a fresh one is resolved by the parameters)."""
-    import gc
-
-    try:
-        from torch.nn.parallel import DistributedDataParallel
-    except ImportError:  # pragma: no cover - torch without distributed
-        return None
-    classes, todo = set(), [DistributedDataParallel]
-    while todo:  # DDP and its subclasses: a set lookup per object is several times cheaper than issubclass
-        cls = todo.pop()
-        if cls not in classes:
-            classes.add(cls)
-            todo.extend(cls.__subclasses__())
-    found = []
-    for obj in gc.get_objects():
-        if type(obj) in classes:
-            hooks = obj.__dict__.get("_comm_hooks") or ()
-            if any(isinstance(h, tuple) and len(h) == 2 and h[1] is state for h in hooks):
-                found.append(obj.module)
-    wanted = {id(p) for p in params}
-    found = [m for m in found if wanted <= {id(p) for p in m.parameters()}]
-    return found[0] if len(found) == 1 else None
 
 
 def _segments(buffer: torch.Tensor, params, gradients) -> Optional[Dict[int, Tuple[int, int]]]:
@@ -116,6 +79,8 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
     rank = state.matrix_approximation_rank
     params = bucket_params(bucket)
     gradients = None
+    if mem is not None and mem.params is not None and params is not None and not _same_params(mem.params, params):
+        refuse_second_model(state, index, mem.params, params)
     if mem is not None and mem.layout is not None and _same_params(mem.params, params):
         layout = mem.layout
         if layout.device == buffer.device:
@@ -130,6 +95,8 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
                     ok = layout.matches_gradients(buffer, gradients, rank, state.min_compression_rate)
                     mem.verified = key if ok and params is not None else None
             if ok:
+                if (mem.error is None) == state.use_error_feedback:  # the flag changed since the last step
+                    follow_error_feedback(mem, state.use_error_feedback)
                 if bucket.is_last():
                     end_of_iteration(state)
                 return mem
@@ -154,7 +121,10 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
         mem.order_params = params if segments is not None else None
         mem.order = None
     else:
-        if batched:
+        new = _new_settings(state, index, mem, layout, params, buffer)
+        if new is not None:
+            pass
+        elif batched:
             new = _follow_batched(state, layout, params, segments, buffer)
         else:
             new = _migrate(state, index, layout, params, buffer)
@@ -172,7 +142,7 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
             elif mem is not None:
                 warnings.warn(
                     f"PowerSGD: bucket {index} no longer matches the layout its memory was built for "
-                    f"(DDP rebuilt its buckets, a different model, or a different gradient dtype); rebuilding it "
+                    f"({_what_changed(mem, layout, params)}); rebuilding it "
                     f"and resetting its error-feedback and warm-start memory. New layout: {layout}",
                     RuntimeWarning,
                     stacklevel=3,
@@ -204,6 +174,7 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
         else:
             logger.info(message)
         mem.backend = "torch"
+    mem.verify_pending = True  # new kernels or configs: powersgd_triton.verify decides at the next step
     if mem.backend == "triton":
         from .autotune import configs_for_layout
 
@@ -213,6 +184,78 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
     if bucket.is_last():
         end_of_iteration(state)
     return mem
+
+
+def _what_changed(mem: BucketMemory, layout: BucketLayout, params) -> str:
+    """What differs between the bucket ``mem``'s memory was built for and the bucket now (for the reset warning)."""
+    if mem.layout is None:  # a loaded memory
+        return "the hook state was saved for another bucket layout"
+    old, new = mem.layout.signature, layout.signature
+    what = []
+    if not _same_params(mem.params, params):
+        what.append("it holds other parameters: DDP rebuilt its buckets, or another model")
+    if old[0] != new[0]:
+        what.append(f"the memory is the {old[0]} hook's, this is the {new[0]} hook")
+        old = new = (None,) * 6
+    if old[1] != new[1] or (not layout.batched and old[5] != new[5]):
+        what.append(f"its gradients changed ({old[1]} -> {new[1]} elements or other shapes or offsets)")
+    if old[2] != new[2]:
+        what.append(f"the gradient dtype changed from {old[2]} to {new[2]}")
+    if old[3] != new[3]:
+        what.append(f"matrix_approximation_rank changed from {old[3]} to {new[3]}")
+    if not layout.batched and old[4] != new[4]:
+        what.append(f"min_compression_rate changed from {old[4]} to {new[4]}")
+    if mem.layout.device != layout.device:
+        what.append(f"the device changed from {mem.layout.device} to {layout.device}")
+    return "; ".join(what) or "its layout changed"
+
+
+def _new_settings(state, index: int, mem: Optional[BucketMemory], layout: BucketLayout, params,
+                  buffer: torch.Tensor) -> Optional[BucketMemory]:
+    """New memory for a bucket whose compression settings changed on the live state (``matrix_approximation_rank``,
+    ``min_compression_rate``) while its gradients did not (same parameters, offsets, shapes, dtype, device); None
+    otherwise. The error memory does not depend on the rank: each matrix compressed before and after keeps its own
+    (a newly compressed one starts from zero, one no longer compressed drops it). P and Q are kept where a matrix
+    keeps its rank; when any rank changed the bucket draws a fresh initial Q on its next step (warm start restarts,
+    the alternating hook with a P step). Warns once per bucket, naming what changed."""
+    if mem is None or mem.layout is None or mem.layout.device != buffer.device or mem.p is None:
+        return None
+    old, new_sig = mem.layout.signature, layout.signature
+    if old[0] != new_sig[0] or old[1:3] != new_sig[1:3] or not _same_params(mem.params, params):
+        return None
+    if not layout.batched and old[5] != new_sig[5]:
+        return None
+    before = {s.grad_index: s for s in mem.layout.matrices}
+    new = BucketMemory()
+    allocate(new, layout, buffer, state.use_error_feedback)
+    kept = 0
+    warm = mem.q_initialized
+    for s in layout.matrices:
+        o = before.get(s.grad_index)
+        if o is None or (o.n, o.m) != (s.n, s.m):
+            warm = False
+            continue
+        if new.error is not None and mem.error is not None:
+            new.error[s.e_offset : s.e_offset + s.n * s.m].copy_(mem.error[o.e_offset : o.e_offset + o.n * o.m])
+            kept += 1
+        if o.rank == s.rank:
+            new.p[s.p_offset : s.p_offset + s.n * s.rank].copy_(mem.p[o.p_offset : o.p_offset + o.n * o.rank])
+            new.q[s.q_offset : s.q_offset + s.m * s.rank].copy_(mem.q[o.q_offset : o.q_offset + o.m * o.rank])
+        else:
+            warm = False
+    new.q_initialized = warm
+    new.phase = mem.phase if warm else "p"
+    new.order_params, new.order = mem.order_params, mem.order
+    memory = (f"the error-feedback memory of {kept} of its {layout.num_matrices} compressed matrices is kept"
+              if new.error is not None else "no error-feedback memory (use_error_feedback is off)")
+    warnings.warn(
+        f"PowerSGD: bucket {index}: {_what_changed(mem, layout, params)} on the live state; {memory}; "
+        + ("P and Q are kept" if warm else "P and Q are re-allocated and a fresh initial Q is drawn (warm start "
+           "restarts)"),
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return new
 
 
 def name_params(state, params) -> None:

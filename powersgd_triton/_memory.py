@@ -5,7 +5,8 @@
 * :class:`BucketMemories`: ``state.buckets``, the bucket index -> :class:`BucketMemory` dict, with the bookkeeping
   that keeps it matched to DDP's buckets (used by :mod:`powersgd_triton._buckets`);
 * :func:`allocate`, :func:`adopt_loaded`, :func:`allocate_alternating`: the tensors of one memory, on the bucket's
-  device, in :func:`memory_dtype`;
+  device, in :func:`memory_dtype`; :func:`follow_error_feedback`: the error memory after ``use_error_feedback``
+  changed;
 * :func:`draw_q`: PyTorch's random initial Q.
 """
 
@@ -30,6 +31,7 @@ class BucketMemory:
         "layout", "signature", "backend", "configs", "error", "p", "q", "q_work", "q_initialized", "q_next",
         "phase", "comm", "local", "p_work",
         "params", "param_names", "matrices", "strict", "verified", "order", "order_params", "shapes",
+        "verify_pending",
     )
 
     def __init__(self):
@@ -59,6 +61,9 @@ class BucketMemory:
         self.shapes: Optional[Tuple[Tuple[int, ...], ...]] = None
         self.backend: str = "torch"  # resolved backend for this bucket's device
         self.configs: Dict[str, Optional[dict]] = {}
+        # The next compressed step asks powersgd_triton.verify whether to check the Triton kernels (set again when
+        # the backend or the configs are chosen, and when ``state.verify`` is set); False: one attribute test a step.
+        self.verify_pending: bool = True
         self.error: Optional[torch.Tensor] = None
         self.p: Optional[torch.Tensor] = None
         self.q: Optional[torch.Tensor] = None
@@ -99,7 +104,9 @@ class BucketMemories(dict):
       step); ``loaded_world_size``, ``loaded_rank``: what a loaded state was saved with, until it is checked;
     * ``names_by_param`` (id -> name), ``params_by_name``: the bound model's parameter names;
       ``unnameable``: parameters no registered DDP module could name (not searched again);
-    * ``backend_devices``: devices where ``backend="triton"`` was found to run (checked once each).
+    * ``backend_devices``: devices where ``backend="triton"`` was found to run (checked once each);
+    * ``index_params``: per bucket index, weak references to its parameters at the last warm-up call (a second DDP
+      model on the same state is refused: ``powersgd_triton._buckets.check_one_model``).
     """
 
     def __init__(self):
@@ -115,6 +122,8 @@ class BucketMemories(dict):
         self.params_by_name: Dict[str, torch.Tensor] = {}
         self.unnameable: Dict[int, "weakref.ref"] = {}
         self.backend_devices: set = set()
+        # bucket index -> weak references to its parameters at the last warm-up call (_buckets.check_one_model)
+        self.index_params: Dict[int, tuple] = {}
 
     def replace_loaded(self, memories: Dict[int, BucketMemory], world_size: Optional[int],
                        rank: Optional[int]) -> None:
@@ -138,6 +147,20 @@ def allocate(mem: BucketMemory, layout: BucketLayout, buffer: torch.Tensor, use_
     mem.q = torch.zeros(layout.q_numel, **f32)
     mem.q_work = torch.empty(layout.q_numel, **f32)
     mem.q_initialized = False
+
+
+def follow_error_feedback(mem: BucketMemory, use_error_feedback: bool) -> None:
+    """Make ``mem`` follow ``state.use_error_feedback`` as it is now (read at every compressed step, as PyTorch's hook
+    does): turned on, a zero error memory (float32, the layout's ``e_numel``) starts; turned off, the error memory is
+    freed (no longer added nor updated; ``state_dict()`` then holds none for the bucket, as for a state made with
+    ``use_error_feedback=False``; turning it on again starts from zero, where PyTorch's hook would add the error it
+    kept from before)."""
+    if use_error_feedback:
+        if mem.error is None:
+            mem.error = torch.zeros(mem.layout.e_numel, device=mem.p.device, dtype=mem.p.dtype)
+    else:
+        mem.error = None
+        mem.local = None
 
 
 def drop_next_q(mem: BucketMemory) -> None:
@@ -180,6 +203,8 @@ def allocate_alternating(mem: BucketMemory, buffer: torch.Tensor) -> None:
         mem.comm = torch.empty(numel, **f32)
         mem.local = torch.empty(factor, **f32) if mem.error is not None else None
         p_work(mem)
+    if mem.error is not None and mem.local is None:  # error feedback turned on since
+        mem.local = torch.empty(factor, **f32)
     if mem.q_work is None:
         mem.q_work = torch.empty(layout.q_numel, **f32)
 

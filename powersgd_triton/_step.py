@@ -15,7 +15,24 @@ internals):
 * per step: :func:`process_group`, :func:`loss_scale` (``grad_scaler``), :func:`wire_dtype` and
   :func:`allreduce_factor` (``communication_dtype``), :func:`report_compression_stats`;
 * the schedule: :func:`use_callback_chain` (``then()`` chain on NCCL, in the hook body elsewhere; see
-  :mod:`powersgd_triton.hooks`), :func:`completed`.
+  :mod:`powersgd_triton.hooks`), :func:`completed`, :func:`keep_for_current_stream`.
+
+Stream rule (CUDA). Work the hooks queue on another stream than the hook body's — a ``then()`` callback (NCCL: PyTorch
+runs it on a stream from its pool, a fresh one per callback) and the side stream of the next step's Q
+(:func:`orthogonalize_next_q`) — may run after the last Python reference to a tensor it reads is gone, and the caching
+allocator frees a block back to the stream that allocated it at once. So every tensor such work reads or writes is
+either
+
+* owned across the step: the state's memory (error, P, Q, work buffers, the layout's device tables, kept until a
+  later hook call, after DDP waited for this step's future), the bucket buffer (DDP's), the future's value; or
+* allocated by that work itself, on its stream; or
+* recorded on that stream before its last reference goes: the storages of the value of the future a callback is
+  chained from (PyTorch records them on the callback's stream), or :func:`keep_for_current_stream` called inside the
+  callback (``record_stream``; the hooks' ``packed`` uncompressed gradients, the bucket copy of a resume, a copied loss
+  scale). The side stream's work outlives the step (it overlaps the next forward, and a ``load_state_dict`` or rebuild
+  can drop the memory without waiting for it), so everything it reads is recorded on it, the state's memory included.
+
+``tests/test_hooks_streams.py`` checks this on the then() chain (``FORCE_CALLBACK_CHAIN``) with a test double.
 """
 
 import logging
@@ -28,6 +45,7 @@ from . import ops
 from ._backend import device_backend
 from ._buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401 - the hooks' entry points
 from ._memory import BucketMemory, allocate_alternating, draw_q, drop_next_q, p_work  # noqa: F401 - the hooks' entry points
+from ._models import check_one_model
 from .layout import check_gradient_dtype
 from .state import PowerSGDState, check_grad_scaler
 
@@ -158,6 +176,16 @@ def take_next_q(mem: BucketMemory, epsilon: float) -> bool:
         return False
     mem.q_next = None
     return ahead.wait() and ahead.matches(mem, epsilon, mem.config("orthogonalize"))
+
+
+def keep_for_current_stream(*tensors: Optional[torch.Tensor]) -> None:
+    """``record_stream`` each CUDA tensor on the current stream of its device (inside a ``then()`` callback: the
+    callback's pool stream), so that the caching allocator does not reuse its memory before the work queued on that
+    stream is done (see the stream rule in the module docstring). None and CPU tensors are skipped (nothing is
+    asynchronous there). Call it inside the callback, before queuing the work that reads the tensors."""
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def completed(value: torch.Tensor) -> torch.futures.Future:
@@ -320,6 +348,7 @@ def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor):
     group = process_group(state)
     world_size = dist.get_world_size(group)
     if state.iter < state.start_powerSGD_iter:
+        check_one_model(state, bucket)  # a second DDP model on this state: refused at its first call
         state.maybe_increase_iter(bucket)
         return group, world_size, allreduce_average(group, world_size, buffer)
     if buffer.is_sparse:

@@ -116,7 +116,7 @@ No ``from __future__ import annotations`` here: DDP checks the hooks' annotation
 import torch
 import torch.distributed as dist
 
-from . import _step, ops
+from . import _step, ops, verify
 from ._memory import BucketMemory
 from .state import PowerSGDState
 
@@ -127,10 +127,12 @@ class _HalfStep:
     """One compressed half-step of one bucket: the work before and after its all-reduce."""
 
     __slots__ = ("state", "mem", "layout", "buffer", "world_size", "backend", "eps", "phase", "factor", "unc", "sent",
-                 "local", "loss_scale")
+                 "local", "loss_scale", "ops")
 
-    def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, world_size: int):
+    def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, world_size: int, check=None):
         layout = mem.layout
+        # the numeric steps: powersgd_triton.ops, or the first-use check's (powersgd_triton.verify)
+        self.ops = ops if check is None else check.ops
         self.state = state
         self.mem = mem
         self.layout = layout
@@ -151,6 +153,7 @@ class _HalfStep:
     def compute(self) -> None:
         """This rank's factor into ``comm[:F]`` (and ``local``), the uncompressed gradients into ``comm[F:]``."""
         state, mem, layout, buffer, backend = self.state, self.mem, self.layout, self.buffer, self.backend
+        ops = self.ops
         # A Q that powerSGD_hook orthogonalized ahead in this memory (a state that served it before): this half-step
         # writes q_work (P step) or commits Q (Q step) with kernels that move no version counter, so forget it
         # now, after the current stream waits for its side stream (powersgd_triton._step.take_next_q)
@@ -176,9 +179,15 @@ class _HalfStep:
         if self.unc.numel():
             ops.pack_uncompressed(buffer, layout, self.unc, backend=backend)
 
+    def keep_for_callback(self) -> None:
+        """Called first in the ``then()`` callback that runs :meth:`finish`: the loss scale (a copy made in the hook
+        body when the scaler's is on another device) is recorded on the callback's stream (the stream rule of
+        :mod:`powersgd_triton._step`); everything else it reads is the state's."""
+        _step.keep_for_current_stream(self.loss_scale)
+
     def finish(self) -> torch.Tensor:
         """Average, write the output and the local residual, commit the kept factor where the step is finite."""
-        mem, layout, buffer, backend = self.mem, self.layout, self.buffer, self.backend
+        mem, layout, buffer, backend, ops = self.mem, self.layout, self.buffer, self.backend, self.ops
         # factor /= world, uncompressed /= world and unpacked, step flags: one launch
         flags = ops.average(self.factor, layout, self.phase, buffer, self.unc if self.unc.numel() else None,
                             self.world_size, backend=backend)
@@ -216,7 +225,8 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
         TypeError: complex or integer gradients, or ``state`` is not a :class:`~powersgd_triton.PowerSGDState`
             (before anything is changed).
         RuntimeError: ``state.backend == "triton"`` and the Triton kernels cannot run on the bucket's device (first
-            call, step 0, before anything is changed).
+            call, step 0, before anything is changed); ``state`` registered on two DDP models (at the second one's
+            first call).
 
     A sparse gradient's bucket is averaged with a plain all-reduce (as DDP does without a hook); a float64 bucket is
     computed in float64.
@@ -247,7 +257,10 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
         return _step.allreduce_average(group, world_size, buffer)
 
     _step.allocate_alternating(mem, buffer)
-    step = _HalfStep(state, mem, buffer, world_size)
+    # first-use verification of the Triton kernels (powersgd_triton.verify); after its verdict: this test only
+    check = verify.begin(state, mem, buffer, group, world_size, bucket.index(), layout.uncompressed_numel > 0) \
+        if mem.verify_pending else None
+    step = _HalfStep(state, mem, buffer, world_size, check)
     state.total_numel_after_compression += step.sent.numel()
     _step.report_compression_stats(state, bucket)
     step.compute()
@@ -255,9 +268,28 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
     mem.phase = "q" if step.phase == "p" else "p"
     state.maybe_increase_iter(bucket)
 
+    def finish() -> torch.Tensor:
+        out = step.finish()
+        return out if check is None else check.end(out, lambda: _torch_half_step(state, mem, buffer, group, world_size))
+
     # in state.communication_dtype (default: the bucket's dtype), cast once and copied back once
     if _step.use_callback_chain(group, buffer):
         fut = _step.allreduce_factor(state, step.sent, buffer, group)
-        return fut.then(lambda _: step.finish())
+
+        def finish_chained(_) -> torch.Tensor:
+            step.keep_for_callback()
+            return finish()
+
+        return fut.then(finish_chained)
     _step.allreduce_factor(state, step.sent, buffer, group).wait()
-    return _step.completed(step.finish())
+    return _step.completed(finish())
+
+
+def _torch_half_step(state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int):
+    """The half-step again on the torch backend, in the caller, from the memory put back as it was before it (the
+    first-use check found a kernel wrong: :meth:`powersgd_triton.verify.Check.end`); every rank runs it."""
+    step = _HalfStep(state, mem, buffer, world_size)
+    step.compute()
+    mem.phase = "q" if step.phase == "p" else "p"
+    _step.allreduce_factor(state, step.sent, buffer, group).wait()
+    return step.finish()

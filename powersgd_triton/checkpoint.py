@@ -29,6 +29,7 @@ Files hold only tensors and plain Python types: ``torch.load(..., weights_only=T
 
 import os
 import pickle
+import string
 import tempfile
 import warnings
 from typing import Any, Dict, Optional, Tuple
@@ -48,11 +49,30 @@ MUST_MATCH = ("matrix_approximation_rank", "min_compression_rate", "use_error_fe
 
 
 def hook_state_path(path, rank: int) -> str:
-    """The file of ``rank``: ``path`` formatted when it contains ``{rank}``, else ``path/hook_state.rank{rank}.pt``."""
+    """The file of ``rank``: ``path`` formatted when it contains a ``{rank}`` placeholder (a format spec such as
+    ``{rank:03d}`` too; ``{{`` and ``}}`` are literal braces there), else ``path/hook_state.rank{rank}.pt`` (braces
+    are then part of the folder's name).
+
+    Raises:
+        ValueError: ``path`` has a ``{rank}`` placeholder and another placeholder (``{epoch}``, ``{}``) or a lone
+            brace: the message names the path and the one placeholder it accepts.
+    """
     path = os.fspath(path)
-    if "{rank}" in path:
-        return path.format(rank=rank)
-    return os.path.join(path, FILE_PATTERN.format(rank=rank))
+    if "{rank" not in path:
+        return os.path.join(path, FILE_PATTERN.format(rank=rank))
+    try:
+        others = [f"{{{field}}}" for _, field, _, _ in string.Formatter().parse(path)
+                  if field is not None and field != "rank"]
+        if not others:
+            return path.format(rank=rank)
+        problem = "placeholder(s) " + ", ".join(others)
+    except (ValueError, KeyError, IndexError, AttributeError) as exc:  # a lone brace, a nested field in a spec
+        problem = f"a malformed placeholder ({exc})"
+    raise ValueError(
+        f"hook state path {path!r} has {problem}: the only placeholder it accepts is {{rank}} (e.g. "
+        f"'checkpoints/hook_state.rank{{rank}}.pt'); format the others in before passing the path, or double a "
+        "literal brace ('{{', '}}')"
+    )
 
 
 def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:

@@ -40,7 +40,7 @@ No ``from __future__ import annotations`` here: DDP checks the hooks' annotation
 import torch
 import torch.distributed as dist
 
-from . import _step, ops
+from . import _step, ops, verify
 from ._memory import BucketMemory
 from .state import PowerSGDState
 
@@ -61,9 +61,12 @@ class _Step:
     """
 
     __slots__ = ("state", "mem", "layout", "buffer", "group", "world_size", "unc", "packed", "unc_work", "backend",
-                 "eps", "loss_scale", "p_raw")
+                 "eps", "loss_scale", "p_raw", "ops")
 
-    def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int):
+    def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int,
+                 check=None):
+        # the numeric steps: powersgd_triton.ops, or the first-use check's (powersgd_triton.verify)
+        self.ops = ops if check is None else check.ops
         self.state = state
         self.mem = mem
         self.layout = mem.layout
@@ -91,7 +94,7 @@ class _Step:
             self.unc = self.buffer[o : o + n]
         else:
             self.packed = self.buffer.new_empty(layout.uncompressed_numel)
-            ops.pack_uncompressed(self.buffer, layout, self.packed, backend=self.backend)
+            self.ops.pack_uncompressed(self.buffer, layout, self.packed, backend=self.backend)
             self.unc = self.packed
         self.unc_work = dist.all_reduce(self.unc, group=self.group, async_op=True)
 
@@ -105,18 +108,18 @@ class _Step:
         if layout.num_matrices == 0:
             return
         if not ahead:
-            ops.orthogonalize(
+            self.ops.orthogonalize(
                 mem.q, layout, "q", self.eps, out=mem.q_work, backend=self.backend, config=mem.config("orthogonalize")
             )
-        ops.project(self.buffer, layout, mem.q_work, self.p_raw, mem.error, loss_scale=self.loss_scale,
+        self.ops.project(self.buffer, layout, mem.q_work, self.p_raw, mem.error, loss_scale=self.loss_scale,
                     backend=self.backend, config=mem.config("project"))
 
     def compute_q(self) -> None:
         """Orthogonalize the all-reduced P (``p_raw``) into ``mem.p``; ``Q = (M + E)ᵀ·P`` into ``q_work``."""
         mem, layout = self.mem, self.layout
-        ops.orthogonalize(self.p_raw, layout, "p", self.eps, out=mem.p, backend=self.backend,
+        self.ops.orthogonalize(self.p_raw, layout, "p", self.eps, out=mem.p, backend=self.backend,
                           config=mem.config("orthogonalize"))
-        ops.project_t(self.buffer, layout, mem.p, mem.q_work, error=mem.error if layout.batched else None,
+        self.ops.project_t(self.buffer, layout, mem.p, mem.q_work, error=mem.error if layout.batched else None,
                       loss_scale=self.loss_scale if layout.batched else None, backend=self.backend,
                       config=mem.config("project_t"))
 
@@ -129,13 +132,14 @@ class _Step:
             if self.unc is not None:
                 self.unc.div_(self.world_size)
                 if self.packed is not None:
-                    ops.unpack_uncompressed(self.packed, layout, self.buffer, backend=self.backend)
+                    self.ops.unpack_uncompressed(self.packed, layout, self.buffer, backend=self.backend)
             return self.buffer
         # Q /= world, uncompressed /= world and unpacked, step flags: one launch
-        flags = ops.average(mem.q_work, layout, "q", self.buffer, self.packed, self.world_size, backend=self.backend)
+        flags = self.ops.average(mem.q_work, layout, "q", self.buffer, self.packed, self.world_size,
+                                 backend=self.backend)
         keep_memory = mem.error is not None or state.warm_start
         next_q = _step.next_q_target(state, mem, self.eps)
-        done = ops.reconstruct(
+        done = self.ops.reconstruct(
             self.buffer,
             layout,
             mem.p,
@@ -173,10 +177,15 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
     # powersgd_triton._buckets): compute on a copy in the memory's order, then write each gradient back.
     order = mem.order
     work = buffer if order is None else torch.cat([buffer[o : o + n] for o, n in order])
-    step = _Step(state, mem, work, group, world_size)
+    # first-use verification of the Triton kernels (powersgd_triton.verify); after its verdict: this test only
+    check = verify.begin(state, mem, work, group, world_size, bucket.index(), len(layout.uncompressed) > 1) \
+        if mem.verify_pending else None
+    step = _Step(state, mem, work, group, world_size, check)
 
     def finish() -> torch.Tensor:
         out = step.finish()
+        if check is not None:
+            out = check.end(out, lambda: _torch_step(state, mem, work, buffer, group, world_size))
         if order is None:
             return out
         pos = 0
@@ -184,6 +193,15 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
             buffer[o : o + n].copy_(work[pos : pos + n])
             pos += n
         return buffer
+
+    def finish_chained(fut) -> torch.Tensor:
+        keep_for_callback()
+        return finish()
+
+    def keep_for_callback() -> None:
+        # Inside a then() callback (its own pool stream on NCCL): what the hook body allocated and the callback reads
+        # is recorded on the callback's stream (see the stream rule in powersgd_triton._step).
+        _step.keep_for_current_stream(step.packed, step.loss_scale, None if order is None else work)
 
     compressed = layout.num_matrices > 0
     step.start_uncompressed()
@@ -193,22 +211,37 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
 
     if not compressed:
         if _step.use_callback_chain(group, buffer) and step.unc_work is not None:
-            return step.unc_work.get_future().then(lambda fut: finish())
+            return step.unc_work.get_future().then(finish_chained)
         return _step.completed(finish())
 
     if _step.use_callback_chain(group, buffer):
 
         def after_p(fut):
+            keep_for_callback()
             step.compute_q()
             return _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
 
         p_fut = _step.allreduce_factor(state, step.p_raw, buffer, group)
-        return p_fut.then(after_p).then(lambda fut: finish())
+        return p_fut.then(after_p).then(finish_chained)
 
     _step.allreduce_factor(state, step.p_raw, buffer, group).wait()
     step.compute_q()
     _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
     return _step.completed(finish())
+
+
+def _torch_step(state: PowerSGDState, mem: BucketMemory, work: torch.Tensor, buffer: torch.Tensor, group,
+                world_size: int) -> torch.Tensor:
+    """The whole step again on the torch backend, in the caller (the first-use check found a kernel wrong and put
+    the memory back as it was before the step: :meth:`powersgd_triton.verify.Check.end`); every rank runs it."""
+    step = _Step(state, mem, work, group, world_size)
+    step.start_uncompressed()
+    step.compute_p()
+    if mem.layout.num_matrices:
+        _step.allreduce_factor(state, step.p_raw, buffer, group).wait()
+        step.compute_q()
+        _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
+    return step.finish()
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -231,7 +264,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         TypeError: complex or integer gradients, or ``state`` is not a :class:`~powersgd_triton.PowerSGDState`
             (PyTorch's state: convert it with ``PowerSGDState.from_torch``); before anything is changed.
         RuntimeError: ``state.backend == "triton"`` and the Triton kernels cannot run on the bucket's device: on the
-            first call (step 0, in the warm-up too), before anything is changed.
+            first call (step 0, in the warm-up too), before anything is changed. ``state`` is registered on two DDP
+            models: at the second model's first call, naming both.
 
     Example::
 

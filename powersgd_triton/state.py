@@ -81,6 +81,7 @@ _HYPERPARAMETERS = (
     "backend",
     "autotune",
     "communication_dtype",
+    "verify",
 )
 # dtypes P and Q may be all-reduced in (``communication_dtype``); saved by name in the state dict
 COMMUNICATION_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -123,6 +124,12 @@ def check_grad_scaler(scaler: Any) -> None:
             f"`grad_scaler` must be None or a torch.amp.GradScaler, got "
             f"{type(scaler).__module__}.{type(scaler).__qualname__}"
         )
+
+
+def _check_verify(value: Any) -> None:
+    from .verify import check_mode  # imported here: powersgd_triton.verify imports the ops and the autotuner
+
+    check_mode(value)
 
 
 def _check_flag(name: str, value: Any) -> None:
@@ -177,6 +184,15 @@ class PowerSGDState:
             scaler itself is not saved by :meth:`state_dict` (checkpoint it yourself with ``scaler.state_dict()``);
             the state dict records that the error memory is unscaled, and a state unpickled without its scaler
             must get it back (``state.grad_scaler = scaler``, done by the Lightning and Accelerate integrations).
+        verify: ``"first"`` (default), ``"always"`` or ``"off"``: on the Triton backend (GPU or interpreter), the
+            first compressed step of a bucket whose kernels (GPU model, Triton version, kernel sources, shape class,
+            config) have no verdict yet is also computed on the torch backend from copies of the same inputs and
+            compared launch by launch (P, Q, the output, the error memory); on a disagreement the bucket runs on the
+            torch backend on every rank from that step on, with a ``RuntimeWarning``. Verdicts are kept in the
+            process and next to the autotune cache (``powersgd-triton autotune --show``). Cost: one extra
+            torch-backend step per set of kernels, once (plus one small all-reduce with several ranks).
+            ``"always"``: every compressed step (debugging). Details, tolerances: :mod:`powersgd_triton.verify`.
+            Settable on a live state (``state.verify = "always"``), checked.
 
     Raises:
         ValueError: ``start_powerSGD_iter <= 1`` with error feedback or warm start (DDP rebuilds its buckets after
@@ -184,7 +200,8 @@ class PowerSGDState:
             ``orthogonalization_epsilon``, an unknown ``backend``; and a value of the wrong type: a number that is
             not one (``"4"``, ``True``) or not finite (NaN, +-inf), an integer argument given a float, a flag (``use_error_feedback``,
             ``warm_start``, ``batch_tensors_with_same_shape``, ``autotune``) that is not a bool (or 0/1); a
-            ``communication_dtype`` other than None, float32, float16, bfloat16 (float64 also; for float64 models).
+            ``communication_dtype`` other than None, float32, float16, bfloat16 (float64 also; for float64 models); a
+            ``verify`` other than ``"first"``, ``"always"``, ``"off"`` (also when set later).
         TypeError: ``process_group`` is neither None nor a ``torch.distributed.ProcessGroup``; ``grad_scaler`` is
             neither None nor a ``torch.amp.GradScaler``.
         RuntimeError: ``backend="triton"`` where the Triton kernels cannot run on any device (Triton or the kernels
@@ -198,6 +215,15 @@ class PowerSGDState:
     P and Q kept in float32 (float64 buckets: all three in float64, as PyTorch keeps them), all-reduced in
     ``communication_dtype`` (default the bucket's dtype, PyTorch's); a non-finite step leaves the memory as it was; ``error_dict`` / ``p_memory_dict`` /
     ``q_memory_dict`` are read-only views of the flat per-bucket buffers.
+
+    Settings changed on a live state (between steps): ``use_error_feedback`` is read at every compressed step, as
+    PyTorch's hook reads it (turned on, a zero error memory starts; turned off, the error memory is freed, so it is
+    neither added nor updated and ``state_dict()`` holds none; turned on again, it starts from zero where PyTorch's
+    hook would add the error it kept from before). ``matrix_approximation_rank`` and ``min_compression_rate``: each
+    bucket keeps the error memory of the matrices it compresses before and after, re-allocates P and Q (a fresh
+    initial Q where a rank changed) and warns once, naming the change. ``orthogonalization_epsilon``,
+    ``warm_start``, ``communication_dtype`` and ``grad_scaler`` take effect at the next step. A state serves one
+    model: registered on two DDP models, the second one's first hook call raises ``RuntimeError`` naming both.
     """
 
     def __init__(
@@ -216,7 +242,9 @@ class PowerSGDState:
         autotune: bool = False,
         communication_dtype: Optional[torch.dtype] = None,
         grad_scaler=None,
+        verify: str = "first",
     ):
+        _check_verify(verify)
         communication_dtype = _check_communication_dtype(communication_dtype)
         check_grad_scaler(grad_scaler)
         _check_number("matrix_approximation_rank", matrix_approximation_rank, integer=True)
@@ -275,6 +303,7 @@ class PowerSGDState:
         self.autotune = bool(autotune)
         self.communication_dtype = communication_dtype
         self.grad_scaler = grad_scaler
+        self._verify = verify
         # Seeds of the random initial Qs: one draw per (re)initialization, in the same order on every rank.
         self.rng = np.random.RandomState(self.random_seed)
         self.iter = 0
@@ -284,6 +313,18 @@ class PowerSGDState:
         self.next_stats_report = 0
         # bucket index -> BucketMemory, with the bookkeeping that keeps it matched to DDP's buckets (_buckets.py)
         self.buckets: BucketMemories = BucketMemories()
+
+    @property
+    def verify(self) -> str:
+        """First-use verification of the Triton kernels (see the class docstring); settable, checked."""
+        return self._verify
+
+    @verify.setter
+    def verify(self, value: str) -> None:
+        _check_verify(value)
+        self._verify = value
+        for mem in self.buckets.values():  # the next step of each bucket reads the new mode
+            mem.verify_pending = True
 
     # ------------------------------------------------------------------ PyTorch-compatible API
     def maybe_increase_iter(self, bucket) -> None:
@@ -319,7 +360,7 @@ class PowerSGDState:
 
     # PyTorch's state keeps these constructor arguments as attributes of the same names (not random_seed).
     _TORCH_ARGUMENTS = tuple(h for h in _HYPERPARAMETERS
-                             if h not in ("random_seed", "backend", "autotune", "communication_dtype"))
+                             if h not in ("random_seed", "backend", "autotune", "communication_dtype", "verify"))
 
     @classmethod
     def from_torch(cls, torch_state, backend: str = "auto", autotune: bool = False) -> "PowerSGDState":

@@ -559,3 +559,48 @@ def test_cli_without_cuda_says_no_timing(monkeypatch, capsys, tmp_path):
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert f"argument {bad[0]}:" in err or f"argument {bad[0]}/" in err, err  # argparse names the aliases too
+
+
+# ------------------------------------------------------------------------------------------ correctness gate
+@pytest.mark.skipif(not _kernels_interpreted(), reason="needs TRITON_INTERPRET=1 set before triton is imported")
+def test_candidate_that_computes_wrong_numbers_is_dropped(monkeypatch, capsys):
+    """The fake timer prefers one candidate, which a patched launcher makes wrong for that config only: it is
+    dropped before its time counts, the next best wins, the cache entry and ``autotune --show`` say why."""
+    from powersgd_triton import cli
+    from powersgd_triton.autotune import tuner as tuner_mod
+    from powersgd_triton.kernels import triton_ops
+
+    lay = make_layout(shapes=((16, 8), (8,), (12, 16)), rank=2)
+    cands, heuristic = candidates("project", lay, torch.float32)
+    few = [c for c in cands if c != heuristic][:2] + [heuristic]
+    monkeypatch.setattr(tuner_mod, "candidates", lambda k, layout, dtype: (few, heuristic))
+    bad, good = few[0], few[1]
+    real = triton_ops.project
+
+    def project(buffer, layout, q, p, error=None, *, config=None, **kw):
+        real(buffer, layout, q, p, error, config=config, **kw)
+        if config == bad:
+            p[3] += 0.5  # one element of P off: what a race or a wrong mask would do
+
+    monkeypatch.setattr(triton_ops, "project", project)
+    order = {json.dumps(bad, sort_keys=True): 1.0, json.dumps(good, sort_keys=True): 2.0}
+    calls = []
+
+    def fake_timer(kernel, config, sc):
+        calls.append(config)
+        return order.get(json.dumps(config, sort_keys=True), 3.0)
+
+    h200 = DeviceKey("h200", "sm90", "3.9.0")
+    tuner = Tuner(timer=fake_timer, device=h200, check=True)
+    choice = tuner.choose("project", lay, torch.float32, autotune=True)
+    assert choice.source == "tuned" and choice.config == good  # the fastest is wrong: the second fastest wins
+    assert bad not in calls and len(calls) == len(few) - 1  # the wrong one was never timed
+    ((cfg, why),) = choice.rejected
+    assert cfg == bad and "p: worst relative error" in why
+    entry = ConfigCache().entries(h200)[choice.shape_class.key]
+    assert entry["rejected"] == [{"config": bad, "why": why}]
+    # without the gate (a timer and check=False: nothing runs) the wrong one would have won
+    assert Tuner(cache=False, timer=fake_timer, device=h200, check=False).choose(
+        "project", lay, torch.float32, autotune=True).config == bad
+    assert cli.main(["autotune", "--show"]) == 0
+    assert f"rejected for {choice.shape_class.key}" in capsys.readouterr().out

@@ -235,6 +235,26 @@ def test_hook_state_file_loads_weights_only(tmp_path):
         save_hook_state(object(), model, str(tmp_path), rank=0, world_size=1)
 
 
+def test_hook_state_path_names_a_stray_placeholder(tmp_path):
+    """A path with ``{rank}`` and another placeholder (or a lone brace) is a ValueError naming the path and the one
+    placeholder accepted, before any file is written; ``{rank:03d}`` and doubled braces are formatted; braces in a
+    folder without ``{rank}`` are its name."""
+    base = str(tmp_path / "ckpt")
+    assert hook_state_path(base + "/r{rank:03d}.pt", 7) == base + "/r007.pt"
+    assert hook_state_path(base + "/{{x}}.r{rank}.pt", 2) == base + "/{x}.r2.pt"
+    assert hook_state_path(base + "/{epoch}", 1) == os.path.join(base + "/{epoch}", "hook_state.rank1.pt")
+    for bad, what in (("/{epoch}/r{rank}.pt", "{epoch}"), ("/r{rank}.{}.pt", "{}"), ("/r{rank}{0}.pt", "{0}"),
+                      ("/r{rank}.pt{", "malformed"), ("/r{rank:{width}}.pt", "malformed")):
+        path = base + bad
+        with pytest.raises(ValueError) as info:
+            hook_state_path(path, 0)
+        message = str(info.value)
+        assert repr(path) in message and what in message and "only placeholder it accepts is {rank}" in message
+        with pytest.raises(ValueError, match="only placeholder"):
+            save_hook_state(_state(), _model(), path, rank=0, world_size=1)
+    assert not os.path.exists(base)
+
+
 class _ParamBucket:
     """A duck-typed bucket whose parameters() are the same nn.Parameters on every call, as DDP's are."""
 

@@ -5,7 +5,7 @@
     powersgd-triton autotune --model resnet50|bert-base|gpt2|vit-b16 [--matrix-approximation-rank R ...]
                              [--dtype D ...]
                              [--hook layerwise|batched|both] [--bucket-cap-mb MB] [--force] [--export PATH]
-    powersgd-triton autotune --show
+    powersgd-triton autotune --show     (the cache, candidates the tuner dropped and why, the hooks' verdicts)
     powersgd-triton autotune --clear
 
 The model's gradient shapes come from :mod:`powersgd_triton.shapes` (no download), split into DDP-like buckets; every
@@ -119,7 +119,6 @@ def _show(out) -> int:
     print(f"autotune cache: {cache.path}", file=out)
     if not devices:
         print("(empty)", file=out)
-        return 0
     for dkey, dev in devices:
         print(f"\n{dkey}: {len(dev['entries'])} entries", file=out)
         rows = []
@@ -132,7 +131,37 @@ def _show(out) -> int:
             speed = f"{h / t:.2f}x" if h and t and math.isfinite(h) and math.isfinite(t) else "-"
             rows.append(cells + [format_config(e["config"]), _ms(t), _ms(h), speed, str(e.get("tuned_at", ""))])
         print(text_table(CLASS_HEADERS + ["config", "ms", "heuristic ms", "speed-up", "tuned at"], rows), file=out)
+        for key, e in sorted(dev["entries"].items()):
+            for r in e.get("rejected") or ():
+                if isinstance(r, dict):
+                    print(f"  rejected for {key}: {format_config(r.get('config') or {})}: {r.get('why')}", file=out)
+    _show_verdicts(out)
     return 0
+
+
+def _show_verdicts(out) -> None:
+    """The hooks' first-use verdicts (:mod:`powersgd_triton.verify`), per device: kernel, shape class, config."""
+    from ..verify import store
+
+    verdicts = store()
+    devices = sorted(verdicts.load(refresh=True)["devices"].items())
+    print(f"\nfirst-use verdicts: {verdicts.path}", file=out)
+    if not devices:
+        print("(none)", file=out)
+    for dkey, dev in devices:
+        print(f"\n{dkey}: {len(dev['verdicts'])} verdicts", file=out)
+        rows = []
+        for key, e in sorted(dev["verdicts"].items()):
+            try:
+                cells = _class_cells(ShapeClass.parse(key.split("|{", 1)[0]))
+            except ValueError:
+                cells = [key] + [""] * (len(CLASS_HEADERS) - 1)
+            worst = e.get("worst")
+            rows.append(cells + [format_config(e["config"]) if e["config"] else "-", "ok" if e["ok"] else "WRONG",
+                                 "-" if worst is None else f"{worst:.2g}", str(e.get("detail") or ""),
+                                 str(e.get("checked_at", ""))])
+        print(text_table(CLASS_HEADERS + ["config", "verdict", "worst rel. error", "detail", "checked at"], rows),
+              file=out)
 
 
 def run(args, out=None) -> int:

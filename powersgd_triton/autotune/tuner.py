@@ -8,7 +8,10 @@ Lookup order for one kernel of one bucket layout (:meth:`Tuner.choose`):
 4. live tuning, only when asked (``autotune=True``) and possible (CUDA, not ``TRITON_INTERPRET=1``): every candidate
    of :func:`~powersgd_triton.kernels.triton_ops.config_space` plus the heuristic config is timed with
    ``triton.testing.do_bench`` (median, warm-up) on scratch copies of the layout's buffers, rotating through enough
-   copies to exceed the L2 cache; the fastest wins and is written to the user cache,
+   copies to exceed the L2 cache; the fastest wins and is written to the user cache. Before its time counts, each
+   candidate's outputs on seeded inputs are compared with the torch backend's on the same inputs
+   (:func:`powersgd_triton.verify.candidate_gate`, the first-use check's tolerances): one that disagrees is dropped,
+   and the cache entry lists it with the reason (``rejected``; ``powersgd-triton autotune --show``),
 5. the nearest size class of the same kernel/dtype/rank/hook kind in the user cache, then in the shipped file,
 6. the heuristic (:func:`~powersgd_triton.kernels.triton_ops.heuristic_config`).
 
@@ -68,6 +71,7 @@ class Choice:
     note: str = ""
     timings: List[Tuple[dict, float]] = field(default_factory=list)
     raw: Optional[dict] = None  # the stored entry this choice was read from
+    rejected: List[Tuple[dict, str]] = field(default_factory=list)  # candidates that disagreed with torch, and why
 
     @property
     def speedup(self) -> Optional[float]:
@@ -83,6 +87,8 @@ class Choice:
         out = {"config": dict(self.config), "time_ms": self.time_ms, "heuristic_ms": self.heuristic_ms}
         if self.timings:
             out["candidates"] = len(self.timings)
+        if self.rejected:
+            out["rejected"] = [{"config": dict(c), "why": why} for c, why in self.rejected]
         out["tuned_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         out["torch"] = torch.__version__
         return out
@@ -215,6 +221,8 @@ class Tuner:
         warmup_ms, rep_ms: ``do_bench`` warm-up and measurement time per candidate.
         rotate_bytes: scratch data cycled through per measurement (default 4x the L2 cache, at least 64 MiB).
         nearest_distance: largest size-class distance accepted by the nearest-class lookup (0 disables it).
+        check: compare each candidate's outputs with the torch backend before timing it (default: when the kernels
+            really run, i.e. without ``timer``; ``True`` also with a ``timer``, the kernels then run for the check).
     """
 
     def __init__(
@@ -228,7 +236,9 @@ class Tuner:
         rep_ms: float = 100.0,
         rotate_bytes: Optional[int] = None,
         nearest_distance: int = 3,
+        check: Optional[bool] = None,
     ):
+        self.check = check
         self._cache = cache
         self.config_dirs = config_dirs
         self.timer = timer
@@ -428,8 +438,24 @@ class Tuner:
                                f"{exc}); heuristic used", warn=True)
                 return Choice(kernel, sc, dict(heuristic), "heuristic", note="no scratch memory")
         timings: List[Tuple[dict, float]] = []
+        rejected: List[Tuple[dict, str]] = []
+        gate = None
+        if self.check if self.check is not None else self.timer is None:
+            from ..verify import candidate_gate  # imported here: verify imports this package
+
+            try:
+                gate = candidate_gate(kernel, layout, dtype)
+            except Exception as exc:  # noqa: BLE001 - e.g. no memory for its inputs: the hooks' first-use check remains
+                self._say_once(f"powersgd_triton autotune: candidates of {sc} not checked against the torch backend "
+                               f"({type(exc).__name__}: {exc})", warn=True)
         for cfg in cands:
             try:
+                why = gate(cfg) if gate is not None else None
+                if why is not None:  # wrong numbers: dropped before its time can count
+                    rejected.append((cfg, why))
+                    logger.warning("powersgd_triton autotune: %s %s disagrees with the torch backend (%s); dropped",
+                                   kernel, cfg, why)
+                    continue
                 t = self.measure(kernel, cfg, sc, workload)
             except Exception as exc:  # noqa: BLE001 - any failing candidate is just not chosen
                 logger.info("powersgd_triton autotune: %s %s failed: %s: %s", kernel, cfg, type(exc).__name__, exc)
@@ -438,14 +464,19 @@ class Tuner:
                 t = math.inf
             timings.append((cfg, t))
         self.stats["tuned"] += 1
+        if not timings:
+            self._say_once(f"powersgd_triton autotune: every candidate of {kernel} disagreed with the torch backend "
+                           f"for {sc}; heuristic used (the hooks' first-use check decides)", warn=True)
+            return Choice(kernel, sc, dict(heuristic), "heuristic", note="every candidate disagreed", rejected=rejected)
         best_i = min(range(len(timings)), key=lambda i: (timings[i][1], i))
         best, best_t = timings[best_i]
         h_t = next((t for c, t in timings if c == heuristic), None)
         if not math.isfinite(best_t):
             self._say_once(f"powersgd_triton autotune: every candidate of {kernel} failed for {sc}; heuristic used",
                            warn=True)
-            return Choice(kernel, sc, dict(heuristic), "heuristic", note="all candidates failed", timings=timings)
-        return Choice(kernel, sc, dict(best), "tuned", best_t, h_t, timings=timings)
+            return Choice(kernel, sc, dict(heuristic), "heuristic", note="all candidates failed", timings=timings,
+                          rejected=rejected)
+        return Choice(kernel, sc, dict(best), "tuned", best_t, h_t, timings=timings, rejected=rejected)
 
     # ------------------------------------------------------------------ per layout, all ranks
     def select(
