@@ -98,9 +98,22 @@ RECONSTRUCT_TILES = {
 # entry applies to: {(kernel, padded rank, element size): tile}} (broadcast_tile). Seen on the sm_90 compile under
 # triton 3.6 (ptxas -v, every variant): reconstruct's R 8 tile 16 x 32 PREFETCH 2 spills 56 bytes in fp32 and 104
 # in bf16 (PREFETCH 1: 24 / 32); the nearest tile that does not spill keeps BLOCK_K, PREFETCH and maxnreg and takes
-# half the rows (8 x 32 PREFETCH 2 at 128 registers: no spills in fp32, bf16). Not tuned against the model.
+# half the rows (8 x 32 PREFETCH 2 at 128 registers: no spills in fp32, bf16); likewise R 2 bf16, whose 16 x 32
+# PREFETCH 2 spills 8 bytes in the padding-error commit variant (8 x 32: 72-122 registers, none). project_t's broadcast tiles (split +
+# HAS_Q2, split, plain) spill under triton 3.6 at six of its eight entries (bytes: R 1 fp32 224-236, R 1 bf16 176,
+# R 2 bf16 36, R 4 fp32 12, R 4 bf16 176-484, R 8 fp32 28-64); the nearest that does not spill keeps the tile and
+# PREFETCH and raises maxnreg to the next notch that holds it (R 1 fp32 and bf16: 72 -> 96, 80 still spills; R 2
+# bf16: 72 -> 80; R 4 fp32: 96 -> 112), or where the cap is already 128 takes half the rows per step (R 4 bf16:
+# 512 x 2 PREFETCH 1; R 8 fp32: 256 x 4 PREFETCH 0). triton 3.4 takes those and also spills project_t's R 2 fp32
+# tile (512 x 2 PREFETCH 2 at 72: 24 bytes), so 80 there. The first entry (the oldest) holding a key wins. Not tuned
+# against the model.
 OLDER_TRITON_TILES = {
-    (3, 6): {("reconstruct", 8, 4): (8, 32, 2, 128), ("reconstruct", 8, 2): (8, 32, 2, 128)},
+    (3, 4): {("project_t", 2, 4): (512, 2, 2, 80)},
+    (3, 6): {("reconstruct", 8, 4): (8, 32, 2, 128), ("reconstruct", 8, 2): (8, 32, 2, 128),
+             ("reconstruct", 2, 2): (8, 32, 2, 128),
+             ("project_t", 1, 4): (512, 4, 1, 96), ("project_t", 1, 2): (256, 8, 1, 96),
+             ("project_t", 2, 2): (512, 2, 2, 80), ("project_t", 4, 4): (512, 2, 2, 112),
+             ("project_t", 4, 2): (512, 2, 1, 128), ("project_t", 8, 4): (256, 4, 0, 128)},
 }
 
 
