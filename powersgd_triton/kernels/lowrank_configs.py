@@ -105,10 +105,12 @@ RECONSTRUCT_TILES = {
 # PREFETCH and raises maxnreg to the next notch that holds it (R 1 fp32 and bf16: 72 -> 96, 80 still spills; R 2
 # bf16: 72 -> 80; R 4 fp32: 96 -> 112), or where the cap is already 128 takes half the rows per step (R 4 bf16:
 # 512 x 2 PREFETCH 1; R 8 fp32: 256 x 4 PREFETCH 0). triton 3.4 takes those and also spills project_t's R 2 fp32
-# tile (512 x 2 PREFETCH 2 at 72: 24 bytes), so 80 there. The first entry (the oldest) holding a key wins. Not tuned
+# tile (512 x 2 PREFETCH 2 at 72: 24 bytes), so 80 there, and reconstruct's R 4 tile (8 x 64 PREFETCH 2 at 128:
+# 40-168 bytes in fp32, 152-160 in bf16, in the commit variants), so half the rows (4 x 64: none). The first entry (the oldest) holding a key wins. Not tuned
 # against the model.
 OLDER_TRITON_TILES = {
-    (3, 4): {("project_t", 2, 4): (512, 2, 2, 80)},
+    (3, 4): {("project_t", 2, 4): (512, 2, 2, 80),
+             ("reconstruct", 4, 4): (4, 64, 2, 128), ("reconstruct", 4, 2): (4, 64, 2, 128)},
     (3, 6): {("reconstruct", 8, 4): (8, 32, 2, 128), ("reconstruct", 8, 2): (8, 32, 2, 128),
              ("reconstruct", 2, 2): (8, 32, 2, 128),
              ("project_t", 1, 4): (512, 4, 1, 96), ("project_t", 1, 2): (256, 8, 1, 96),
