@@ -1,12 +1,11 @@
 """The torch and Triton versions this package is tested with, and every API of theirs that differs between versions.
 
-Each version-dependent call goes through this module, so a new release is adapted in one file. Tested (the whole
-test suite, ``README.md``'s command): torch 2.13.0 (CPU build) with triton 3.9.0; the kernel tests also with triton
-3.6.0 (Triton's interpreter, numpy 2.4 and 2.5) and the ahead-of-time compiles for sm_80/sm_90 with both. The
-floors in ``pyproject.toml`` (``torch>=2.13``, ``triton>=3.6``) are these tested minima. The GPU image that
-``bench/gpu_check.py`` is written for has torch 2.11 + triton 3.6: below the torch floor, expected to work (the
-package only reads torch's version in the gates below, and :mod:`powersgd_triton.fsdp` handles FSDP2's 2.11
-internals), not run by the suite here.
+Each version-dependent call goes through this module, so a new release is adapted in one file. Tested: the whole
+suite (``.ci/run``'s main tier) on torch 2.13.0 (CPU build) with triton 3.9.0; the compat tier (``.ci/compat``:
+hooks, state, kernels under the interpreter, FSDP2/HSDP, the integrations, the sm_90 compile table, the README's
+digits check) on the CUDA wheels of torch 2.8.0 + triton 3.4.0 (the floor), torch 2.11.0 + triton 3.6.0 (the GPU
+image ``bench/gpu_check.py`` targets) and torch 2.14.1 + triton 3.8.0, run on CPU (``docs/support.md``). The
+floors in ``pyproject.toml`` (``torch>=2.8``, ``triton>=3.4``) are the tested minima.
 
 | API | changed in | gate |
 | --- | --- | --- |
@@ -14,8 +13,12 @@ internals), not run by the suite here.
 | ``triton.compiler.ASTSource(fn, signature, constexprs=...)``, the signature keyed by argument name | triton 3.2 (3.0/3.1: ``constants=``, keyed by index) | :func:`ast_source` |
 | ``triton.backends.compiler.GPUTarget(backend, arch, warp_size)`` | triton 3.0 | :func:`gpu_target` |
 | smallest inner dimension ``K`` of ``tl.dot`` on NVIDIA (float64: 16 in triton 3.6, 4 in 3.9) | triton 3.7-3.9 | :func:`dot_min_k` (the orthogonalization kernel's float64 products broadcast below it) |
+| float64 operands of ``tl.dot`` (the orthogonalization kernel's Gram and products) | after triton 3.4 (3.6 has them) | :func:`dot_float64_supported` (without: broadcast and sum) |
 | ``FSDPModule.set_all_reduce_hook`` (FSDP2 over the replicate group of HSDP) | torch 2.7 | :func:`fsdp_all_reduce_hook_missing` |
 | ``JITFunction.run``'s last call, ``kernel.run(grid, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)`` (the launch of a compiled kernel, bypassing the binding) | read in triton 3.6.0 and 3.9.0 (``runtime/jit.py``): the same call | :class:`DirectLaunch` (other versions: the JIT call) |
+| FSDP2's parameter groups per module: ``FSDPState._fsdp_param_groups`` (a list) | after torch 2.11 (2.8-2.11: one ``_fsdp_param_group``) | :func:`fsdp_param_groups` |
+| a custom gradient divide factor: ``FSDPParamGroup.gradient_divide_factor`` | torch 2.8 (2.7: ``reduce_scatter_reduce_op``) | :func:`fsdp_divide_factor_set` |
+| ``FSDPModule.set_reduce_scatter_unused_params`` (zero gradients for unused parameters) | after torch 2.11 | :func:`fsdp_unused_params_option` |
 """
 
 import inspect
@@ -24,9 +27,9 @@ from typing import Optional, Tuple
 
 import torch
 
-MIN_TORCH: Tuple[int, int] = (2, 13)  # pyproject.toml's floor: the oldest torch the test suite ran on
-MIN_TRITON: Tuple[int, int] = (3, 6)  # pyproject.toml's floor: the oldest triton the kernel tests ran on
-TESTED = {"torch": ("2.13.0",), "triton": ("3.6.0", "3.9.0")}
+MIN_TORCH: Tuple[int, int] = (2, 8)  # pyproject.toml's floor: the oldest torch the compat tier runs (.ci/compat)
+MIN_TRITON: Tuple[int, int] = (3, 4)  # pyproject.toml's floor: the Triton torch 2.8's CUDA wheel pins
+TESTED = {"torch": ("2.8.0", "2.11.0", "2.13.0", "2.14.1"), "triton": ("3.4.0", "3.6.0", "3.8.0", "3.9.0")}
 
 
 def version_tuple(text: str) -> Tuple[int, ...]:
@@ -117,12 +120,37 @@ def fsdp_all_reduce_hook_missing() -> Optional[str]:
     return None
 
 
+NO_DOT_K = 1 << 30  # dot_min_k of a width tl.dot does not take: no inner dimension reaches it
+
+
+def dot_float64_supported() -> bool:
+    """Whether this Triton's ``tl.dot`` takes float64 operands: not in triton 3.4 (its semantic asserts int8, uint8,
+    float16, bfloat16 or float32), yes in 3.6 and later; for a version in between, its ``dot`` is read. False
+    without triton."""
+    v = triton_version()
+    if v is None or v[:2] <= (3, 4):
+        return False
+    if v[:2] >= (3, 6):
+        return True
+    try:
+        from triton.language import semantic
+
+        src = inspect.getsource(semantic)
+        start = src.index("def dot(")
+        return "float64" in src[start:start + 3000]
+    except Exception:  # noqa: BLE001 - unreadable: broadcast (slower, never wrong)
+        return False
+
+
 def dot_min_k(bits: int) -> int:
     """The smallest inner dimension ``K`` that this Triton's NVIDIA backend accepts in ``tl.dot`` for operands of
     ``bits`` width (``min_dot_size``: 16 for every width but 8-bit in triton 3.6; 4 for float64 and 8 for float32 in
-    3.9). 16 when the backend cannot be asked (no NVIDIA backend, another API)."""
+    3.9); :data:`NO_DOT_K` for float64 on a Triton whose ``tl.dot`` has no float64 (:func:`dot_float64_supported`).
+    16 when the backend cannot be asked (no NVIDIA backend, another API)."""
     from types import SimpleNamespace
 
+    if int(bits) == 64 and not dot_float64_supported():
+        return NO_DOT_K
     try:
         from triton.backends.nvidia.compiler import min_dot_size
 
@@ -296,3 +324,27 @@ class DirectLaunch:
         self.run = kernel.run  # the launcher (CompiledKernel.run is a property: made once, then kept)
         self.c_launch = _c_launch(self.run)
         self.kernel = kernel
+
+
+def fsdp_param_groups(fsdp_state) -> list:
+    """The FSDP parameter groups of one module's ``FSDPState``: ``_fsdp_param_groups`` (a list, after torch 2.11),
+    else the single ``_fsdp_param_group`` (torch 2.8-2.11; empty when it is None)."""
+    groups = getattr(fsdp_state, "_fsdp_param_groups", None)
+    if groups is None:
+        one = getattr(fsdp_state, "_fsdp_param_group", None)
+        groups = [] if one is None else [one]
+    return list(groups)
+
+
+def fsdp_divide_factor_set(fsdp_group) -> bool:
+    """Whether an FSDP parameter group has a custom gradient divide factor: ``gradient_divide_factor`` (torch >= 2.8,
+    ``set_gradient_divide_factor``) or a custom ``reduce_scatter_reduce_op`` (torch 2.7's
+    ``set_reduce_scatter_divide_factor``)."""
+    return (getattr(fsdp_group, "gradient_divide_factor", None) is not None
+            or getattr(fsdp_group, "reduce_scatter_reduce_op", None) is not None)
+
+
+def fsdp_unused_params_option(module) -> bool:
+    """Whether this torch's FSDP2 module has ``set_reduce_scatter_unused_params`` (zero gradients for parameters
+    unused in the forward; after torch 2.11)."""
+    return callable(getattr(module, "set_reduce_scatter_unused_params", None))

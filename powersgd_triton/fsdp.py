@@ -45,13 +45,11 @@ registration (``RuntimeError`` naming the module on a mismatch: e.g. a parameter
 ``module.set_reduce_scatter_unused_params(True)``), and ``set_requires_all_reduce(False)``, which FSDP does not apply
 to an all-reduce hook on a 1-D mesh (refused).
 
-Torch versions: FSDP2 has ``FSDPModule.set_all_reduce_hook`` from torch 2.7 on (older versions are refused with a
-``RuntimeError``). The registration reads FSDP's per-parameter shard metadata (``sharded_size``,
-``padded_sharded_param_size``, ``fsdp_placement``, ``mp_policy``) and checks it against the layout computed from the
-public DTensor shape and mesh, so a version that lays shards out differently is refused, never silently misread. Run
-and tested with torch 2.13 (CPU, gloo); the FSDP2 sources of torch 2.7 and 2.11 were read for the same hook call,
-reduce-scatter layout and divide factors (2.11 has one parameter group per module and no
-``set_reduce_scatter_unused_params``; 2.7 names its divide factor ``reduce_scatter_reduce_op``).
+Torch versions: FSDP2's all-reduce hook and the internals read here differ between releases; each difference goes
+through :mod:`powersgd_triton._compat` (the ``fsdp_*`` gates, with the release each appeared in). The shard
+metadata read (``sharded_size``, ``padded_sharded_param_size``, ``fsdp_placement``, ``mp_policy``) is checked against
+the layout computed from the public DTensor shape and mesh, so a version that lays shards out differently is
+refused, never silently misread. Tested with torch 2.8, 2.11, 2.13 and 2.14 (CPU, gloo).
 """
 
 import math
@@ -62,7 +60,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _step
+from . import _compat, _step
 from .alternating import alternating_powerSGD_hook
 from .hooks import powerSGD_hook
 from .layout import check_gradient_dtype
@@ -77,9 +75,7 @@ HOOKS = {"powerSGD_hook": powerSGD_hook, "alternating_powerSGD_hook": alternatin
 
 def _fsdp_api():
     """``(FSDPModule, Shard)`` of this torch, or ``RuntimeError`` naming the version when FSDP2's hook is missing."""
-    from ._compat import fsdp_all_reduce_hook_missing
-
-    missing = fsdp_all_reduce_hook_missing()
+    missing = _compat.fsdp_all_reduce_hook_missing()
     if missing:
         raise RuntimeError(missing)
     from torch.distributed.fsdp import FSDPModule
@@ -186,26 +182,11 @@ def _group_ranks(group) -> List[int]:
     return [int(r) for r in dist.get_process_group_ranks(group)]
 
 
-def _fsdp_groups_of(state_obj) -> list:
-    groups = getattr(state_obj, "_fsdp_param_groups", None)
-    if groups is None:  # torch versions with one group per module
-        one = getattr(state_obj, "_fsdp_param_group", None)
-        groups = [] if one is None else [one]
-    return list(groups)
-
-
 def _unknown(what: str) -> RuntimeError:
     return RuntimeError(
         f"torch {torch.__version__}: FSDP2's internals differ from what powersgd_triton.fsdp knows ({what}); "
-        "refusing rather than misreading the shard layout (tested with torch 2.13)"
+        "refusing rather than misreading the shard layout (tested with torch 2.8-2.14)"
     )
-
-
-def _divide_factor_set(fsdp_group) -> bool:
-    """A custom gradient divide factor: ``gradient_divide_factor`` (torch >= 2.8) or a custom
-    ``reduce_scatter_reduce_op`` (torch 2.7's ``set_reduce_scatter_divide_factor``)."""
-    return (getattr(fsdp_group, "gradient_divide_factor", None) is not None
-            or getattr(fsdp_group, "reduce_scatter_reduce_op", None) is not None)
 
 
 def _reduce_dtype(fp, fsdp_group, orig: torch.dtype) -> torch.dtype:
@@ -234,7 +215,7 @@ def _read_group(index: int, name: str, module, fsdp_group, names: Dict[int, str]
     if getattr(fsdp_group, "_all_reduce_hook", None) is not None:
         raise ValueError(f"{label} already has an all-reduce hook (set_all_reduce_hook): register PowerSGD once, on "
                          "a model with no other all-reduce hook")
-    if _divide_factor_set(fsdp_group):
+    if _compat.fsdp_divide_factor_set(fsdp_group):
         raise ValueError(
             f"{label} has a custom gradient divide factor (set_gradient_divide_factor, or "
             "set_reduce_scatter_divide_factor before torch 2.8): PowerSGD averages over the replicate group, which that "
@@ -351,7 +332,7 @@ class FSDPPowerSGD:
                 "mesh (it calls the hook on every reduce-scatter); for gradient accumulation use "
                 "set_requires_gradient_sync(False), which skips the reduce-scatter too"
             )
-        if _divide_factor_set(fsdp_group):
+        if _compat.fsdp_divide_factor_set(fsdp_group):
             raise RuntimeError(f"{group.label}: a gradient divide factor was set after registering PowerSGD; "
                                "PowerSGD averages over the replicate group: leave it unset")
         if output.dim() != 1 or not output.is_contiguous():
@@ -364,7 +345,7 @@ class FSDPPowerSGD:
         expected = sum(group.params[i].padded_numel for i in live)
         if output.numel() != expected:
             remedy = ("call module.set_reduce_scatter_unused_params(True) on it (zero gradients for unused parameters)"
-                      if hasattr(group.module, "set_reduce_scatter_unused_params") else
+                      if _compat.fsdp_unused_params_option(group.module) else
                       "use every parameter in the forward, or set requires_grad=False on the unused ones")
             raise RuntimeError(
                 f"{group.label}: the reduce-scatter output has {output.numel()} elements, the shards of its "
@@ -557,9 +538,9 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
                         "first")
     for mname, module in modules:
         try:
-            fsdp_groups = _fsdp_groups_of(module._get_fsdp_state())
+            fsdp_groups = _compat.fsdp_param_groups(module._get_fsdp_state())
         except AttributeError:
-            raise _unknown("FSDPModule._get_fsdp_state()._fsdp_param_groups") from None
+            raise _unknown("FSDPModule._get_fsdp_state()'s parameter groups") from None
         if len(fsdp_groups) > 1:
             raise ValueError(f"FSDP module {mname or '<root>'!r} has {len(fsdp_groups)} parameter groups (a "
                              "per-parameter mesh from shard_placement_fn); PowerSGD needs one group per module")

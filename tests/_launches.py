@@ -99,18 +99,20 @@ def counting_bucket_kernels(counter: CountLaunches):
 def interpreted_launches(execute=True):
     """Every interpreted Triton launch inside the block, as ``(kernel function name, grid, keyword arguments)`` (the
     constexprs and launch options); ``execute=False`` records without running them."""
-    from triton.runtime.interpreter import InterpretedFunction
+    # GridExecutor runs every interpreted launch in triton 3.4 (kernel[grid] builds it directly) and 3.6+ (through
+    # InterpretedFunction.run)
+    from triton.runtime.interpreter import GridExecutor
 
-    calls, original = [], InterpretedFunction.run
+    calls, original = [], GridExecutor.__call__
 
-    def run(self, *args, grid, warmup, **kwargs):
-        calls.append((self.fn.__name__, grid, kwargs))
+    def run(self, *args, **kwargs):
+        calls.append((self.fn.__name__, self.grid, kwargs))
         if execute:
-            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+            return original(self, *args, **kwargs)
         return None
 
-    InterpretedFunction.run = run
+    GridExecutor.__call__ = run
     try:
         yield calls
     finally:
-        InterpretedFunction.run = original
+        GridExecutor.__call__ = original

@@ -51,13 +51,13 @@ def old_triton(monkeypatch):
 
 def test_triton_older_than_the_floor_is_not_used(old_triton):
     reason = _compat.triton_too_old()
-    assert reason and "triton 3.1.0 is older than 3.6" in reason
+    assert reason and "triton 3.1.0 is older than 3.4" in reason
     assert not _env.triton_available()
-    assert "triton 3.1.0 is older than 3.6" in _env.triton_unavailable_reason(torch.device("cpu"))
+    assert "triton 3.1.0 is older than 3.4" in _env.triton_unavailable_reason(torch.device("cpu"))
     assert any("triton 3.1.0" in n for n in _compat.untested_versions())
     from powersgd_triton import PowerSGDState
 
-    with pytest.raises(RuntimeError, match="triton 3.1.0 is older than 3.6"):
+    with pytest.raises(RuntimeError, match="triton 3.1.0 is older than 3.4"):
         PowerSGDState(process_group=None, matrix_approximation_rank=2, backend="triton")
     from powersgd_triton.ops import resolve_backend
 
@@ -100,15 +100,35 @@ def test_fsdp_hook_gate(monkeypatch):
         _fsdp_api()
 
 
+def test_fsdp_gates_read_either_torchs_internals():
+    """The FSDP2 internals that differ between torch 2.8-2.11 and later releases, on stand-ins of both layouts."""
+    from types import SimpleNamespace as NS
+
+    a, b = object(), object()
+    assert _compat.fsdp_param_groups(NS(_fsdp_param_groups=[a, b])) == [a, b]  # after torch 2.11
+    assert _compat.fsdp_param_groups(NS(_fsdp_param_group=a)) == [a]  # torch 2.8-2.11
+    assert _compat.fsdp_param_groups(NS(_fsdp_param_group=None)) == []  # a module without parameters
+    assert _compat.fsdp_param_groups(NS(_fsdp_param_groups=[], _fsdp_param_group=a)) == []  # the list wins
+    assert not _compat.fsdp_divide_factor_set(NS(gradient_divide_factor=None))
+    assert _compat.fsdp_divide_factor_set(NS(gradient_divide_factor=3.0))  # torch >= 2.8
+    assert _compat.fsdp_divide_factor_set(NS(reduce_scatter_reduce_op="premul_sum"))  # torch 2.7
+    assert not _compat.fsdp_divide_factor_set(NS())
+    assert _compat.fsdp_unused_params_option(NS(set_reduce_scatter_unused_params=lambda flag: None))
+    assert not _compat.fsdp_unused_params_option(NS(set_reduce_scatter_unused_params=None))
+    assert not _compat.fsdp_unused_params_option(NS())
+
+
 def test_version_dependent_apis_are_reached_through_compat_only():
-    """``ASTSource``/``GPUTarget`` are built in ``_compat.py`` alone; FSDP2's hook is probed there alone."""
+    """``ASTSource``/``GPUTarget`` are built in ``_compat.py`` alone; FSDP2's hook and its version-dependent internals
+    (parameter groups, divide factor, unused-parameter option) are probed there alone."""
     offenders = []
     for path in (ROOT / "powersgd_triton").rglob("*.py"):
         if path.name == "_compat.py":
             continue
         text = path.read_text()
         for pattern in (r"\bASTSource\(", r"\bGPUTarget\(", r"import ASTSource", r"import GPUTarget",
-                        r"hasattr\([^)]*set_all_reduce_hook"):
+                        r"hasattr\([^)]*set_all_reduce_hook", r"_fsdp_param_groups?\b", r"\bgradient_divide_factor\b",
+                        r"(has|get)attr\([^)]*set_reduce_scatter_unused_params"):
             if re.search(pattern, text):
                 offenders.append(f"{os.path.relpath(path, ROOT)}: {pattern}")
     assert not offenders, offenders
@@ -167,4 +187,28 @@ def test_dot_min_k_follows_the_installed_triton():
         assert (k64, k32) == (4, 8)
     elif version == (3, 6):
         assert (k64, k32) == (16, 16)
+    if version <= (3, 4):  # no float64 tl.dot at all: the kernel broadcasts every float64 product
+        assert not _compat.dot_float64_supported() and k64 == _compat.NO_DOT_K
+    elif version >= (3, 6):
+        assert _compat.dot_float64_supported() and k64 <= 16
+    assert bool(O._DOT64) == _compat.dot_float64_supported()
     assert int(O._DOT64_K) == k64 and int(O._DOT64_K8) == max(8, k64)
+
+
+def test_older_triton_tiles_are_keyed_by_version(monkeypatch):
+    """A tile that spills under an older Triton is swapped for that Triton only (triton 3.6: reconstruct at R 8)."""
+    from powersgd_triton.kernels import lowrank_configs as L
+
+    older = L.OLDER_TRITON_TILES[(3, 6)][("reconstruct", 8, 4)]
+    assert older != L.RECONSTRUCT_TILES[(8, 4)]
+    for version, expected in (((3, 4), older), ((3, 6), older), ((3, 8), L.RECONSTRUCT_TILES[(8, 4)]),
+                              ((3, 9), L.RECONSTRUCT_TILES[(8, 4)]), (None, L.RECONSTRUCT_TILES[(8, 4)])):
+        monkeypatch.setattr(L, "_triton_minor", lambda version=version: version)
+        assert L.broadcast_tile("reconstruct", L.RECONSTRUCT_TILES, 8, 4) == expected, version
+        assert L.broadcast_tile("project", L.PROJECT_TILES, 8, 4) == L.PROJECT_TILES[(8, 4)]
+        # triton 3.4's own entry wins over 3.6's; 3.6 and newer keep the table's R 2 fp32 project_t tile
+        t34, table = L.OLDER_TRITON_TILES[(3, 4)][("project_t", 2, 4)], L.PROJECT_T_TILES[(2, 4)]
+        assert L.broadcast_tile("project_t", L.PROJECT_T_TILES, 2, 4) == (t34 if version == (3, 4) else table), version
+        p1 = L.OLDER_TRITON_TILES[(3, 6)][("project_t", 1, 4)]
+        assert L.broadcast_tile("project_t", L.PROJECT_T_TILES, 1, 4) == (
+            p1 if version in ((3, 4), (3, 6)) else L.PROJECT_T_TILES[(1, 4)]), version

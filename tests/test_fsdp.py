@@ -72,7 +72,8 @@ def _batch(step, rank, seed):
 
 def _loss(model, step, rank, seed=0):
     x, y = _batch(step, rank, seed)
-    return nn.functional.mse_loss(model(x), y)
+    out = model(x)  # bfloat16 under the bf16 policy: torch < 2.13 cannot backpropagate mse_loss(bf16, fp32)
+    return nn.functional.mse_loss(out, y.to(out.dtype))
 
 
 def _train(model, steps, rank, start=0, seed=0):

@@ -146,7 +146,8 @@ def _wrapper_run(rank, world_size, which):
 def test_bf16_wrapper_runs_on_cpu_gloo_with_fp32_memory(tmp_path):
     results = run_ranks(_wrapper_worker, 2, tmp_path)
     refused = results[0]["torch_bf16"]["refused"]
-    assert refused is not None  # why ours exists (if PyTorch lifts the gate, ours is still fine)
+    if torch.version.cuda is None and torch.version.hip is None:  # DDP refuses it by name on CPU-only builds
+        assert refused is not None  # why ours exists (if PyTorch lifts the gate, ours is still fine)
     bf16 = [r["bf16"] for r in results]
     fp32 = results[0]["none"]
     for r in bf16:

@@ -39,7 +39,7 @@ from .launch_common import INTERPRETER_CONFIGS, _tile_key, device_sms
 from .lowrank_configs import (
     _BROADCAST_TILES, _DEPTHS, _DOT_TILES, _SPLIT_DOT_TILES, BROADCAST_ELEMENTS_PER_THREAD, PROJECT_T_BATCHED_TILE,
     PROJECT_T_FP32_DOT_CONFIG, PROJECT_T_SPLIT_CONFIG, PROJECT_T_SPLIT_MIN_RANK, PROJECT_T_TILES, PROJECT_TILES,
-    RECONSTRUCT_TILES, TILE_ELEMENTS_PER_THREAD, _broadcast_config, _project_t_broadcast_configs,
+    RECONSTRUCT_TILES, TILE_ELEMENTS_PER_THREAD, _broadcast_config, _project_t_broadcast_configs, broadcast_tile,
 )
 from .ortho_configs import _ortho_configs, _ortho_heuristic
 
@@ -76,10 +76,11 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
         out = _project_t_broadcast_configs(r)
     if kernel in ("project", "reconstruct") and r <= 8:  # their heuristic tiles for 4- and 2-byte gradients
         table = PROJECT_TILES if kernel == "project" else RECONSTRUCT_TILES
-        for es in (4, 2):
-            cfg = _broadcast_config(kernel, *table[(r, es)])
-            if cfg not in out:
-                out.append(cfg)
+        for es in (4, 2):  # this Triton's heuristic tile (OLDER_TRITON_TILES), and the table's
+            for tile in (broadcast_tile(kernel, table, r, es), table[(r, es)]):
+                cfg = _broadcast_config(kernel, *tile)
+                if cfg not in out:
+                    out.append(cfg)
     for (bt, bk), warps, (stages, prefetch) in itertools.product(_BROADCAST_TILES.get(kernel, ()), (4, 8), _DEPTHS):
         if bt * bk * r > BROADCAST_ELEMENTS_PER_THREAD * 32 * warps or bt * bk > TILE_ELEMENTS_PER_THREAD * 32 * warps:
             continue
@@ -141,10 +142,10 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
     if kernel == "project_t":
         if getattr(layout, "batched", False):
             return _broadcast_config("project_t", *PROJECT_T_BATCHED_TILE)
-        return _broadcast_config("project_t", *PROJECT_T_TILES[(r, es)])
+        return _broadcast_config("project_t", *broadcast_tile("project_t", PROJECT_T_TILES, r, es))
     if kernel == "project":
-        return _broadcast_config("project", *PROJECT_TILES[(r, es)])
-    return _broadcast_config("reconstruct", *RECONSTRUCT_TILES[(r, es)])
+        return _broadcast_config("project", *broadcast_tile("project", PROJECT_TILES, r, es))
+    return _broadcast_config("reconstruct", *broadcast_tile("reconstruct", RECONSTRUCT_TILES, r, es))
 
 
 def _resolve(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional[dict]) -> dict:

@@ -7,6 +7,7 @@ compile, ptxas -v, the SASS replay of :func:`powersgd_triton.autotune.aot.sass_l
 read them. No kernel is imported here.
 """
 
+import functools
 import itertools
 from typing import List, Optional
 
@@ -93,6 +94,50 @@ RECONSTRUCT_TILES = {
     (4, 4): (8, 64, 2, 128), (4, 2): (8, 64, 2, 128),
     (8, 4): (16, 32, 2, 128), (8, 2): (16, 32, 2, 128),
 }
+# Tiles for an older Triton whose register allocation spills a table's tile: {the newest triton (major, minor) the
+# entry applies to: {(kernel, padded rank, element size): tile}} (broadcast_tile). Seen on the sm_90 compile under
+# triton 3.6 (ptxas -v, every variant): reconstruct's R 8 tile 16 x 32 PREFETCH 2 spills 56 bytes in fp32 and 104
+# in bf16 (PREFETCH 1: 24 / 32); the nearest tile that does not spill keeps BLOCK_K, PREFETCH and maxnreg and takes
+# half the rows (8 x 32 PREFETCH 2 at 128 registers: no spills in fp32, bf16); likewise R 2 bf16, whose 16 x 32
+# PREFETCH 2 spills 8 bytes in the padding-error commit variant (8 x 32: 72-122 registers, none). project_t's broadcast tiles (split +
+# HAS_Q2, split, plain) spill under triton 3.6 at six of its eight entries (bytes: R 1 fp32 224-236, R 1 bf16 176,
+# R 2 bf16 36, R 4 fp32 12, R 4 bf16 176-484, R 8 fp32 28-64); the nearest that does not spill keeps the tile and
+# PREFETCH and raises maxnreg to the next notch that holds it (R 1 fp32 and bf16: 72 -> 96, 80 still spills; R 2
+# bf16: 72 -> 80; R 4 fp32: 96 -> 112), or where the cap is already 128 takes half the rows per step (R 4 bf16:
+# 512 x 2 PREFETCH 1; R 8 fp32: 256 x 4 PREFETCH 0). triton 3.4 takes those and also spills project_t's R 2 fp32
+# tile (512 x 2 PREFETCH 2 at 72: 24 bytes), so 80 there, and reconstruct's R 4 tile (8 x 64 PREFETCH 2 at 128:
+# 40-168 bytes in fp32, 152-160 in bf16, in the commit variants), so half the rows (4 x 64: none). The first entry (the oldest) holding a key wins. Not tuned
+# against the model.
+OLDER_TRITON_TILES = {
+    (3, 4): {("project_t", 2, 4): (512, 2, 2, 80),
+             ("reconstruct", 4, 4): (4, 64, 2, 128), ("reconstruct", 4, 2): (4, 64, 2, 128)},
+    (3, 6): {("reconstruct", 8, 4): (8, 32, 2, 128), ("reconstruct", 8, 2): (8, 32, 2, 128),
+             ("reconstruct", 2, 2): (8, 32, 2, 128),
+             ("project_t", 1, 4): (512, 4, 1, 96), ("project_t", 1, 2): (256, 8, 1, 96),
+             ("project_t", 2, 2): (512, 2, 2, 80), ("project_t", 4, 4): (512, 2, 2, 112),
+             ("project_t", 4, 2): (512, 2, 1, 128), ("project_t", 8, 4): (256, 4, 0, 128)},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_minor() -> Optional[tuple]:
+    from .. import _compat
+
+    v = _compat.triton_version()
+    return None if v is None else tuple(v[:2])
+
+
+def broadcast_tile(kernel: str, table: dict, r: int, es: int) -> tuple:
+    """The tile of ``table[(r, es)]`` (:data:`PROJECT_TILES`, :data:`PROJECT_T_TILES`, :data:`RECONSTRUCT_TILES`) for
+    this Triton: :data:`OLDER_TRITON_TILES`' entry for an installed triton at or below the entry's version."""
+    v = _triton_minor()
+    if v is not None:
+        for newest, tiles in sorted(OLDER_TRITON_TILES.items()):
+            if v <= newest and (kernel, r, es) in tiles:
+                return tiles[(kernel, r, es)]
+    return table[(r, es)]
+
+
 # project_t on the batched view (one padded s x s matrix: the PADDED and PAD_ERROR variants, whose masks and
 # padding-error loads take more registers): one tile for every R <= 8, no unrolling (one step in flight), chosen
 # like PROJECT_T_TILES for both variants (no spills, one latency per step at R 1-8, fp32 and bf16).
@@ -171,7 +216,7 @@ def _project_t_broadcast_configs(R: int) -> List[dict]:
     """project_t's broadcast candidates at padded rank ``R`` (see ``_PROJECT_T_TILES``); none above R 8."""
     if R > 8:
         return []
-    out = [_broadcast_config("project_t", *PROJECT_T_TILES[(R, es)]) for es in (4, 2)]
+    out = [_broadcast_config("project_t", *broadcast_tile("project_t", PROJECT_T_TILES, R, es)) for es in (4, 2)]
     if _broadcast_config("project_t", *PROJECT_T_BATCHED_TILE) not in out:
         out.append(_broadcast_config("project_t", *PROJECT_T_BATCHED_TILE))
     for (bm, bk), prefetch, maxnreg in itertools.product(_PROJECT_T_TILES, (0, 1, 2), _PROJECT_T_MAXNREG):

@@ -64,6 +64,8 @@ _TAU = tl.constexpr(DEPENDENT_TOL)
 # tl.dot's smallest float64 inner dimension in this Triton (4 in 3.9, 16 in 3.6): below it, broadcast and sum
 _DOT64_K = tl.constexpr(_compat.dot_min_k(64))
 _DOT64_K8 = tl.constexpr(max(8, _compat.dot_min_k(64)))
+# float64 tl.dot at all (not in triton 3.4): the Gram matrices are broadcast and summed without it
+_DOT64 = tl.constexpr(_compat.dot_float64_supported())
 
 
 @triton.jit
@@ -199,7 +201,10 @@ def _ortho_gram_kernel(
         rows = row0 + t * BLOCK + ar
         mask = (rows < n)[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + base + rows[:, None] * r + ranks[None, :], mask=mask, other=0.0).to(tl.float64)
-        acc += tl.dot(tl.trans(x), x)  # (not a helper call: each costs ~10 ms in the interpreter)
+        if _DOT64:  # (not a helper call: each costs ~10 ms in the interpreter)
+            acc += tl.dot(tl.trans(x), x)
+        else:
+            acc += tl.sum(x[:, :, None] * x[:, None, :], axis=0)
     rr = ranks[:, None] * R + ranks[None, :]
     tl.store(ws_ptr + slot * (R * R) + rr, acc)
     gwx = _head_gram(x_ptr, base, n, r, rm, head + 1, R)
@@ -254,7 +259,10 @@ def _orthogonalize_kernel(
                 mask = (rows < n_gram)[:, None] & col_ok[None, :]
                 x = tl.load(x_ptr + base + rows[:, None] * r + ranks[None, :], mask=mask, other=0.0)
                 x = x.to(tl.float64)
-                total += tl.dot(tl.trans(x), x)
+                if _DOT64:
+                    total += tl.dot(tl.trans(x), x)
+                else:
+                    total += tl.sum(x[:, :, None] * x[:, None, :], axis=0)
     # Gram of a split factor: the sum of its slots, SLOT_BLOCK at a time.
     sb = tl.arange(0, SLOT_BLOCK).to(tl.int64)
     k = nparts * 0
