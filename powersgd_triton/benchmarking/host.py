@@ -36,7 +36,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import _env
+from .. import _compat, _env
 from ..shapes import numel
 from .buckets import FakeGradBucket, _dtype, model_bucket_shapes
 from .collectives import _DoneWork
@@ -80,11 +80,10 @@ class FakeDriver:
     (``utils.launches``)."""
 
     def __init__(self):
-        from triton.backends.compiler import GPUTarget
         from triton.backends.nvidia.driver import CudaLauncher
 
         self.utils = utils = _FakeUtils()
-        self._target = GPUTarget("cuda", FAKE_ARCH, 32)
+        self._target = _compat.gpu_target(FAKE_ARCH)
 
         class FakeLauncher(CudaLauncher):
             """The installed CudaLauncher's ``__call__`` with the C ``launch`` a no-op (its ``__init__`` would

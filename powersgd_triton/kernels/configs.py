@@ -77,8 +77,8 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
     if kernel in ("project", "reconstruct") and r <= 8:  # their heuristic tiles for 4- and 2-byte gradients
         table = PROJECT_TILES if kernel == "project" else RECONSTRUCT_TILES
         for es in (4, 2):  # this Triton's heuristic tile (OLDER_TRITON_TILES), and the table's
-            for tile in (broadcast_tile(kernel, table, r, es), table[(r, es)]):
-                cfg = _broadcast_config(kernel, *tile)
+            for entry in (broadcast_tile(kernel, table, r, es), table[(r, es)]):
+                cfg = _broadcast_config(kernel, *entry)
                 if cfg not in out:
                     out.append(cfg)
     for (bt, bk), warps, (stages, prefetch) in itertools.product(_BROADCAST_TILES.get(kernel, ()), (4, 8), _DEPTHS):
