@@ -34,7 +34,8 @@ def test_compare_row_counts_one_all_reduce_per_step(tmp_path):
 def test_short_run_with_triton_kernels(tmp_path):
     """``--hook alternating`` with the default kernels (Triton, in the interpreter under the tests)."""
     out = tmp_path / "m.json"
-    proc = run_cli("train", "--hook", "alternating", *SHORT, "--out", str(out), timeout=140)
+    # --verify off: the first-use check's verdict all-reduce falls in both (checked) compressed steps of this run
+    proc = run_cli("train", "--hook", "alternating", *SHORT, "--verify", "off", "--out", str(out), timeout=140)
     assert proc.returncode == 0, proc.stderr
     payload = json.loads(out.read_text())
     check_schema(payload, ["alternating"], steps=4)

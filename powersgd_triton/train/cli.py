@@ -146,6 +146,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="dtype our hooks all-reduce P and Q in (PowerSGDState(communication_dtype=)): the bucket's "
                         "(PyTorch's behaviour), or float32 / bfloat16 / float16 whatever the bucket dtype; "
                         "PyTorch's hook (reference) always uses the bucket's")
+    p.add_argument("--verify", choices=("first", "always", "off"), default="first",
+                   help="our hooks' first-use check of the Triton kernels against the torch backend "
+                        "(PowerSGDState(verify=)): the first compressed step of each bucket layout (default), every "
+                        "step, or never; with several ranks it adds one small all-reduce to a checked step")
     p.add_argument("--amp", choices=("fp16", "bf16"), default=None,
                    help="mixed precision: autocast the forward in float16 (with a GradScaler, given to our hooks' "
                         "state as grad_scaler) or bfloat16 (no loss scaling); the gradients stay float32")
@@ -188,6 +192,7 @@ def config_from_args(args: argparse.Namespace):
         use_error_feedback=args.use_error_feedback,
         warm_start=args.warm_start,
         communication_dtype=None if args.communication_dtype == "bucket" else args.communication_dtype,
+        verify=args.verify,
         amp=args.amp,
         progress=args.progress,
         timeout=args.timeout,

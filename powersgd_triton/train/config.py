@@ -58,6 +58,8 @@ class TrainConfig:
     warm_start: bool = True
     # our hooks' PowerSGDState(communication_dtype=): None (the bucket's dtype), "float32", "bfloat16", "float16"
     communication_dtype: Optional[str] = None
+    # our hooks' PowerSGDState(verify=): "first" (default), "always", "off"
+    verify: str = "first"
     # mixed precision: None, "fp16" (autocast float16 + GradScaler, passed to our hooks' state) or "bf16" (autocast)
     amp: Optional[str] = None
     min_compression_rate: float = 2.0

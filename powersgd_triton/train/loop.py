@@ -123,7 +123,7 @@ def make_hook(name: str, cfg: TrainConfig, grad_scaler=None):
     impl = {"reference": "pytorch", "powersgd": "ours", "batched": "ours"}.get(name, name)
     extra = {}
     if impl != "pytorch":
-        extra = dict(communication_dtype=cfg.communication_dtype, grad_scaler=grad_scaler)
+        extra = dict(communication_dtype=cfg.communication_dtype, grad_scaler=grad_scaler, verify=cfg.verify)
     return make_powersgd_hook(impl, cfg.matrix_approximation_rank, batched=name == "batched", backend=cfg.kernels,
                               start_powerSGD_iter=cfg.start_iter, min_compression_rate=cfg.min_compression_rate,
                               use_error_feedback=cfg.use_error_feedback, warm_start=cfg.warm_start,
