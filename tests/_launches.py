@@ -72,12 +72,18 @@ def synchronous_all_reduce(counter: CountLaunches):
 @contextlib.contextmanager
 def counting_bucket_kernels(counter: CountLaunches):
     """Within the block, each call of a bucket step of :mod:`powersgd_triton.ops` counts as one launch (project,
-    orthogonalize, project_t, reconstruct, pack_uncompressed, unpack_uncompressed, average, commit_factor)."""
+    orthogonalize, project_t, reconstruct, pack_uncompressed, unpack_uncompressed, average, commit_factor), and so
+    does each call of :mod:`powersgd_triton._hook_ops`' (the hooks' unchecked calls on the Triton backend, which go
+    to the launchers, not through ``ops``)."""
+    from powersgd_triton import _hook_ops
+
     saved = {}
-    for name in ("project", "orthogonalize", "project_t", "reconstruct", "pack_uncompressed", "unpack_uncompressed",
-                 "average", "commit_factor"):
-        original = getattr(ops_module, name)
-        saved[name] = original
+    names = ("project", "orthogonalize", "project_t", "reconstruct", "pack_uncompressed", "unpack_uncompressed",
+             "average", "commit_factor")
+    targets = [(ops_module, name) for name in names] + [(_hook_ops, n) for n in names if hasattr(_hook_ops, n)]
+    for module, name in targets:
+        original = getattr(module, name)
+        saved[(module, name)] = original
 
         def wrapped(*args, __original=original, __name=name, **kwargs):
             counter.kernels[__name] += 1
@@ -87,12 +93,12 @@ def counting_bucket_kernels(counter: CountLaunches):
             finally:
                 counter.paused -= 1
 
-        setattr(ops_module, name, wrapped)
+        setattr(module, name, wrapped)
     try:
         yield counter
     finally:
-        for name, original in saved.items():
-            setattr(ops_module, name, original)
+        for (module, name), original in saved.items():
+            setattr(module, name, original)
 
 
 @contextlib.contextmanager
