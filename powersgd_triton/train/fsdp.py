@@ -113,7 +113,7 @@ def wrap_model(hook_name: str, cfg, model: torch.nn.Module, rank: int) -> FSDPRu
         "alternating" if hook_name == "alternating" else "ours", cfg.matrix_approximation_rank, backend=cfg.kernels,
         start_powerSGD_iter=cfg.start_iter, min_compression_rate=cfg.min_compression_rate,
         use_error_feedback=cfg.use_error_feedback, warm_start=cfg.warm_start, random_seed=cfg.seed,
-        process_group=replicate,
+        process_group=replicate, verify=cfg.verify,
     )
     handle = register_fsdp(model, state, hook)
     groups = [{"module": g.module_name, "parameters": [[p.name, list(p.shape)] for p in g.params]}
