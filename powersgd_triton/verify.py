@@ -320,6 +320,9 @@ class VerdictStore:
 _STORE: Optional[VerdictStore] = None
 # (device key, verdict key) -> the verdict every rank agreed on in this process: True (agrees), False (wrong)
 _SETTLED: Dict[Tuple[str, str], bool] = {}
+# > 0 while launches are counted without being run (benchmarking.count_triton_launches(execute=False)): the kernels
+# compute nothing then, so no step is checked (the buckets stay pending and the next real step is checked)
+PAUSED = 0
 
 
 def store() -> VerdictStore:
@@ -366,6 +369,8 @@ def begin(state, mem, buffer: torch.Tensor, group, world_size: int, index: int, 
     gradients (the ``copy_segments`` kernel runs)."""
     mode = state.verify
     layout = mem.layout
+    if PAUSED:
+        return None
     if mode == "off" or mem.backend != "triton" or layout.num_matrices == 0:
         mem.verify_pending = False
         return None

@@ -17,10 +17,14 @@ def count_triton_launches(execute: bool = True):
 
     ``execute=False`` (interpreter only) counts without running the kernels: for launch counts of big shapes on a
     CPU. That is valid for our hooks because nothing they do depends on the numbers (no host synchronisation); the
-    outputs are then garbage.
+    outputs are then garbage, so the first-use verification checks no step meanwhile (``verify.PAUSED``).
     """
+    from .. import verify
+
     count = {"n": 0, "by": Counter()}
     patches = []
+    if not execute:
+        verify.PAUSED += 1
     try:
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -58,6 +62,8 @@ def count_triton_launches(execute: bool = True):
     finally:
         for cls, name, orig in patches:
             setattr(cls, name, orig)
+        if not execute:
+            verify.PAUSED -= 1
 
 
 def count_cuda_kernels(step: Callable[[], None]) -> dict:
