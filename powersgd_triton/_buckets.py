@@ -123,12 +123,9 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
         mem.order = None
     else:
         new = _new_settings(state, index, mem, layout, params, buffer)
-        if new is not None:
-            pass
-        elif batched:
-            new = _follow_batched(state, layout, params, segments, buffer)
-        else:
-            new = _migrate(state, index, layout, params, buffer)
+        if new is None:
+            new = (_follow_batched(state, layout, params, segments, buffer) if batched
+                   else _migrate(state, index, layout, params, buffer))
         if new is None:
             if mem is not None and batched:
                 warnings.warn(

@@ -106,7 +106,7 @@ class BucketMemories(dict):
       ``unnameable``: parameters no registered DDP module could name (not searched again);
     * ``backend_devices``: devices where ``backend="triton"`` was found to run (checked once each);
     * ``index_params``: per bucket index, weak references to its parameters at the last warm-up call (a second DDP
-      model on the same state is refused: ``powersgd_triton._buckets.check_one_model``).
+      model on the same state is refused: ``powersgd_triton._models.check_one_model``).
     """
 
     def __init__(self):
