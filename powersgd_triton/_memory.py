@@ -122,7 +122,7 @@ class BucketMemories(dict):
         self.params_by_name: Dict[str, torch.Tensor] = {}
         self.unnameable: Dict[int, "weakref.ref"] = {}
         self.backend_devices: set = set()
-        # bucket index -> weak references to its parameters at the last warm-up call (_buckets.check_one_model)
+        # bucket index -> weak references to its parameters at the last warm-up call (_models.check_one_model)
         self.index_params: Dict[int, tuple] = {}
 
     def replace_loaded(self, memories: Dict[int, BucketMemory], world_size: Optional[int],
