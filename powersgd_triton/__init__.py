@@ -9,7 +9,7 @@ command line answers ``powersgd-triton --help`` without it. ``from powersgd_trit
 torch and the package's modules as before.
 """
 
-import importlib
+from ._lazy import module_getattr
 
 __version__ = "0.1.0"
 
@@ -32,20 +32,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """A public name (imported from its module on first use) or a submodule (``powersgd_triton.ops``)."""
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("__"):
-        try:
-            return importlib.import_module("." + name, __name__)
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__ = module_getattr(__name__, _EXPORTS)

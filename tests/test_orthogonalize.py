@@ -515,7 +515,7 @@ def test_kept_tensors_are_the_ones_the_launches_use(in_place, rng):
     records itself on all of them (else the allocator may reuse their memory on another stream while the side
     stream still reads and writes it, when a rebuild or a load drops the layout)."""
     pytest.importorskip("triton")
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.interpreter import GridExecutor  # every interpreted launch (triton 3.4 to 3.9)
 
     from powersgd_triton.kernels import triton_ops
 
@@ -524,17 +524,17 @@ def test_kept_tensors_are_the_ones_the_launches_use(in_place, rng):
     x = _random_factor(layout, "p", rng)
     out = x if in_place else torch.empty_like(x)
     cfg = dict(BLOCK=16, SHORT_ROWS=64, GRAM_ROWS=32, SPLIT_ROWS=16, num_warps=4, num_stages=1, APPLY_ROWS=32)
-    used, original = [], InterpretedFunction.run
+    used, original = [], GridExecutor.__call__
 
     def run(self, *args, **kwargs):
         used.extend(a for a in args if isinstance(a, torch.Tensor))
         return original(self, *args, **kwargs)
 
-    InterpretedFunction.run = run
+    GridExecutor.__call__ = run
     try:
         ops.orthogonalize(x, layout, "p", out=out, backend="triton", config=cfg)
     finally:
-        InterpretedFunction.run = original
+        GridExecutor.__call__ = original
     kept = triton_ops.orthogonalize_kept_tensors(x, layout, "p", out, config=cfg)
     others = {id(t): t for t in used if t is not x and t is not out}
     assert len(others) == 3  # Gram task table (tall factors: split), task table, workspace

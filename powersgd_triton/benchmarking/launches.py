@@ -26,9 +26,11 @@ def count_triton_launches(execute: bool = True):
     if not execute:
         verify.PAUSED += 1
     try:
-        from triton.runtime.interpreter import InterpretedFunction
+        # every interpreted launch runs through GridExecutor.__call__ (triton 3.4: kernel[grid] builds it directly,
+        # InterpretedFunction has no run; 3.6 to 3.9: through InterpretedFunction.run)
+        from triton.runtime.interpreter import GridExecutor
 
-        orig_i = InterpretedFunction.run
+        orig_i = GridExecutor.__call__
 
         def run_i(self, *args, **kwargs):
             count["n"] += 1
@@ -37,8 +39,8 @@ def count_triton_launches(execute: bool = True):
                 return orig_i(self, *args, **kwargs)
             return None
 
-        patches.append((InterpretedFunction, "run", orig_i))
-        InterpretedFunction.run = run_i
+        patches.append((GridExecutor, "__call__", orig_i))
+        GridExecutor.__call__ = run_i
     except Exception:  # pragma: no cover - no triton
         pass
     try:
