@@ -15,7 +15,7 @@ floors in ``pyproject.toml`` (``torch>=2.8``, ``triton>=3.4``) are the tested mi
 | smallest inner dimension ``K`` of ``tl.dot`` on NVIDIA (float64: 16 in triton 3.6, 4 in 3.9) | triton 3.7-3.9 | :func:`dot_min_k` (the orthogonalization kernel's float64 products broadcast below it) |
 | float64 operands of ``tl.dot`` (the orthogonalization kernel's Gram and products) | after triton 3.4 (3.6 has them) | :func:`dot_float64_supported` (without: broadcast and sum) |
 | ``FSDPModule.set_all_reduce_hook`` (FSDP2 over the replicate group of HSDP) | torch 2.7 | :func:`fsdp_all_reduce_hook_missing` |
-| ``JITFunction.run``'s last call, ``kernel.run(grid, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)`` (the launch of a compiled kernel, bypassing the binding) | read in triton 3.6.0 and 3.9.0 (``runtime/jit.py``): the same call | :class:`DirectLaunch` (other versions: the JIT call) |
+| ``JITFunction.run``'s last call, ``kernel.run(grid, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)`` (the launch of a compiled kernel, bypassing the binding) | read in triton 3.6.0, 3.8.0 and 3.9.0 (``runtime/jit.py``): the same call | :class:`DirectLaunch` (other versions: the JIT call) |
 | FSDP2's parameter groups per module: ``FSDPState._fsdp_param_groups`` (a list) | after torch 2.11 (2.8-2.11: one ``_fsdp_param_group``) | :func:`fsdp_param_groups` |
 | a custom gradient divide factor: ``FSDPParamGroup.gradient_divide_factor`` | torch 2.8 (2.7: ``reduce_scatter_reduce_op``) | :func:`fsdp_divide_factor_set` |
 | ``FSDPModule.set_reduce_scatter_unused_params`` (zero gradients for unused parameters) | after torch 2.11 | :func:`fsdp_unused_params_option` |
@@ -160,10 +160,11 @@ def dot_min_k(bits: int) -> int:
         return 16
 
 
-# Triton versions whose JITFunction.run ends in the call DirectLaunch makes (runtime/jit.py read for each: 3.6.0 and
-# 3.9.0 both call kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
-# launch_metadata, launch_enter_hook, launch_exit_hook, *bound_args.values()), launch_metadata None without hooks).
-DIRECT_LAUNCH_TRITON = ((3, 6), (3, 9))
+# Triton versions whose JITFunction.run ends in the call DirectLaunch makes (runtime/jit.py read for each: 3.6.0, 3.8.0
+# and 3.9.0 all call kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
+# launch_metadata, launch_enter_hook, launch_exit_hook, *bound_args.values()); the hooks are hook chains, unused while
+# they hold no call, and DirectLaunch passes None for them and for the launch metadata, which only the hooks read).
+DIRECT_LAUNCH_TRITON = ((3, 6), (3, 8), (3, 9))
 _direct_state = {}
 
 
@@ -209,8 +210,9 @@ def _c_launch_v36(launcher, g, stream, function, packed, args):
                     None, packed, None, None, None, *args)
 
 
-# The C entry of the NVIDIA launcher, per Triton version whose CudaLauncher.__call__ was read (3.6.0, 3.9.0).
-_C_LAUNCH = {(3, 6): _c_launch_v36, (3, 9): _c_launch_v39}
+# The C entry of the NVIDIA launcher, per Triton version whose CudaLauncher.__call__ was read (3.6.0, 3.8.0, 3.9.0;
+# 3.8.0 passes what 3.9.0 does).
+_C_LAUNCH = {(3, 6): _c_launch_v36, (3, 8): _c_launch_v39, (3, 9): _c_launch_v39}
 
 
 def _c_launch(launcher):
@@ -237,7 +239,7 @@ class DirectLaunch:
     **kwargs)`` (binding, cache key, compile on a miss). It keeps the compiled kernel it returns and the
     specialization-relevant facts of ``args`` (per tensor: its dtype and ``data_ptr() % 16 == 0``; every other
     argument's value, compared by ``==``, None by identity). A later call with the same facts calls the compiled
-    kernel itself, as ``JITFunction.run`` ends (triton 3.6 and 3.9, :data:`DIRECT_LAUNCH_TRITON`):
+    kernel itself, as ``JITFunction.run`` ends (triton 3.6, 3.8 and 3.9, :data:`DIRECT_LAUNCH_TRITON`):
     ``kernel.run(grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)`` on
     the current stream of the device the kernel was launched on first, the constexprs in parameter order; where
     that launcher is Triton's NVIDIA ``CudaLauncher`` with no scratch memory, the C ``launch`` it forwards to,
