@@ -33,3 +33,7 @@ __all__ = [
 
 
 __getattr__ = module_getattr(__name__, _EXPORTS)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
