@@ -55,6 +55,9 @@ def _segments(buffer: torch.Tensor, params, gradients) -> Optional[Dict[int, Tup
     return out if pos == buffer.numel() and len(out) == len(params) else None
 
 
+_SHAPE = operator.attrgetter("shape")  # the bucket check's per-parameter read, as one C call per bucket
+
+
 def _same_params(a, b) -> bool:
     if a is None or b is None:
         return a is None and b is None
@@ -89,7 +92,7 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
                 ok = layout.batched and layout.signature == ("batched", buffer.numel(), buffer.dtype, rank)
             else:
                 key = (buffer.data_ptr(), buffer.numel(), buffer.dtype, rank, state.min_compression_rate,
-                       tuple([p.shape for p in params]) if params is not None else None)
+                       tuple(map(_SHAPE, params)) if params is not None else None)
                 ok = params is not None and mem.verified == key
                 if not ok:
                     gradients = bucket.gradients()

@@ -12,8 +12,11 @@ import textwrap
 import pytest
 
 triton = pytest.importorskip("triton")
-if not triton.__version__.startswith(("3.8", "3.9")):
-    pytest.skip("the recorded launcher arguments are laid out as triton 3.8 and 3.9 pass them", allow_module_level=True)
+if not triton.__version__.startswith(("3.6", "3.8", "3.9")):
+    pytest.skip("DirectLaunch launches directly under triton 3.6, 3.8 and 3.9 only", allow_module_level=True)
+LAYOUT_39 = triton.__version__.startswith(("3.8", "3.9"))
+needs_39_layout = pytest.mark.skipif(not LAYOUT_39, reason="the recorded launcher arguments are laid out as "
+                                     "triton 3.8 and 3.9 pass them")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,7 +89,8 @@ SCRIPT = textwrap.dedent(r"""
             step()
         out["counted_jit"] = counted["n"]
         _compat.DIRECT_LAUNCH = True
-        # Python calls of one bucket step (deterministic), per compressed bucket
+        # Python calls of one bucket step (deterministic), per compressed bucket, with the C no-op launch
+        fake.utils.set_counting(False)
         calls = [host.python_calls(lambda b=b: powerSGD_hook(state, b).wait()) for b in buckets]
         out["calls"] = calls
     print("RESULT " + json.dumps(out))
@@ -103,6 +107,7 @@ def _run(*argv):
     return json.loads(line[len("RESULT "):])
 
 
+@needs_39_layout
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_direct_launch_passes_what_the_jit_path_binds(dtype):
     """Every launch of a steady hook step, made once through ``JITFunction.run`` and once through the launch plan's
@@ -117,9 +122,99 @@ def test_direct_launch_passes_what_the_jit_path_binds(dtype):
     assert r["counted"] == r["launched"] == r["pairs"] == r["counted_jit"]
 
 
+@needs_39_layout
 def test_python_calls_per_bucket_step_resnet50_rank4():
     """The host bench's deterministic count (``sys.setprofile`` "call" events) of one compressed bucket step of
     ``powerSGD_hook`` on ResNet-50's real buckets at rank 4 on the Triton launch path (driver stub, collectives
     stubbed): at most 150 Python calls per bucket, whatever the bucket's tensor count (main at 18fb3ec: 862-1215)."""
     r = _run("resnet50", "1", "float32")
-    assert len(r["calls"]) >= 4 and max(r["calls"]) <= 150, r["calls"]
+    assert len(r["calls"]) >= 4 and max(r["calls"]) <= 100, r["calls"]
+
+
+FACTS_SCRIPT = textwrap.dedent(r"""
+    import json, os
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    import torch
+    import triton
+    import triton.language as tl
+    from powersgd_triton import _compat
+    from powersgd_triton.benchmarking import host
+
+    @triton.jit
+    def _axpy(x_ptr, y_ptr, n, a, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, a * tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+    out = {}
+    with host.fake_gpu() as fake:
+        jit_calls = []
+        plain_jit = _compat.DirectLaunch._jit
+
+        def jit(self, args):
+            jit_calls.append(1)
+            return plain_jit(self, args)
+
+        _compat.DirectLaunch._jit = jit
+        fake.utils.record = rec = []
+        x, y = torch.randn(64), torch.randn(64)
+        launch = _compat.DirectLaunch(_axpy, (4,), dict(BLOCK=16))
+
+        def calls(*args):  # the JIT calls the launch made (a failed JIT call raises, counted as 10)
+            before = len(jit_calls)
+            try:
+                launch(*args)
+            except Exception:
+                return 10 + len(jit_calls) - before
+            return len(jit_calls) - before
+
+        seq = [("first", calls(x, y, 64, 1.5)), ("same", calls(x, y, 64, 1.5)),
+               ("other tensors, same facts", calls(torch.randn(64), torch.randn(64), 64, 1.5)),
+               ("bfloat16 x", calls(x.bfloat16(), y, 64, 1.5)),
+               ("unaligned y", calls(x, y[1:], 63, 1.5)),
+               ("other n", calls(x, y, 63, 1.5)),
+               ("int a", calls(x, y, 64, 1)),
+               ("bool a", calls(x, y, 64, True)),
+               ("a tensor for n", calls(x, y, torch.tensor(64), 1.5)),
+               ("an int for x", calls(64, y, 64, 1.5)),
+               ("fewer arguments", calls(x, y, 64)),
+               ("back to the first", calls(x, y, 64, 1.5))]
+        out["seq"] = seq
+        # the kernel's arguments in the C launch's arguments: one tuple last (3.8, 3.9), or spread from the 14th (3.6)
+        kernel_args = (lambda r: r[-1]) if triton.__version__.startswith(("3.8", "3.9")) else (lambda r: r[13:])
+        out["direct_args"] = [list(map(str, kernel_args(rec[1])))]
+        out["first_args"] = [list(map(str, kernel_args(rec[0])))]
+        # a first call with an unaligned tensor: never launched directly
+        un = _compat.DirectLaunch(_axpy, (4,), dict(BLOCK=16))
+        before = len(jit_calls)
+        for _ in range(3):
+            un(x[1:], y, 63, 1.5)
+        out["unaligned_first"] = len(jit_calls) - before
+        out["launches"] = fake.utils.launches
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_direct_launch_takes_the_jit_path_when_a_specialization_fact_changes(tmp_path):
+    """``DirectLaunch`` launches directly only when the call has the facts of the call it compiled for: the same
+    argument count, tensors at the same positions with the same dtypes, 16-byte aligned, and the other arguments of
+    the same type and value (Triton specializes on them). Any change is the JIT call (which compiles or picks the
+    right kernel, and, when it fails, raises as usual); a first call with an unaligned tensor is never direct."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    script = tmp_path / "facts.py"  # a file: @triton.jit reads the kernel's source
+    script.write_text(FACTS_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stderr[-4000:]
+    r = json.loads(line[-1][len("RESULT "):])
+    seq = dict(r["seq"])
+    assert seq.pop("first") == 1 and seq.pop("same") == 0 and seq.pop("other tensors, same facts") == 0
+    assert seq.pop("back to the first") in (0, 1)  # direct again once the facts are the compiled call's
+    # a tensor where an int was, an int where a tensor was, an argument missing: the JIT call, which raises
+    assert {k: seq.pop(k) for k in ("a tensor for n", "an int for x", "fewer arguments")} == {
+        "a tensor for n": 11, "an int for x": 11, "fewer arguments": 11}
+    assert seq == {k: 1 for k in seq}, seq  # every other changed fact: the JIT call
+    assert r["unaligned_first"] == 3
+    # the direct launch passed the JIT call's kernel arguments (tensors, n, a; the constexpr BLOCK after them)
+    assert r["direct_args"][0][2:] == r["first_args"][0][2:]

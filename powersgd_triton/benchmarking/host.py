@@ -12,14 +12,17 @@ the collectives' calls. Measured here without a GPU (and without running a kerne
   checks), with **only the C entry point** ``driver.active.utils.launch`` (argument extraction and
   ``cuLaunchKernelEx``) replaced by a no-op. :class:`FakeDriver` is that driver: device 0, stream 0, target
   ``cuda`` sm_90, :data:`FAKE_SMS` SMs, binaries "loaded" as dummy handles. Our tile plans are sized for
-  :data:`FAKE_SMS` SMs (an H200's 132), as on the GPU.
+  :data:`FAKE_SMS` SMs (an H200's 132), as on the GPU. Where a GPU's driver makes a C call, the stand-in is a C
+  call too, so the stub adds no Python frame a GPU does not run: the timed launch is :data:`C_NOOP_LAUNCH` (the
+  counting Python launch only while the launches are counted), the current stream ``int`` (stream 0).
 * **PyTorch's hook** (``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``), same run, interleaved with
   ours: the same buckets' structure with tiny CPU tensors (each compressed gradient an ``4r x 4r`` matrix, each
   uncompressed one at most 16 elements: the same tensors, the same compression decisions and ranks, so the same
   ATen ops in the same order, on data too small to cost compute). Its host cost on a GPU is at least that: each op
   there also pays a CUDA kernel launch (not counted here, as our ``cuLaunchKernelEx`` is not).
-* **collectives**: ``dist.all_reduce`` returns a completed work without communicating, for both hooks; both run
-  the NCCL path (the ``then()`` callback chain, run inline on completed futures). Their call cost is measured
+* **collectives**: ``dist.all_reduce`` returns a completed work without communicating, for both hooks, whose
+  ``get_future()`` is torch's C future (``torch._C.Future``, as a process group's work returns); both run the NCCL
+  path (the ``then()`` callback chain, run inline on completed futures). Their call cost is measured
   apart (:func:`collective_call_us`: a gloo all-reduce call of one element, world size 1).
 
 Python function calls (``sys.setprofile`` "call" events: Python frames, not C builtins) of one bucket step are
@@ -27,6 +30,7 @@ counted deterministically. Times are medians over ``rounds`` interleaved rounds 
 """
 
 import contextlib
+import itertools
 import os
 import statistics
 import sys
@@ -42,21 +46,33 @@ from .buckets import FakeGradBucket, _dtype, model_bucket_shapes
 from .collectives import _DoneWork
 from .environment import environment
 
+# The launch stand-in while timing: a C callable that takes any positional arguments and does nothing with them
+# (itertools.chain is lazy: it keeps the argument tuple and iterates nothing), so a launch costs the host one C call,
+# as the real C entry's call would, without its argument extraction and cuLaunchKernelEx.
+C_NOOP_LAUNCH = itertools.chain
 FAKE_SMS = 132  # an H200's (and H100's) SMs: the tile plans of ours are sized for them
 FAKE_ARCH = 90
 STUBBED = ("stubbed: the C launch entry driver.active.utils.launch (argument extraction + cuLaunchKernelEx) -> "
-           "no-op; dist.all_reduce -> a completed work (no communication). Runs: our hook, Triton's "
+           "a C no-op; the current stream -> int (C); dist.all_reduce -> a completed work (no communication) with "
+           "torch's C future. Runs: our hook, Triton's "
            "JITFunction.run / CompiledKernel.run / CudaLauncher.__call__ (kernels compiled for sm_90), the NCCL "
            "then() chain. PyTorch's hook: tiny CPU tensors of the same buckets (same ops, no compute). torch on 1 "
            "CPU thread (ours' few torch ops on CPU tensors, e.g. the bf16 casts of P and Q, do compute: counted).")
 
 
 class _FakeUtils:
-    """``driver.active.utils`` of :class:`FakeDriver`: dummy binaries, an H200's properties, a no-op launch."""
+    """``driver.active.utils`` of :class:`FakeDriver`: dummy binaries, an H200's properties, a no-op launch.
+
+    The launch is the counting Python :meth:`launch` while :attr:`counting` is True (the default: ``launches``
+    counts, ``record`` keeps the arguments); :meth:`set_counting` (False) makes every launcher's launch the C no-op
+    :data:`C_NOOP_LAUNCH` instead, as timed and call-counted (on a GPU the launch entry is C: a Python stand-in
+    would add a Python call per launch that a GPU does not make)."""
 
     def __init__(self):
         self.launches = 0
         self.record = None  # a list: each launch's arguments are appended (tests)
+        self.counting = True
+        self.launchers = []  # every FakeLauncher made: their ``launch`` follows set_counting
 
     def load_binary(self, name, kernel, shared, device):
         return 1, 1, 32, 0, 1024  # module, function, registers, spills, max threads
@@ -72,6 +88,16 @@ class _FakeUtils:
         self.launches += 1
         if self.record is not None:
             self.record.append(args)
+
+    def launch_entry(self):
+        """What a launcher's ``launch`` is now: :meth:`launch` while counting, else :data:`C_NOOP_LAUNCH`."""
+        return self.launch if self.counting else C_NOOP_LAUNCH
+
+    def set_counting(self, counting: bool) -> None:
+        """Count (and record) launches in Python (True), or launch through the C no-op (False), every launcher."""
+        self.counting = bool(counting)
+        for launcher in self.launchers:
+            launcher.launch = self.launch_entry()
 
 
 class FakeDriver:
@@ -96,17 +122,18 @@ class FakeDriver:
                     setattr(self, k, getattr(metadata, k, 0))
                 self.gsan_enabled = False
                 self.arg_annotations = self.kernel_signature = None
-                self.launch = utils.launch
+                self.launch = utils.launch_entry()
+                utils.launchers.append(self)
 
         self.launcher_cls = FakeLauncher
+        # the current stream as a C call, as on a GPU (torch's _cuda_getCurrentRawStream): int(0) is stream 0 of
+        # device 0 (the only device); int() is 0 as well, for callers that pass no device
+        self.get_current_stream = int
 
     def is_active(self):
         return True
 
     def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
         return 0
 
     def get_current_target(self):
@@ -148,15 +175,28 @@ def fake_gpu():
          state_module.triton_unusable_reason) = saved
 
 
+class _CDoneWork(_DoneWork):
+    """A finished ``Work`` whose ``get_future()`` is torch's C future (``torch._C.Future``, completed with
+    ``[tensor]``), as a process group's ``Work.get_future()`` returns: its ``then``, ``wait`` and ``value`` are C
+    calls (``torch.futures.Future``, the Python subclass, adds Python frames a real all-reduce's future does not).
+    CPU tensors only (the host benchmark's)."""
+
+    def get_future(self):
+        fut = torch._C.Future([])
+        fut.set_result([self._tensor])
+        return fut
+
+
 @contextlib.contextmanager
 def no_collectives():
-    """``dist.all_reduce`` returns a completed work (no communication); the hooks take the NCCL ``then()`` chain."""
+    """``dist.all_reduce`` returns a completed work (no communication) whose future is torch's C future; the hooks
+    take the NCCL ``then()`` chain."""
     from .. import _step
 
     original, chain = dist.all_reduce, _step.FORCE_CALLBACK_CHAIN
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        return _DoneWork(tensor) if async_op else None
+        return _CDoneWork(tensor) if async_op else None
 
     dist.all_reduce, _step.FORCE_CALLBACK_CHAIN = all_reduce, True
     try:
@@ -251,9 +291,11 @@ def host_overhead(model: str, rank: int, dtype="fp32", *, rounds: int = 30, shri
         if layout.num_matrices == 0:
             continue
         f_ours, f_theirs = _bucket_step(ours, powerSGD_hook, a), _bucket_step(theirs, pt.powerSGD_hook, b)
+        fake.utils.set_counting(True)
         before = fake.utils.launches
         f_ours()
         launches = fake.utils.launches - before
+        fake.utils.set_counting(False)  # timed and call-counted with the C no-op launch
         rows.append(dict(index=a.index(), matrices=layout.num_matrices, launches=launches,
                          ours_calls=python_calls(f_ours), pytorch_calls=python_calls(f_theirs),
                          _fns=(f_ours, f_theirs), _t=([], [])))
@@ -286,6 +328,9 @@ def launch_call_us(reps: int = 400) -> float:
     buf = bucket.buffer()
     for _ in range(3):
         triton_ops.project(buf, layout, q, p, e)
+    from triton.runtime import driver
+
+    driver.active.utils.set_counting(False)  # the C no-op launch, as timed in host_overhead
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
