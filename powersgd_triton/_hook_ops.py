@@ -48,9 +48,9 @@ def project_t(buffer, layout, p, q, *, error=None, q2=None, loss_scale=None, bac
                              loss_scale=loss_scale if error is not None and layout.batched else None, config=config)
 
 
-def average(factor, layout, which, buffer, unc=None, world_size=1, *, backend=None) -> StepFlags:
+def average(factor, layout, which, buffer, unc=None, world_size=1, *, out=None, backend=None) -> StepFlags:
     """:func:`powersgd_triton.ops.average` on the Triton backend, unchecked."""
-    flags, first = K.average(factor, layout, which, buffer, unc, world_size)
+    flags, first = K.average(factor, layout, which, buffer, unc, world_size, out)
     return StepFlags(which, flags=flags, first=first)
 
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from . import _hook_ops
 from ._backend import device_backend
 from ._buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401 - the hooks' entry points
-from ._memory import BucketMemory, allocate_alternating, draw_q, drop_next_q, p_work  # noqa: F401 - the hooks' entry points
+from ._memory import BucketMemory, allocate_alternating, draw_q, drop_next_q, p_work, q_comm  # noqa: F401 - the hooks' entry points
 from ._models import check_one_model
 from .layout import check_gradient_dtype
 from .state import PowerSGDState, check_grad_scaler
@@ -203,11 +203,12 @@ def allreduce_average(group, world_size: int, buffer: torch.Tensor) -> torch.fut
 
 
 def allreduce_factor(state: PowerSGDState, factor: torch.Tensor, buffer: torch.Tensor, group) -> torch.futures.Future:
-    """Sum-all-reduce of a packed factor (P or Q, the memory's float32), in ``state.communication_dtype`` (default:
-    the bucket's dtype): one cast of the whole packed buffer before the all-reduce, one copy back into ``factor``
-    after it (no per-matrix work). The cast rounds to nearest and overflows to inf, never to a finite wrong value:
-    such a step is non-finite (its memory is kept, GradScaler skips it). The future completes when ``factor`` holds
-    the sum."""
+    """Sum-all-reduce of a packed factor (P or Q), in ``state.communication_dtype`` (default: the bucket's dtype):
+    a factor already in that dtype (the Triton backend's ``p_raw`` / ``q_raw``, written so by the kernels) as it
+    is; a float32 one (the torch backend's) with one cast of the whole packed buffer before the all-reduce and one
+    copy back into ``factor`` after it (no per-matrix work). Either way the values round to nearest and overflow to
+    inf, never to a finite wrong value: such a step is non-finite (its memory is kept, GradScaler skips it). The
+    future completes when ``factor`` holds the sum."""
     wire = wire_dtype(state, buffer, factor.dtype)
     if wire is None:
         return dist.all_reduce(factor, group=group, async_op=True).get_future()

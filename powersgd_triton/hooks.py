@@ -46,6 +46,10 @@ from .state import PowerSGDState
 
 __all__ = ["powerSGD_hook", "batched_powerSGD_hook"]
 
+# Tests set this to False: the Triton backend then all-reduces float32 P and Q through a cast and a copy back, as the
+# torch backend does (the oracle of the kernels writing and reading them in the communication dtype).
+WIRE_IN_KERNELS = True
+
 class _Step:
     """One compressed step of one bucket; the methods are the pieces between two all-reduces.
 
@@ -56,12 +60,15 @@ class _Step:
     the step is finite) and 1 orthogonalize of the kept Q for the next step (with warm start; on the first step
     and without warm start it runs before ``project`` instead): 6 to 8 launches whatever the number of matrices
     (orthogonalize: 2 when its plan splits a tall factor over rows). When P and Q
-    travel in another dtype than the memory's (``communication_dtype``; by default fp16/bf16 buckets), one cast and
-    one copy back per factor (4 element-wise torch ops per bucket and step, whatever the number of matrices).
+    travel in another dtype than the memory's (``communication_dtype``; by default fp16/bf16 buckets), project and
+    project_t write them in that dtype into the buffers they are all-reduced in (``p_raw``, ``q_raw``: rounded to
+    nearest even, overflowing to inf, as ``Tensor.to`` does), orthogonalize reads P from there and average divides Q
+    from there into the float32 ``q_work``: no torch op. On the torch backend, one cast and one copy back per factor
+    (4 element-wise torch ops per bucket and step, whatever the number of matrices).
     """
 
     __slots__ = ("state", "mem", "layout", "buffer", "group", "world_size", "unc", "packed", "unc_work", "backend",
-                 "eps", "loss_scale", "p_raw", "ops")
+                 "eps", "loss_scale", "p_raw", "q_raw", "ops")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int,
                  check=None):
@@ -81,8 +88,15 @@ class _Step:
         self.unc = None
         self.packed = None
         self.unc_work = None
-        # P = (M + E)·Q is all-reduced here and orthogonalized into mem.p (out of place; see _memory.p_work)
-        self.p_raw = _step.p_work(mem) if mem.layout.num_matrices else None
+        # P = (M + E)·Q is all-reduced in p_raw and orthogonalized into mem.p (out of place; see _memory.p_work); Q
+        # is all-reduced in q_raw and averaged into mem.q_work. On the Triton backend both are in the communication
+        # dtype, written so by project and project_t: no cast and no copy back around their all-reduces
+        self.p_raw = self.q_raw = None
+        if mem.layout.num_matrices:
+            wire = _step.wire_dtype(state, buffer, mem.p.dtype) if self.backend == "triton" and WIRE_IN_KERNELS \
+                else None
+            self.p_raw = _step.p_work(mem, wire)
+            self.q_raw = mem.q_work if wire is None else _step.q_comm(mem, wire)
 
     def start_uncompressed(self) -> None:
         """Issue the all-reduce of the uncompressed gradients: a view of the bucket when they are one range, else
@@ -117,11 +131,11 @@ class _Step:
                     backend=self.backend, config=mem.configs.get("project"))
 
     def compute_q(self) -> None:
-        """Orthogonalize the all-reduced P (``p_raw``) into ``mem.p``; ``Q = (M + E)ᵀ·P`` into ``q_work``."""
+        """Orthogonalize the all-reduced P (``p_raw``) into ``mem.p``; ``Q = (M + E)ᵀ·P`` into ``q_raw``."""
         mem, layout = self.mem, self.layout
         self.ops.orthogonalize(self.p_raw, layout, "p", self.eps, out=mem.p, backend=self.backend,
                           config=mem.configs.get("orthogonalize"))
-        self.ops.project_t(self.buffer, layout, mem.p, mem.q_work, error=mem.error if layout.batched else None,
+        self.ops.project_t(self.buffer, layout, mem.p, self.q_raw, error=mem.error if layout.batched else None,
                       loss_scale=self.loss_scale if layout.batched else None, backend=self.backend,
                       config=mem.configs.get("project_t"))
 
@@ -137,8 +151,8 @@ class _Step:
                     self.ops.unpack_uncompressed(self.packed, layout, self.buffer, backend=self.backend)
             return self.buffer
         # Q /= world, uncompressed /= world and unpacked, step flags: one launch
-        flags = self.ops.average(mem.q_work, layout, "q", self.buffer, self.packed, self.world_size,
-                                 backend=self.backend)
+        flags = self.ops.average(self.q_raw, layout, "q", self.buffer, self.packed, self.world_size,
+                                 out=None if self.q_raw is mem.q_work else mem.q_work, backend=self.backend)
         keep_memory = mem.error is not None or state.warm_start
         next_q = _step.next_q_target(state, mem, self.eps)
         done = self.ops.reconstruct(
@@ -219,14 +233,14 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
         def after_p(fut):
             _step.keep_for_current_stream(*kept)
             step.compute_q()
-            return _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
+            return _step.allreduce_factor(state, step.q_raw, buffer, group).wait()
 
         p_fut = _step.allreduce_factor(state, step.p_raw, buffer, group)
         return p_fut.then(after_p).then(finish_chained)
 
     _step.allreduce_factor(state, step.p_raw, buffer, group).wait()
     step.compute_q()
-    _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
+    _step.allreduce_factor(state, step.q_raw, buffer, group).wait()
     return _step.completed(finish())
 
 
@@ -240,7 +254,7 @@ def _torch_step(state: PowerSGDState, mem: BucketMemory, work: torch.Tensor, buf
     if mem.layout.num_matrices:
         _step.allreduce_factor(state, step.p_raw, buffer, group).wait()
         step.compute_q()
-        _step.allreduce_factor(state, mem.q_work, buffer, group).wait()
+        _step.allreduce_factor(state, step.q_raw, buffer, group).wait()
     return step.finish()
 
 

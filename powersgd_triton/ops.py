@@ -318,11 +318,17 @@ class StepFlags:
 
 
 def average(factor, layout: BucketLayout, which: str, buffer, unc=None, world_size: int = 1, *,
-            backend: str = "auto") -> StepFlags:
+            out=None, backend: str = "auto") -> StepFlags:
     """The end of a step's all-reduces, one launch: divide the all-reduced ``factor`` (flat P or Q, ``which``) by
-    ``world_size`` in place, divide the all-reduced uncompressed gradients by it and write them into ``buffer``, and
-    return the :class:`StepFlags` that :func:`reconstruct` reads (step finite: every element of ``factor`` and of the
-    uncompressed gradients is finite; per matrix: its averaged factor is not all zero).
+    ``world_size`` into ``out`` (default: ``factor``, in place), divide the all-reduced uncompressed gradients by it
+    and write them into ``buffer``, and return the :class:`StepFlags` that :func:`reconstruct` reads (step finite:
+    every element of ``factor`` and of the uncompressed gradients is finite; per matrix: its averaged factor is not
+    all zero).
+
+    ``out``: the memory's float32 factor when ``factor`` is the buffer it was all-reduced in, in the communication
+    dtype (the hooks on the Triton backend): the division is done in float32 on the exact float32 value of each
+    element, as a copy back followed by ``div_`` gives. Raises ``ValueError`` for a malformed ``out`` (size, device,
+    not contiguous or not floating point), as for ``factor``.
 
     ``unc``: the packed uncompressed gradients (from :func:`pack_uncompressed`, ``layout.uncompressed_numel``
     elements), or None when they are all-reduced in place in ``buffer`` (one range, or none). The division is
@@ -336,13 +342,16 @@ def average(factor, layout: BucketLayout, which: str, buffer, unc=None, world_si
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     _check_buffer(buffer, layout)
     _check(which, factor, layout.p_numel if which == "p" else layout.q_numel, buffer.device)
+    _check("out", out, factor.numel(), buffer.device)
     if unc is not None:
         _check_packed("unc", unc, layout, buffer.device)
     elif len(layout.uncompressed) > 1:
         raise ValueError("the uncompressed gradients lie in several ranges of the bucket: pass them packed (unc)")
     if resolve_backend(backend, buffer) == "triton":
-        flags, first = _kernels().average(factor, layout, which, buffer, unc, world_size)
+        flags, first = _kernels().average(factor, layout, which, buffer, unc, world_size, out)
         return StepFlags(which, flags=flags, first=first)
+    if out is not None and out is not factor:
+        factor = out.copy_(factor)  # exact for a 2-byte factor into float32: then divided in place
     part = reference.average_parts(factor, layout, buffer, unc, world_size)
     if buffer.device.type == "cpu":  # checked by reconstruct, with the commit's per-matrix test (one host read)
         return StepFlags(which, parts=(factor, part))

@@ -39,25 +39,29 @@ KERNEL_FUNCTIONS = {
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def _signature(kernel: str, grad_dtype: torch.dtype) -> Dict[str, str]:
+def _signature(kernel: str, grad_dtype: torch.dtype, wire: bool = False) -> Dict[str, str]:
+    """The argument types of a kernel launch on a bucket of ``grad_dtype``; ``wire``: the factor the launch writes
+    (project: P, project_t and reduce_splits: Q) or reads (orthogonalize: P, average: Q) is the buffer it is
+    all-reduced in, in the communication dtype (here the bucket's: the hooks' default on the Triton backend)."""
     g = "*" + _TRITON_DTYPES[grad_dtype]
     f, i64, i32 = "*fp32", "*i64", "*i32"
+    w = g if wire else f
     if kernel == "project":
-        return dict(buf_ptr=g, q_ptr=f, p_ptr=f, p2_ptr=f, e_ptr=f, table_ptr=i64, tiles_ptr=i32, ls_ptr=f)
+        return dict(buf_ptr=g, q_ptr=f, p_ptr=w, p2_ptr=w, e_ptr=f, table_ptr=i64, tiles_ptr=i32, ls_ptr=f)
     if kernel == "project_t":
-        return dict(buf_ptr=g, p_ptr=f, q_ptr=f, q2_ptr=f, e_ptr=f, ws_ptr=f, table_ptr=i64, tiles_ptr=i32, ls_ptr=f)
+        return dict(buf_ptr=g, p_ptr=f, q_ptr=w, q2_ptr=w, e_ptr=f, ws_ptr=f, table_ptr=i64, tiles_ptr=i32, ls_ptr=f)
     if kernel == "reduce_splits":
-        return dict(ws_ptr=f, q_ptr=f, q2_ptr=f, table_ptr=i64, reduce_tiles_ptr=i32)
+        return dict(ws_ptr=f, q_ptr=w, q2_ptr=w, table_ptr=i64, reduce_tiles_ptr=i32)
     if kernel == "copy_segments":
         return dict(src_ptr=g, dst_ptr=f, tiles_ptr=i64, scale="fp32")
     if kernel == "average":
-        return dict(f_ptr=f, src_ptr=g, dst_ptr=g, flags_ptr="*u8", tiles_ptr=i64, world="fp32")
+        return dict(f_ptr=w, fo_ptr=f, src_ptr=g, dst_ptr=g, flags_ptr="*u8", tiles_ptr=i64, world="fp32")
     if kernel == "commit_factor":
         return dict(new_ptr=f, kept_ptr=f, flag_ptr="*u8", table_ptr=i64)
     if kernel == "orthogonalize":
-        return dict(x_ptr=f, out_ptr=f, ws_ptr="*fp64", tasks_ptr=i64, eps="fp32")
+        return dict(x_ptr=w, out_ptr=f, ws_ptr="*fp64", tasks_ptr=i64, eps="fp32")
     if kernel == "orthogonalize_gram":
-        return dict(x_ptr=f, ws_ptr="*fp64", tasks_ptr=i64)
+        return dict(x_ptr=w, ws_ptr="*fp64", tasks_ptr=i64)
     return dict(
         buf_ptr=g, p_ptr=f, q_ptr=f, lf_ptr=f, e_ptr=f, kept_ptr=f, flags_ptr="*u8", first_ptr=i32, table_ptr=i64,
         tiles_ptr=i32, ls_ptr=f, n_flags="i32", scale="fp32",
@@ -122,7 +126,7 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
     if kernel == "project_t":  # what project_t() launches for this variant
         config = padding_error_config(config, (variant or {}).get("PAD_ERROR", False))
     constexprs = _constexprs(kernel, config, max_rank, variant or {})
-    signature = dict(_signature(kernel, grad_dtype))
+    signature = dict(_signature(kernel, grad_dtype, bool((variant or {}).get("wire", False))))
     if kernel == "copy_segments" and not (variant or {}).get("to_packed", True):
         signature["src_ptr"], signature["dst_ptr"] = signature["dst_ptr"], signature["src_ptr"]
     for name in constexprs:
@@ -134,7 +138,8 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
         options = _launch_options(config)
     compiled = triton.compile(src, target=gpu_target(arch), options=options)
     if kernel == "project_t" and variant is not None and variant.get("split"):  # the split path's reducer too
-        compile_aot("reduce_splits", config, grad_dtype, max_rank, arch, dict(HAS_Q2=variant.get("HAS_Q2", False)))
+        compile_aot("reduce_splits", config, grad_dtype, max_rank, arch, dict(HAS_Q2=variant.get("HAS_Q2", False),
+                                                                               wire=variant.get("wire", False)))
     if kernel == "orthogonalize" and (variant or {}).get("WITH_GRAM", True):  # and the Gram launch of split factors
         compile_aot("orthogonalize_gram", config, grad_dtype, max_rank, arch, variant)
     return compiled
@@ -150,12 +155,16 @@ def variants(kernel: str) -> Iterable[dict]:
     (``PADDED``: M has fewer than n x m elements), its padding error (``PAD_ERROR``, implies ``PADDED``).
     ``reconstruct``: the standard hooks (error feedback and/or warm-start commit of Q, gated by the step flags), the
     alternating hook's P and Q steps (local error, commit of P or Q), the batched view's padding error.
+    ``wire`` (not a constexpr: the argument types): P (project, orthogonalize) or Q (project_t, reduce_splits,
+    average) in the buffer it is all-reduced in, in the communication dtype (the layer-wise and batched hooks on the
+    Triton backend when it is not float32: by default for fp16/bf16 buckets).
     """
     if kernel == "project":
         return [dict(HAS_ERROR=True, HAS_P2=True, LOSS_SCALE=True), dict(HAS_ERROR=True, HAS_P2=True),
                 dict(HAS_ERROR=True), dict(HAS_ERROR=False),
                 dict(HAS_ERROR=False, HAS_P2=True), dict(HAS_ERROR=True, PAD_ERROR=True),
-                dict(HAS_ERROR=True, PAD_ERROR=True, LOSS_SCALE=True)]
+                dict(HAS_ERROR=True, PAD_ERROR=True, LOSS_SCALE=True),
+                dict(HAS_ERROR=True, wire=True), dict(HAS_ERROR=True, PAD_ERROR=True, LOSS_SCALE=True, wire=True)]
     if kernel == "reconstruct":
         return [
             dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=2, COMMIT=2, LOSS_SCALE=True),
@@ -175,9 +184,12 @@ def variants(kernel: str) -> Iterable[dict]:
         return [factor_columns("p"), factor_columns("q")]
     if kernel == "project_t":
         return [dict(split=True, HAS_Q2=True), dict(split=True), dict(), dict(PADDED=True), dict(PAD_ERROR=True),
-                dict(PAD_ERROR=True, LOSS_SCALE=True)]
+                dict(PAD_ERROR=True, LOSS_SCALE=True), dict(split=True, wire=True),
+                dict(PAD_ERROR=True, LOSS_SCALE=True, wire=True)]
     if kernel == "copy_segments":
         return [dict(to_packed=True), dict(to_packed=False)]
     if kernel == "reduce_splits":
-        return [dict(HAS_Q2=True), dict()]
+        return [dict(HAS_Q2=True), dict(), dict(wire=True)]
+    if kernel in ("orthogonalize", "orthogonalize_gram", "average"):
+        return [dict(), dict(wire=True)]
     return [dict()]

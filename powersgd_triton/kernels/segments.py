@@ -39,7 +39,8 @@ def _copy_segments_kernel(
 
 @triton.jit
 def _average_kernel(
-    f_ptr,  # flat all-reduced factor (P or Q), divided in place
+    f_ptr,  # flat all-reduced factor (P or Q): float32, or the communication dtype it was all-reduced in
+    fo_ptr,  # where the averaged factor goes (float32): f_ptr itself (in place), or the memory's factor
     src_ptr,  # all-reduced uncompressed gradients (packed buffer, or the bucket itself)
     dst_ptr,  # the bucket buffer
     flags_ptr,  # uint8 [T] output flags
@@ -57,7 +58,7 @@ def _average_kernel(
     if mat >= 0:
         x = tl.load(f_ptr + src0 + offs, mask=mask, other=0.0).to(tl.float32)
         y = tl.div_rn(x, tl.zeros_like(x) + world)
-        tl.store(f_ptr + src0 + offs, _cast_for_store(y, f_ptr), mask=mask)
+        tl.store(fo_ptr + src0 + offs, _cast_for_store(y, fo_ptr), mask=mask)
         finite = tl.min((x * 0.0 == 0.0).to(tl.int32), axis=0)
         nonzero = tl.max((y != 0.0).to(tl.int32), axis=0)
         flag = finite | (nonzero << 1)

@@ -34,11 +34,13 @@ def _segments_launch(layout, to_packed):
     return DirectLaunch(_copy_segments_kernel, (tiles.shape[0],), dict(BLOCK=SEGMENT_BLOCK, num_warps=4)), tiles
 
 
-def average(factor, layout: BucketLayout, which: str, buffer, unc, world_size: int):
-    """One launch after the last all-reduce: ``factor /= world_size`` in place; ``unc / world_size`` into the
-    bucket's uncompressed positions (``unc`` packed, or None when they are one range of ``buffer``, divided in
-    place); returns ``(flags, first)``: uint8 step flags (bit 0 finite, bit 1 non-zero factor chunk) and the int32
-    table of each matrix's flags, for :func:`reconstruct`. The flags are the launch's one allocation."""
+def average(factor, layout: BucketLayout, which: str, buffer, unc, world_size: int, out=None):
+    """One launch after the last all-reduce: ``factor / world_size`` into ``out`` (default: ``factor``, in place;
+    ``factor`` may be in the communication dtype it was all-reduced in, ``out`` the memory's float32 factor);
+    ``unc / world_size`` into the bucket's uncompressed positions (``unc`` packed, or None when they are one range
+    of ``buffer``, divided in place); returns ``(flags, first)``: uint8 step flags (bit 0 finite, bit 1 non-zero
+    factor chunk) and the int32 table of each matrix's flags, for :func:`reconstruct`. The flags are the launch's
+    one allocation."""
     packed = unc is not None
     key = ("launch:average", which, packed)
     plan = layout._tiles.get(key)
@@ -47,7 +49,8 @@ def average(factor, layout: BucketLayout, which: str, buffer, unc, world_size: i
     launch, tiles, first = plan
     flags = torch.empty(tiles.shape[0], dtype=torch.uint8, device=buffer.device)
     if launch is not None:
-        launch(factor, unc if packed else buffer, buffer, flags, tiles, float(world_size))
+        launch(factor, factor if out is None else out, unc if packed else buffer, buffer, flags, tiles,
+               float(world_size))
     return flags, first
 
 
