@@ -21,9 +21,7 @@ floors in ``pyproject.toml`` (``torch>=2.8``, ``triton>=3.4``) are the tested mi
 | ``FSDPModule.set_reduce_scatter_unused_params`` (zero gradients for unused parameters) | after torch 2.11 | :func:`fsdp_unused_params_option` |
 """
 
-import functools
 import inspect
-import operator
 import re
 from typing import Optional, Tuple
 
@@ -168,7 +166,6 @@ def dot_min_k(bits: int) -> int:
 # they hold no call, and DirectLaunch passes None for them and for the launch metadata, which only the hooks read).
 DIRECT_LAUNCH_TRITON = ((3, 6), (3, 8), (3, 9))
 _direct_state = {}
-_RUN = {}  # once supported: "cls" (JITFunction), "run" (its own run), "enter" / "exit" (the launch hook chains)
 
 
 def _direct_launch_supported() -> bool:
@@ -189,7 +186,6 @@ def _direct_launch_supported() -> bool:
             ok = v is not None and v[:2] in DIRECT_LAUNCH_TRITON and all(hasattr(h, "calls") for h in hooks)
             if ok:
                 _direct_state.update(run=run, cls=JITFunction, hooks=hooks)
-                _RUN.update(cls=JITFunction, run=run, enter=hooks[0], exit=hooks[1])
         except Exception:  # noqa: BLE001 - another layout of triton: the JIT call
             ok = False
         _direct_state["ok"] = ok
@@ -200,55 +196,39 @@ def _direct_launch_supported() -> bool:
 DIRECT_LAUNCH = True
 
 
-def _c_args_v39(launcher, function, packed):
-    """triton 3.9's (and 3.8's) ``CudaLauncher.__call__`` without scratch memory, launch hooks or GSan calls its C
-    ``launch(grid x, y, z, stream, *these, kernel_args)`` (``backends/nvidia/driver.py``): the function, cooperative
-    grid, PDL, packed metadata, launch metadata, enter and exit hooks, global and profile scratch, annotations and
-    signature; the kernel's arguments follow as one tuple (``spread`` False)."""
-    return (function, launcher.launch_cooperative_grid, launcher.launch_pdl, packed, None, None, None, None, None,
-            launcher.arg_annotations, launcher.kernel_signature), False
+def _c_launch_v39(launcher, g, stream, function, packed, args):
+    """triton 3.9's ``CudaLauncher.__call__`` without scratch memory, launch hooks or GSan: its C ``launch`` with
+    the arguments it passes (``backends/nvidia/driver.py``)."""
+    launcher.launch(g[0], g[1], g[2], stream, function, launcher.launch_cooperative_grid, launcher.launch_pdl, packed,
+                    None, None, None, None, None, launcher.arg_annotations, launcher.kernel_signature, args)
 
 
-def _c_args_v36(launcher, function, packed):
-    """triton 3.6's ``CudaLauncher.__call__`` without scratch memory or launch hooks calls its C ``launch(grid x, y,
-    z, stream, *these, *kernel_args)``: the function, cooperative grid, PDL, global and profile scratch, packed
-    metadata, launch metadata, enter and exit hooks; the kernel's arguments follow one by one (``spread`` True)."""
-    return (function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, packed, None, None,
-            None), True
+def _c_launch_v36(launcher, g, stream, function, packed, args):
+    """triton 3.6's ``CudaLauncher.__call__`` without scratch memory or launch hooks: its C ``launch`` with the
+    arguments it passes (``backends/nvidia/driver.py``: the launch metadata and hooks lead the kernel's arguments)."""
+    launcher.launch(g[0], g[1], g[2], stream, function, launcher.launch_cooperative_grid, launcher.launch_pdl, None,
+                    None, packed, None, None, None, *args)
 
 
-# The C entry's arguments of the NVIDIA launcher, per Triton version whose CudaLauncher.__call__ was read (3.6.0, 3.8.0,
-# 3.9.0; 3.8.0 passes what 3.9.0 does).
-_C_ARGS = {(3, 6): _c_args_v36, (3, 8): _c_args_v39, (3, 9): _c_args_v39}
+# The C entry of the NVIDIA launcher, per Triton version whose CudaLauncher.__call__ was read (3.6.0, 3.8.0, 3.9.0;
+# 3.8.0 passes what 3.9.0 does).
+_C_LAUNCH = {(3, 6): _c_launch_v36, (3, 8): _c_launch_v39, (3, 9): _c_launch_v39}
 
 
-def _c_launch_args(launcher, function, packed):
-    """``(arguments, spread)`` of the C entry ``launcher.launch`` between the stream and the kernel's arguments
-    (:data:`_C_ARGS`) when ``launcher`` (the compiled kernel's ``run``) is this Triton's own NVIDIA ``CudaLauncher``
-    (or a subclass keeping its ``__call__``) with no scratch memory and no GSan: then its ``__call__`` only forwards
-    to ``launcher.launch``; else None (``kernel.run`` is called)."""
+def _c_launch(launcher):
+    """The C-entry launch of ``launcher`` (the compiled kernel's ``run``) when it is this Triton's own NVIDIA
+    ``CudaLauncher`` (or a subclass keeping its ``__call__``) with no scratch memory and no GSan: then its
+    ``__call__`` only forwards to ``launcher.launch``; else None (``kernel.run`` is called)."""
     try:
         from triton.backends.nvidia.driver import CudaLauncher
     except Exception:  # noqa: BLE001 - no NVIDIA backend
         return None
-    fn = _C_ARGS.get((triton_version() or ())[:2])
+    fn = _C_LAUNCH.get((triton_version() or ())[:2])
     if (fn is None or not isinstance(launcher, CudaLauncher) or type(launcher).__call__ is not CudaLauncher.__call__
             or getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)
             or getattr(launcher, "gsan_enabled", False) or not hasattr(launcher, "launch")):
         return None
-    return fn(launcher, function, packed)
-
-
-_DTYPE = operator.attrgetter("dtype")
-_DATA_PTR = torch.Tensor.data_ptr
-
-
-def _picker(indices):
-    """``args -> tuple of args[i] for i in indices`` as one C call (``operator.itemgetter``; a single index is
-    taken twice, so the result is a tuple as well); None for no index."""
-    if not indices:
-        return None
-    return operator.itemgetter(*indices) if len(indices) > 1 else operator.itemgetter(indices[0], indices[0])
+    return fn
 
 
 class DirectLaunch:
@@ -257,55 +237,66 @@ class DirectLaunch:
 
     The first call, and any call where the direct path does not apply, is the JIT call ``fn[grid](*args,
     **kwargs)`` (binding, cache key, compile on a miss). It keeps the compiled kernel it returns and the
-    specialization-relevant facts of ``args``: which positions hold tensors, their dtypes, that each tensor's
-    ``data_ptr()`` is 16-byte aligned, and every other argument's type and value. A later call with the same facts
-    calls the compiled kernel itself, as ``JITFunction.run`` ends (triton 3.6, 3.8 and 3.9,
-    :data:`DIRECT_LAUNCH_TRITON`): ``kernel.run(grid, stream, kernel.function, kernel.packed_metadata, None, None,
-    None, *args, *constexprs)`` on the current stream of the device the kernel was launched on first, the
-    constexprs in parameter order; where that launcher is Triton's NVIDIA ``CudaLauncher`` with no scratch memory,
-    the C ``launch`` it forwards to, with the arguments its ``__call__`` passes (:data:`_C_ARGS`, per version). The
-    facts are compared with a few C calls (``map`` over ``operator`` getters; no Python call per argument). A
-    first call whose tensors are not all 16-byte aligned is never launched directly (the JIT call, every time). It
-    falls back to the JIT call (which sees everything as usual) when: Triton is another version, ``fn`` is not a
-    ``JITFunction`` (the interpreter), ``JITFunction.run`` has been replaced (a launch counter, a profiler), a
-    launch enter/exit hook is set (``triton.knobs.runtime``), :data:`DIRECT_LAUNCH` is False, or the facts
-    changed. Not checked on the direct path: Triton's "used global values have not changed" test (our kernels'
-    globals are constants). Raises whatever the JIT call raises (a missing argument, a compile error).
+    specialization-relevant facts of ``args`` (their number; per tensor: its dtype and ``data_ptr() % 16 == 0``;
+    every other argument's type and value, compared by ``==``, None by identity). A later call with the same facts
+    calls the compiled kernel itself, as ``JITFunction.run`` ends (triton 3.6, 3.8 and 3.9, :data:`DIRECT_LAUNCH_TRITON`):
+    ``kernel.run(grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)`` on
+    the current stream of the device the kernel was launched on first, the constexprs in parameter order; where
+    that launcher is Triton's NVIDIA ``CudaLauncher`` with no scratch memory, the C ``launch`` it forwards to,
+    with the arguments its ``__call__`` passes (:data:`_C_LAUNCH`, per version). It falls back to the JIT call
+    (which sees everything as usual) when: Triton is another version, ``fn`` is not a ``JITFunction`` (the
+    interpreter), ``JITFunction.run`` has been replaced (a launch counter, a profiler), a launch enter/exit hook
+    is set (``triton.knobs.runtime``), :data:`DIRECT_LAUNCH` is False, or the facts changed. Not checked on the
+    direct path: Triton's "used global values have not changed" test (our kernels' globals are constants).
+    Raises whatever the JIT call raises (a missing argument, a compile error).
     """
 
-    __slots__ = ("fn", "grid", "kwargs", "tail", "kernel", "stream", "device", "g", "run", "c_args", "spread", "n",
-                 "tensors", "values", "dtypes", "types", "vals")
+    __slots__ = ("fn", "grid", "kwargs", "tail", "kernel", "facts", "stream", "device", "g", "run", "c_launch")
 
     def __init__(self, fn, grid, kwargs: dict):
         self.fn, self.grid, self.kwargs = fn, tuple(grid), dict(kwargs)
         self.g = (self.grid + (1, 1))[:3]
         self.kernel = None
+        self.facts = None
         self.tail = None
-        self.c_args = None
+        self.c_launch = None
+
+    @staticmethod
+    def _facts(args) -> tuple:
+        out = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                out.append((a.dtype, a.data_ptr() % 16 == 0))
+            else:
+                out.append(a)
+        return tuple(out)
 
     def __call__(self, *args) -> None:
-        if self.kernel is not None and DIRECT_LAUNCH and len(args) == self.n:
-            tensors = self.tensors
-            ts = args if tensors is None else tensors(args)
-            try:  # a non-tensor where a tensor was: no dtype / data_ptr (AttributeError, TypeError)
-                same = (tuple(map(_DTYPE, ts)) == self.dtypes and not functools.reduce(
-                    operator.or_, map(_DATA_PTR, ts)) & 15)
-            except (AttributeError, TypeError):
-                same = False
-            if same and self.values is not None:
-                vs = self.values(args)
-                same = tuple(map(type, vs)) == self.types and vs == self.vals
-            run = _RUN
-            if same and run["cls"].run is run["run"] and not run["enter"].calls and not run["exit"].calls:
-                g = self.g
-                if self.c_args is None:
-                    self.run(g[0], g[1], g[2], self.stream(self.device), self.kernel.function,
-                             self.kernel.packed_metadata, None, None, None, *args, *self.tail)
-                elif self.spread:
-                    self.run.launch(g[0], g[1], g[2], self.stream(self.device), *self.c_args, *args, *self.tail)
-                else:
-                    self.run.launch(g[0], g[1], g[2], self.stream(self.device), *self.c_args, args + self.tail)
-                return
+        kernel = self.kernel
+        if kernel is not None and DIRECT_LAUNCH and len(args) == len(self.facts):
+            facts = self.facts
+            i = 0
+            for a in args:  # the specialization facts, inline (no Python call per argument)
+                f = facts[i]
+                if type(f) is tuple:  # a tensor: (dtype, 16-byte aligned)
+                    if (not isinstance(a, torch.Tensor) or a.dtype is not f[0]
+                            or (a.data_ptr() % 16 == 0) is not f[1]):
+                        break
+                elif a is not f and (type(a) is not type(f) or a != f):
+                    break
+                i += 1
+            else:
+                run = _direct_state
+                enter, exit_ = run["hooks"]
+                if run["cls"].run is run["run"] and not enter.calls and not exit_.calls:
+                    g = self.g
+                    if self.c_launch is not None:
+                        self.c_launch(self.run, g, self.stream(self.device), kernel.function, kernel.packed_metadata,
+                                      args + self.tail)
+                    else:
+                        self.run(g[0], g[1], g[2], self.stream(self.device), kernel.function,
+                                 kernel.packed_metadata, None, None, None, *args, *self.tail)
+                    return
         self._jit(args)
 
     def _jit(self, args) -> None:
@@ -316,9 +307,6 @@ class DirectLaunch:
             kernel = kernel.result()
         if kernel is None or not hasattr(kernel, "packed_metadata"):
             return
-        t_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        if not t_idx or any(args[i].data_ptr() % 16 for i in t_idx):
-            return  # no tensor, or an unaligned one: the JIT call each time (none of our launches)
         from triton.runtime import driver
 
         params = list(self.fn.signature.parameters.values())
@@ -334,18 +322,9 @@ class DirectLaunch:
         self.device = active.get_current_device()
         self.stream = active.get_current_stream
         self.tail = tuple(tail)
-        self.n = len(args)
-        v_idx = [i for i in range(len(args)) if i not in t_idx]
-        self.tensors = None if len(t_idx) == len(args) else _picker(t_idx)
-        self.values = _picker(v_idx)
-        ts = args if self.tensors is None else self.tensors(args)
-        self.dtypes = tuple(map(_DTYPE, ts))
-        if self.values is not None:
-            self.vals = self.values(args)
-            self.types = tuple(map(type, self.vals))
+        self.facts = self._facts(args)
         self.run = kernel.run  # the launcher (CompiledKernel.run is a property: made once, then kept)
-        c = _c_launch_args(self.run, kernel.function, kernel.packed_metadata)
-        self.c_args, self.spread = (None, False) if c is None else c
+        self.c_launch = _c_launch(self.run)
         self.kernel = kernel
 
 

@@ -183,12 +183,16 @@ FACTS_SCRIPT = textwrap.dedent(r"""
         kernel_args = (lambda r: r[-1]) if triton.__version__.startswith(("3.8", "3.9")) else (lambda r: r[13:])
         out["direct_args"] = [list(map(str, kernel_args(rec[1])))]
         out["first_args"] = [list(map(str, kernel_args(rec[0])))]
-        # a first call with an unaligned tensor: never launched directly
+        # a first call with an unaligned tensor: direct again with the same facts (the kernel compiled for them),
+        # the JIT call for an aligned one
         un = _compat.DirectLaunch(_axpy, (4,), dict(BLOCK=16))
         before = len(jit_calls)
         for _ in range(3):
             un(x[1:], y, 63, 1.5)
         out["unaligned_first"] = len(jit_calls) - before
+        before = len(jit_calls)
+        un(x[:63], y, 63, 1.5)
+        out["then_aligned"] = len(jit_calls) - before
         out["launches"] = fake.utils.launches
     print("RESULT " + json.dumps(out))
 """)
@@ -196,9 +200,9 @@ FACTS_SCRIPT = textwrap.dedent(r"""
 
 def test_direct_launch_takes_the_jit_path_when_a_specialization_fact_changes(tmp_path):
     """``DirectLaunch`` launches directly only when the call has the facts of the call it compiled for: the same
-    argument count, tensors at the same positions with the same dtypes, 16-byte aligned, and the other arguments of
+    argument count, tensors at the same positions with the same dtypes and 16-byte alignment, and the other arguments of
     the same type and value (Triton specializes on them). Any change is the JIT call (which compiles or picks the
-    right kernel, and, when it fails, raises as usual); a first call with an unaligned tensor is never direct."""
+    right kernel, and, when it fails, raises as usual), an unaligned tensor where an aligned one was and back."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     script = tmp_path / "facts.py"  # a file: @triton.jit reads the kernel's source
@@ -215,6 +219,6 @@ def test_direct_launch_takes_the_jit_path_when_a_specialization_fact_changes(tmp
     assert {k: seq.pop(k) for k in ("a tensor for n", "an int for x", "fewer arguments")} == {
         "a tensor for n": 11, "an int for x": 11, "fewer arguments": 11}
     assert seq == {k: 1 for k in seq}, seq  # every other changed fact: the JIT call
-    assert r["unaligned_first"] == 3
+    assert r["unaligned_first"] == 1 and r["then_aligned"] == 1
     # the direct launch passed the JIT call's kernel arguments (tensors, n, a; the constexpr BLOCK after them)
     assert r["direct_args"][0][2:] == r["first_args"][0][2:]
