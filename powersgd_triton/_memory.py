@@ -29,7 +29,7 @@ class BucketMemory:
 
     __slots__ = (
         "layout", "signature", "backend", "configs", "error", "p", "q", "q_work", "q_initialized", "q_next",
-        "phase", "comm", "local", "p_work", "q_comm",
+        "phase", "comm", "local", "p_work", "p_comm", "q_comm",
         "params", "param_names", "matrices", "strict", "verified", "order", "order_params", "shapes",
         "verify_pending",
     )
@@ -83,7 +83,9 @@ class BucketMemory:
         self.local: Optional[torch.Tensor] = None
         self.p_work: Optional[torch.Tensor] = None
         # Layer-wise and batched hooks on the Triton backend, when P and Q travel in another dtype than the
-        # memory's: Q in that dtype, all-reduced there (see q_comm; not saved). P's is `p_work` in that dtype.
+        # memory's: P and Q in that dtype, written by the kernels and all-reduced there (see p_comm, q_comm; not
+        # saved).
+        self.p_comm: Optional[torch.Tensor] = None
         self.q_comm: Optional[torch.Tensor] = None
 
     def config(self, kernel: str) -> Optional[dict]:
@@ -91,7 +93,8 @@ class BucketMemory:
 
     def nbytes(self) -> int:
         """Persistent bytes held for this bucket (error, P, Q, work and communication buffers)."""
-        tensors = (self.error, self.p, self.q, self.q_work, self.comm, self.local, self.p_work, self.q_comm)
+        tensors = (self.error, self.p, self.q, self.q_work, self.comm, self.local, self.p_work, self.p_comm,
+                   self.q_comm)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -212,18 +215,27 @@ def allocate_alternating(mem: BucketMemory, buffer: torch.Tensor) -> None:
         mem.q_work = torch.empty(layout.q_numel, **f32)
 
 
-def p_work(mem: BucketMemory, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``mem.p_work``, allocated like ``mem.p`` (in ``dtype`` when given) when missing, of another size, device or
-    dtype: the layer-wise and batched hooks all-reduce P there and orthogonalize it into ``mem.p`` (out of place:
-    the orthogonalize launch may split a factor's rows over programs that all read the whole factor; the
-    alternating hook uses it as its own work buffer). The hooks on the Triton backend ask for it in the
-    communication dtype when that is not the memory's: ``project`` then writes P there rounded as ``Tensor.to``
-    rounds, and it is all-reduced as it is (no cast, no copy back)."""
-    dtype = mem.p.dtype if dtype is None else dtype
+def p_work(mem: BucketMemory) -> torch.Tensor:
+    """``mem.p_work``, allocated like ``mem.p`` when missing or of another size: the layer-wise and batched hooks
+    all-reduce P there (or copy it there from ``p_comm`` after its all-reduce) and orthogonalize it into ``mem.p``
+    (out of place: the orthogonalize launch may split a factor's rows over programs that all read the whole factor;
+    the alternating hook uses it as its own work buffer)."""
     if mem.p_work is None or mem.p_work.numel() != mem.p.numel() or mem.p_work.device != mem.p.device \
-            or mem.p_work.dtype != dtype:
-        mem.p_work = torch.empty(mem.p.numel(), device=mem.p.device, dtype=dtype)
+            or mem.p_work.dtype != mem.p.dtype:
+        mem.p_work = torch.empty_like(mem.p)
     return mem.p_work
+
+
+def p_comm(mem: BucketMemory, dtype: torch.dtype) -> torch.Tensor:
+    """``mem.p_comm``: P of the step in flight in the communication dtype ``dtype`` (the layer-wise and batched
+    hooks on the Triton backend, when it is not the memory's): ``project`` writes P there rounded as ``Tensor.to``
+    rounds, it is all-reduced as it is, then copied into the float32 ``p_work`` that ``orthogonalize`` reads (one
+    copy, no cast). Allocated when missing, of another size, device or dtype."""
+    p = mem.p
+    if mem.p_comm is None or mem.p_comm.numel() != p.numel() or mem.p_comm.device != p.device \
+            or mem.p_comm.dtype != dtype:
+        mem.p_comm = torch.empty(p.numel(), device=p.device, dtype=dtype)
+    return mem.p_comm
 
 
 def q_comm(mem: BucketMemory, dtype: torch.dtype) -> torch.Tensor:

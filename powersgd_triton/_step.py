@@ -44,7 +44,7 @@ import torch.distributed as dist
 from . import _hook_ops
 from ._backend import device_backend
 from ._buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401 - the hooks' entry points
-from ._memory import BucketMemory, allocate_alternating, draw_q, drop_next_q, p_work, q_comm  # noqa: F401 - the hooks' entry points
+from ._memory import BucketMemory, allocate_alternating, draw_q, drop_next_q, p_comm, p_work, q_comm  # noqa: F401 - the hooks' entry points
 from ._models import check_one_model
 from .layout import check_gradient_dtype
 from .state import PowerSGDState, check_grad_scaler

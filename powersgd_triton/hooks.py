@@ -61,14 +61,14 @@ class _Step:
     and without warm start it runs before ``project`` instead): 6 to 8 launches whatever the number of matrices
     (orthogonalize: 2 when its plan splits a tall factor over rows). When P and Q
     travel in another dtype than the memory's (``communication_dtype``; by default fp16/bf16 buckets), project and
-    project_t write them in that dtype into the buffers they are all-reduced in (``p_raw``, ``q_raw``: rounded to
-    nearest even, overflowing to inf, as ``Tensor.to`` does), orthogonalize reads P from there and average divides Q
-    from there into the float32 ``q_work``: no torch op. On the torch backend, one cast and one copy back per factor
-    (4 element-wise torch ops per bucket and step, whatever the number of matrices).
+    project_t write them in that dtype into the buffers they are all-reduced in (``p_send``, ``q_raw``: rounded to
+    nearest even, overflowing to inf, as ``Tensor.to`` does), P is copied back into float32 after its all-reduce
+    and average divides Q from there into the float32 ``q_work``: one torch op. On the torch backend, one cast and
+    one copy back per factor (4 element-wise torch ops per bucket and step, whatever the number of matrices).
     """
 
     __slots__ = ("state", "mem", "layout", "buffer", "group", "world_size", "unc", "packed", "unc_work", "backend",
-                 "eps", "loss_scale", "p_raw", "q_raw", "ops")
+                 "eps", "loss_scale", "p_raw", "p_send", "q_raw", "ops")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int,
                  check=None):
@@ -88,14 +88,18 @@ class _Step:
         self.unc = None
         self.packed = None
         self.unc_work = None
-        # P = (M + E)·Q is all-reduced in p_raw and orthogonalized into mem.p (out of place; see _memory.p_work); Q
-        # is all-reduced in q_raw and averaged into mem.q_work. On the Triton backend both are in the communication
-        # dtype, written so by project and project_t: no cast and no copy back around their all-reduces
-        self.p_raw = self.q_raw = None
+        # P = (M + E)·Q is all-reduced in p_send and orthogonalized from p_raw into mem.p (out of place; see
+        # _memory.p_work); Q is all-reduced in q_raw and averaged into mem.q_work. On the Triton backend, when the
+        # communication dtype is not float32, p_send and q_raw are in it, written so by project and project_t (no
+        # cast before the all-reduces), and P is copied back into the float32 p_raw (orthogonalize reads float32:
+        # triton 3.6 cannot compile its float64 tl.dot of a 16-bit load), while average divides Q from q_raw into
+        # float32 itself
+        self.p_raw = self.p_send = self.q_raw = None
         if mem.layout.num_matrices:
             wire = _step.wire_dtype(state, buffer, mem.p.dtype) if self.backend == "triton" and WIRE_IN_KERNELS \
                 else None
-            self.p_raw = _step.p_work(mem, wire)
+            self.p_raw = _step.p_work(mem)
+            self.p_send = self.p_raw if wire is None else _step.p_comm(mem, wire)
             self.q_raw = mem.q_work if wire is None else _step.q_comm(mem, wire)
 
     def start_uncompressed(self) -> None:
@@ -127,12 +131,14 @@ class _Step:
                 mem.q, layout, "q", self.eps, out=mem.q_work, backend=self.backend,
                 config=mem.configs.get("orthogonalize")
             )
-        self.ops.project(self.buffer, layout, mem.q_work, self.p_raw, mem.error, loss_scale=self.loss_scale,
+        self.ops.project(self.buffer, layout, mem.q_work, self.p_send, mem.error, loss_scale=self.loss_scale,
                     backend=self.backend, config=mem.configs.get("project"))
 
     def compute_q(self) -> None:
         """Orthogonalize the all-reduced P (``p_raw``) into ``mem.p``; ``Q = (M + E)ᵀ·P`` into ``q_raw``."""
         mem, layout = self.mem, self.layout
+        if self.p_send is not self.p_raw:
+            self.p_raw.copy_(self.p_send)  # the all-reduced P in float32 (exact)
         self.ops.orthogonalize(self.p_raw, layout, "p", self.eps, out=mem.p, backend=self.backend,
                           config=mem.configs.get("orthogonalize"))
         self.ops.project_t(self.buffer, layout, mem.p, self.q_raw, error=mem.error if layout.batched else None,
@@ -235,10 +241,10 @@ def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
             step.compute_q()
             return _step.allreduce_factor(state, step.q_raw, buffer, group).wait()
 
-        p_fut = _step.allreduce_factor(state, step.p_raw, buffer, group)
+        p_fut = _step.allreduce_factor(state, step.p_send, buffer, group)
         return p_fut.then(after_p).then(finish_chained)
 
-    _step.allreduce_factor(state, step.p_raw, buffer, group).wait()
+    _step.allreduce_factor(state, step.p_send, buffer, group).wait()
     step.compute_q()
     _step.allreduce_factor(state, step.q_raw, buffer, group).wait()
     return _step.completed(finish())
@@ -252,7 +258,7 @@ def _torch_step(state: PowerSGDState, mem: BucketMemory, work: torch.Tensor, buf
     step.start_uncompressed()
     step.compute_p()
     if mem.layout.num_matrices:
-        _step.allreduce_factor(state, step.p_raw, buffer, group).wait()
+        _step.allreduce_factor(state, step.p_send, buffer, group).wait()
         step.compute_q()
         _step.allreduce_factor(state, step.q_raw, buffer, group).wait()
     return step.finish()

@@ -139,17 +139,17 @@ class HostSpec:
     collective_s: float
 
 
-# Measured on this project's CPU machine by `powersgd-triton bench --host-overhead` (bench/RESULTS.md, "Host
-# overhead ... C-level stand-ins", 2026-12-02): AMD EPYC, 2 cores, idle (load average < 1.5), the C launch entry a C
-# no-op and the collectives' futures torch's C futures; medians of 7 runs (triton 3.9, torch 2.13 CPU) and 5 runs
-# (triton 3.6, torch 2.11). launch_s: one triton_ops.project through its launch plan; step_s: ResNet-50 r4 fp32's mean
-# host time per bucket step (3.9: 64 us, 3.6: 73 us) less its 7.8 launches; collective_s: a gloo all_reduce call of
-# one element with its future, world size 1.
+# Measured on this project's CPU machine by `powersgd-triton bench --host-overhead` (bench/RESULTS.md, "C-level
+# stand-ins, and P and Q written in the communication dtype", 2026-12-02): AMD EPYC, 2 cores, idle (load average
+# < 1.6), the C launch entry a C no-op and the collectives' futures torch's C futures; medians of 7 runs (triton 3.9,
+# torch 2.13 CPU) and 5 runs (triton 3.6, torch 2.11). launch_s: one triton_ops.project through its launch plan;
+# step_s: ResNet-50 r4 fp32's mean host time per bucket step (3.9: 54 us, 3.6: 68 us) less its 7.8 launches;
+# collective_s: a gloo all_reduce call of one element with its future, world size 1.
 HOSTS: Dict[str, HostSpec] = {
-    "epyc-2core-t39": HostSpec("AMD EPYC, 2 cores, idle", "3.9.0", launch_s=2.2e-6, step_s=47e-6,
+    "epyc-2core-t39": HostSpec("AMD EPYC, 2 cores, idle", "3.9.0", launch_s=2.1e-6, step_s=38e-6,
                                collective_s=50e-6),
-    "epyc-2core-t36": HostSpec("AMD EPYC, 2 cores, idle", "3.6.0", launch_s=2.7e-6, step_s=52e-6,
-                               collective_s=55e-6),
+    "epyc-2core-t36": HostSpec("AMD EPYC, 2 cores, idle", "3.6.0", launch_s=2.7e-6, step_s=47e-6,
+                               collective_s=54e-6),
 }
 
 # The step's segments between its collectives, by step_plan's step names, and the all-reduce calls ending each

@@ -101,3 +101,50 @@ def test_streaming_kernels_registers_spills_compile_time(tmp_path, ranks):
     slowest = max(rows, key=lambda r: r["seconds"])
     print(f"slowest compile: {slowest['kernel']} R={slowest['rank']} {slowest['seconds']:.1f} s")
     assert slowest["seconds"] < 15.0, slowest
+
+
+WIRE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from concurrent.futures import ProcessPoolExecutor
+    import torch
+    from powersgd_triton.kernels import triton_ops as T
+
+    class _Layout:
+        def __init__(self, r):
+            self.max_rank = r
+
+    def job(args):
+        kernel, variant = args
+        tuned = {"reduce_splits": "project_t"}.get(kernel, kernel)
+        cfg = T.heuristic_config(tuned, _Layout(4), torch.bfloat16, 132) if tuned in T.KERNELS else {}
+        try:
+            c = T.compile_aot(kernel, cfg, torch.bfloat16, 4, 90, variant)
+            return dict(ok=True, kernel=kernel, variant=variant, shared=c.metadata.shared)
+        except Exception as e:
+            return dict(ok=False, kernel=kernel, variant=variant, config=cfg, error=repr(e)[:2000])
+
+    if __name__ == "__main__":
+        jobs = [(k, v) for k in T.KERNEL_FUNCTIONS for v in T.variants(k) if v.get("wire")]
+        with ProcessPoolExecutor(max_workers=2) as pool:
+            json.dump(list(pool.map(job, jobs)), sys.stdout)
+    """
+)
+
+
+@pytest.mark.timeout(900)
+def test_factors_in_the_communication_dtype_compile_for_sm90(tmp_path):
+    """The launches that write or read P or Q in a bfloat16 all-reduce buffer (``variants(...)``'s ``wire``:
+    project, project_t and its reducer, average) compile for sm_90 under the installed Triton (the compat tier runs
+    this under each supported one: triton 3.6 cannot compile a float64 ``tl.dot`` of a 16-bit load, which is why
+    orthogonalize reads a float32 copy of P)."""
+    script = tmp_path / "wire.py"
+    script.write_text(WIRE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)
+    assert {r["kernel"] for r in rows} == {"project", "project_t", "reduce_splits", "average"}, rows
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]

@@ -57,10 +57,10 @@ def _torchrun(*args, torchrun_args=(), timeout=150):
     return out
 
 
-def example(tmp_path, name, *extra, torchrun_args=()):
+def example(tmp_path, name, *extra, torchrun_args=(), retry_exit_abort=False):
     ckpt, out = tmp_path / name, tmp_path / f"{name}.pt"
     log = torchrun(EXAMPLE, "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--checkpoint-dir", str(ckpt),
-                   "--out", str(out), *extra, torchrun_args=torchrun_args)
+                   "--out", str(out), *extra, torchrun_args=torchrun_args, retry_exit_abort=retry_exit_abort)
     return ckpt, out, log
 
 
@@ -79,7 +79,9 @@ def _same(a, b):
 def test_stop_and_restart_equals_uninterrupted_bitwise(tmp_path, uninterrupted):
     assert uninterrupted["hook_iter"] == STEPS and uninterrupted["resumed_from"] is None
     assert uninterrupted["compression_stats"][0] > 1
-    ckpt, out, log = example(tmp_path, "stopped", "--stop-after", str(STOP))
+    # an exit abort (EXIT_ABORT, seen once here under pytest-xdist, 2026-12-02): the same command again resumes from
+    # the checkpoint the first run wrote and stops at the same step, with the same files
+    ckpt, out, log = example(tmp_path, "stopped", "--stop-after", str(STOP), retry_exit_abort=True)
     assert f"stopping after step {STOP}" in log and not out.exists()
     latest = (ckpt / "latest").read_text()
     assert latest == "step_000012"

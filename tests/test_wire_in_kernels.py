@@ -1,13 +1,13 @@
 """P and Q in the communication dtype, written and read by the kernels (the layer-wise and batched hooks on the
 Triton backend, fp16/bf16 buckets and ``communication_dtype``): ``project`` and ``project_t`` store them rounded to
-nearest even into the buffers they are all-reduced in, ``orthogonalize`` reads P there, ``average`` divides Q from
-there into the float32 ``q_work``; no cast and no copy back around the all-reduces.
+nearest even into the buffers they are all-reduced in, P is copied back into float32 for ``orthogonalize``,
+``average`` divides Q from its buffer into the float32 ``q_work``; no cast before the all-reduces, one copy after.
 
 Oracle: the same hook on the same Triton kernels with ``hooks.WIRE_IN_KERNELS = False`` (float32 factors, cast to
 the communication dtype before each all-reduce and copied back after it, as the torch backend does), on 3 gloo
 ranks with different gradients (the world size 3 makes the division by it inexact), under the interpreter: every
 step's output and memory (error, P, Q) equal bitwise, an fp16 overflow step included (non-finite there, the memory
-kept). The all-reduced tensors are the memory's own ``p_work`` / ``q_comm`` in the communication dtype.
+kept). The all-reduced tensors are the memory's own ``p_comm`` / ``q_comm`` in the communication dtype.
 """
 
 import pytest
@@ -60,7 +60,7 @@ def _worker(rank, world_size):
                     kept = [] if mem is None else [mem.error.double(), mem.p.double(), mem.q.double()]
                     steps.append(torch.cat([result.double()] + kept))
                     factors.append([] if mem is None else
-                                   [(t.dtype, t is mem.p_work or t is mem.q_comm) for t in sent[-2:]])
+                                   [(t.dtype, t is mem.p_comm or t is mem.q_comm) for t in sent[-2:]])
                 runs[fused] = (steps, factors)
             (a, fa), (b, _) = runs[True], runs[False]
             same = all(torch.equal(x.nan_to_num(1.5, 2.5, 3.5), y.nan_to_num(1.5, 2.5, 3.5)) for x, y in zip(a, b))

@@ -41,8 +41,8 @@ _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: 
 
 def _signature(kernel: str, grad_dtype: torch.dtype, wire: bool = False) -> Dict[str, str]:
     """The argument types of a kernel launch on a bucket of ``grad_dtype``; ``wire``: the factor the launch writes
-    (project: P, project_t and reduce_splits: Q) or reads (orthogonalize: P, average: Q) is the buffer it is
-    all-reduced in, in the communication dtype (here the bucket's: the hooks' default on the Triton backend)."""
+    (project: P, project_t and reduce_splits: Q) or reads (average: Q) is the buffer it is all-reduced in, in the
+    communication dtype (here the bucket's: the hooks' default on the Triton backend)."""
     g = "*" + _TRITON_DTYPES[grad_dtype]
     f, i64, i32 = "*fp32", "*i64", "*i32"
     w = g if wire else f
@@ -59,9 +59,9 @@ def _signature(kernel: str, grad_dtype: torch.dtype, wire: bool = False) -> Dict
     if kernel == "commit_factor":
         return dict(new_ptr=f, kept_ptr=f, flag_ptr="*u8", table_ptr=i64)
     if kernel == "orthogonalize":
-        return dict(x_ptr=w, out_ptr=f, ws_ptr="*fp64", tasks_ptr=i64, eps="fp32")
+        return dict(x_ptr=f, out_ptr=f, ws_ptr="*fp64", tasks_ptr=i64, eps="fp32")
     if kernel == "orthogonalize_gram":
-        return dict(x_ptr=w, ws_ptr="*fp64", tasks_ptr=i64)
+        return dict(x_ptr=f, ws_ptr="*fp64", tasks_ptr=i64)
     return dict(
         buf_ptr=g, p_ptr=f, q_ptr=f, lf_ptr=f, e_ptr=f, kept_ptr=f, flags_ptr="*u8", first_ptr=i32, table_ptr=i64,
         tiles_ptr=i32, ls_ptr=f, n_flags="i32", scale="fp32",
@@ -155,9 +155,10 @@ def variants(kernel: str) -> Iterable[dict]:
     (``PADDED``: M has fewer than n x m elements), its padding error (``PAD_ERROR``, implies ``PADDED``).
     ``reconstruct``: the standard hooks (error feedback and/or warm-start commit of Q, gated by the step flags), the
     alternating hook's P and Q steps (local error, commit of P or Q), the batched view's padding error.
-    ``wire`` (not a constexpr: the argument types): P (project, orthogonalize) or Q (project_t, reduce_splits,
-    average) in the buffer it is all-reduced in, in the communication dtype (the layer-wise and batched hooks on the
-    Triton backend when it is not float32: by default for fp16/bf16 buckets).
+    ``wire`` (not a constexpr: the argument types): P (project) or Q (project_t, reduce_splits, average) in the
+    buffer it is all-reduced in, in the communication dtype (the layer-wise and batched hooks on the Triton backend
+    when it is not float32: by default for fp16/bf16 buckets). Not orthogonalize: triton 3.6 cannot compile its
+    float64 ``tl.dot`` of a 16-bit load (an LLVM assertion on sm_90), so it reads a float32 copy of P.
     """
     if kernel == "project":
         return [dict(HAS_ERROR=True, HAS_P2=True, LOSS_SCALE=True), dict(HAS_ERROR=True, HAS_P2=True),
@@ -190,6 +191,6 @@ def variants(kernel: str) -> Iterable[dict]:
         return [dict(to_packed=True), dict(to_packed=False)]
     if kernel == "reduce_splits":
         return [dict(HAS_Q2=True), dict(), dict(wire=True)]
-    if kernel in ("orthogonalize", "orthogonalize_gram", "average"):
+    if kernel == "average":
         return [dict(), dict(wire=True)]
     return [dict()]
