@@ -239,7 +239,8 @@ class DirectLaunch:
     **kwargs)`` (binding, cache key, compile on a miss). It keeps the compiled kernel it returns and the
     specialization-relevant facts of ``args`` (their number; per tensor: its dtype and ``data_ptr() % 16 == 0``;
     every other argument's type and value, compared by ``==``, None by identity). A later call with the same facts
-    calls the compiled kernel itself, as ``JITFunction.run`` ends (triton 3.6, 3.8 and 3.9, :data:`DIRECT_LAUNCH_TRITON`):
+    calls the compiled kernel itself, as ``JITFunction.run`` ends (triton 3.6, 3.8 and 3.9,
+    :data:`DIRECT_LAUNCH_TRITON`):
     ``kernel.run(grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)`` on
     the current stream of the device the kernel was launched on first, the constexprs in parameter order; where
     that launcher is Triton's NVIDIA ``CudaLauncher`` with no scratch memory, the C ``launch`` it forwards to,

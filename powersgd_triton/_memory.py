@@ -226,28 +226,30 @@ def p_work(mem: BucketMemory) -> torch.Tensor:
     return mem.p_work
 
 
+def _comm_buffer(mem: BucketMemory, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``mem.<name>``: a flat buffer of ``like``'s size and device in ``dtype``, allocated when missing or of another
+    size, device or dtype."""
+    t = getattr(mem, name)
+    if t is None or t.numel() != like.numel() or t.device != like.device or t.dtype != dtype:
+        t = torch.empty(like.numel(), device=like.device, dtype=dtype)
+        setattr(mem, name, t)
+    return t
+
+
 def p_comm(mem: BucketMemory, dtype: torch.dtype) -> torch.Tensor:
     """``mem.p_comm``: P of the step in flight in the communication dtype ``dtype`` (the layer-wise and batched
     hooks on the Triton backend, when it is not the memory's): ``project`` writes P there rounded as ``Tensor.to``
     rounds, it is all-reduced as it is, then copied into the float32 ``p_work`` that ``orthogonalize`` reads (one
-    copy, no cast). Allocated when missing, of another size, device or dtype."""
-    p = mem.p
-    if mem.p_comm is None or mem.p_comm.numel() != p.numel() or mem.p_comm.device != p.device \
-            or mem.p_comm.dtype != dtype:
-        mem.p_comm = torch.empty(p.numel(), device=p.device, dtype=dtype)
-    return mem.p_comm
+    copy, no cast)."""
+    return _comm_buffer(mem, "p_comm", mem.p, dtype)
 
 
 def q_comm(mem: BucketMemory, dtype: torch.dtype) -> torch.Tensor:
     """``mem.q_comm``: Q of the step in flight in the communication dtype ``dtype`` (the layer-wise and batched
     hooks on the Triton backend, when it is not the memory's): ``project_t`` writes Q there rounded as ``Tensor.to``
     rounds, it is all-reduced as it is, and ``average`` divides it by the world size into ``mem.q_work`` (float32):
-    no cast and no copy back. Allocated when missing, of another size, device or dtype."""
-    q = mem.q_work
-    if mem.q_comm is None or mem.q_comm.numel() != q.numel() or mem.q_comm.device != q.device \
-            or mem.q_comm.dtype != dtype:
-        mem.q_comm = torch.empty(q.numel(), device=q.device, dtype=dtype)
-    return mem.q_comm
+    no cast and no copy back."""
+    return _comm_buffer(mem, "q_comm", mem.q_work, dtype)
 
 
 def draw_q(state, mem: BucketMemory, dtype: torch.dtype) -> None:

@@ -204,7 +204,7 @@ def allreduce_average(group, world_size: int, buffer: torch.Tensor) -> torch.fut
 
 def allreduce_factor(state: PowerSGDState, factor: torch.Tensor, buffer: torch.Tensor, group) -> torch.futures.Future:
     """Sum-all-reduce of a packed factor (P or Q), in ``state.communication_dtype`` (default: the bucket's dtype):
-    a factor already in that dtype (the Triton backend's ``p_raw`` / ``q_raw``, written so by the kernels) as it
+    a factor already in that dtype (the Triton backend's ``p_send`` / ``q_raw``, written so by the kernels) as it
     is; a float32 one (the torch backend's) with one cast of the whole packed buffer before the all-reduce and one
     copy back into ``factor`` after it (no per-matrix work). Either way the values round to nearest and overflow to
     inf, never to a finite wrong value: such a step is non-finite (its memory is kept, GradScaler skips it). The

@@ -55,8 +55,9 @@ The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_chec
    Triton version): the step is three segments between its collectives (pack, project | all-reduce P |
    orthogonalize P, project_t | all-reduce Q | average, reconstruct, the next Q's orthogonalization). A segment's
    host time is its share of the hook's own Python (``step_s / 3``), ``launch_s`` per launch and
-   ``collective_s`` per all-reduce call (P and Q are written and read in their all-reduce's dtype by the kernels
-   themselves: no torch op in the step); its device time the sum of its
+   ``collective_s`` per all-reduce call (P and Q are written in their all-reduce's dtype by the kernels
+   themselves; when that is not float32, P's copy back into float32 is the step's one torch op, charged
+   ``launch_s``); its device time the sum of its
    launches; it takes the slower of the two (:func:`predict_host`). A bucket is host-bound when its host time is
    the larger in total.
 
@@ -340,15 +341,17 @@ def predict_host(launches: Sequence[dict], layout: BucketLayout, dtype: torch.dt
 
     ``launches``: :func:`predict`'s rows of the step (with their ``step`` names); ``wire_dtype``: the dtype P and Q
     are all-reduced in (default the bucket's; on the Triton backend project and project_t write the factors in it
-    and orthogonalize and average read them from it, so it adds no torch op: accepted for the callers that pass
-    it). Returns ``segments`` (per segment: ``host_s``, ``device_s``, ``time_s`` = the larger, ``bound``),
+    and average reads Q from it; when it is not float32, P's copy back into float32 before orthogonalize P is one
+    torch op, charged ``launch_s``). Returns ``segments`` (per segment: ``host_s``, ``device_s``, ``time_s`` = the larger, ``bound``),
     ``host_s``, ``device_s``, ``time_s`` (the sum of the segments' times) and ``bound`` ("host" when the host's total
     is the larger, else "device")."""
+    wire = dtype if wire_dtype is None else wire_dtype
     collectives = [1 + (1 if layout.uncompressed_numel else 0), 1, 0]
+    torch_ops = [0, 1 if wire != torch.float32 else 0, 0]  # P's copy back, in the orthogonalize P segment
     segments = []
-    for names, calls in zip(SEGMENTS, collectives):
+    for names, calls, ops in zip(SEGMENTS, collectives, torch_ops):
         rows = [r for r in launches if r["step"] in names]
-        host_s = host.step_s / len(SEGMENTS) + len(rows) * host.launch_s + calls * host.collective_s
+        host_s = host.step_s / len(SEGMENTS) + (len(rows) + ops) * host.launch_s + calls * host.collective_s
         device_s = sum(r["time_s"] for r in rows)
         segments.append(dict(host_s=host_s, device_s=device_s, time_s=max(host_s, device_s),
                              bound="host" if host_s > device_s else "device"))

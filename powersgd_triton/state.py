@@ -18,13 +18,14 @@ Per bucket index the state keeps a :class:`BucketMemory`:
   float64 bucket, like ``p`` and ``q`` (such a bucket is computed in float64, on the torch backend);
 * ``p``: float32 ``P`` (``layout.p_numel``), ``q``: float32 warm-start ``Q`` (``layout.q_numel``), stored as
   ``Q / world_size`` like PyTorch's ``q_memory_dict`` (all-reduced in ``communication_dtype``, default the
-  bucket's dtype: on the torch backend through a transient cast, on the Triton backend in ``p_work`` / ``q_comm``
+  bucket's dtype: on the torch backend through a transient cast, on the Triton backend in ``p_comm`` / ``q_comm``
   below, which the kernels write in that dtype; the error is in unscaled units with a ``grad_scaler``); ``q_work``:
   the Q of the step in flight, committed to ``q``
   only when the step's all-reduced values are finite (no host sync), and with warm start, between steps, the
   next step's Q orthogonalized ahead; ``p_work``: the P of the step in flight, all-reduced there and orthogonalized
-  into ``p``; ``q_comm``: on the Triton backend when the communication dtype is not float32, the Q of the step in
-  flight in that dtype, all-reduced there and averaged into ``q_work`` (no work buffer is saved);
+  into ``p`` (from ``p_comm`` on the Triton backend: one copy); ``p_comm`` / ``q_comm``: on the Triton backend when
+  the communication dtype is not float32, P and Q of the step in flight in that dtype, all-reduced there (no work
+  buffer is saved);
 * for :func:`~powersgd_triton.alternating_powerSGD_hook`: ``p`` / ``q`` are the kept factors (the averaged P of
   the last P step, the averaged Q of the last Q step or the initial random Q), ``error`` the local residual, and
   ``phase`` (``"p"`` or ``"q"``) the half-step the bucket takes next; its communication buffers are transient.
