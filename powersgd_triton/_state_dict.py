@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ._buckets import name_params, param_name
+from ._memory_dicts import check_written
 from ._memory import BucketMemories, BucketMemory, memory_dtype
 from .layout import BucketLayout
 
@@ -238,6 +239,8 @@ def check_state_dict(state_dict: Any, version: int) -> Dict[str, Any]:
     for index, entry in buckets.items():
         entry = check_bucket(index, entry)
         out["buckets"][int(index)] = entry
+    # what PyTorch's own hook wrote into the memory dicts of this state (absent unless it ran on it)
+    out["torch_hook_memory"] = check_written(state_dict.get("torch_hook_memory"))
     return out
 
 

@@ -68,6 +68,7 @@ import torch
 from . import _state_dict
 from ._backend import BACKENDS, check_backend, triton_unusable_reason  # noqa: F401 - BACKENDS: importable here
 from ._memory import BucketMemories, BucketMemory  # noqa: F401 - BucketMemory: importable from here as before
+from ._memory_dicts import KINDS, MemoryDict, written_entries
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +219,8 @@ class PowerSGDState:
     Differences from PyTorch's state (all deliberate): error memory only for compressed gradients, in float32;
     P and Q kept in float32 (float64 buckets: all three in float64, as PyTorch keeps them), all-reduced in
     ``communication_dtype`` (default the bucket's dtype, PyTorch's); a non-finite step leaves the memory as it was; ``error_dict`` / ``p_memory_dict`` /
-    ``q_memory_dict`` are read-only views of the flat per-bucket buffers.
+    ``q_memory_dict`` are live mappings over the flat per-bucket buffers (assigning, ``del`` and ``clear()`` act;
+    PyTorch's own ``powerSGD_hook`` given this state keeps its memory there: :mod:`powersgd_triton._memory_dicts`).
 
     Settings changed on a live state (between steps): ``use_error_feedback`` is read at every compressed step, as
     PyTorch's hook reads it (turned on, a zero error memory starts; turned off, the error memory is freed, so it is
@@ -317,6 +319,9 @@ class PowerSGDState:
         self.next_stats_report = 0
         # bucket index -> BucketMemory, with the bookkeeping that keeps it matched to DDP's buckets (_buckets.py)
         self.buckets: BucketMemories = BucketMemories()
+        # error_dict / p_memory_dict / q_memory_dict: live mappings over self.buckets, also holding what PyTorch's
+        # own hook writes when it is given this state (powersgd_triton._memory_dicts)
+        self._memory_dicts = {kind: MemoryDict(self, kind) for kind in KINDS}
 
     @property
     def verify(self) -> str:
@@ -348,19 +353,34 @@ class PowerSGDState:
         return rate, self.total_numel_before_compression, self.total_numel_after_compression
 
     @property
-    def error_dict(self) -> Dict[int, torch.Tensor]:
-        """Bucket index -> flat float32 error memory of the compressed gradients (read-only view of the state)."""
-        return {i: m.error for i, m in self.buckets.items() if m.error is not None}
+    def error_dict(self) -> MemoryDict:
+        """Bucket index -> flat error memory: our hooks' (float32, compressed gradients only), or what PyTorch's
+        hook wrote when it runs on this state. A live mapping: assigning, ``del`` and ``clear()`` act
+        (:mod:`powersgd_triton._memory_dicts`)."""
+        return self._memory_dicts["error"]
+
+    @error_dict.setter
+    def error_dict(self, value) -> None:
+        self._memory_dicts["error"].assign(value)
 
     @property
-    def p_memory_dict(self) -> Dict[int, torch.Tensor]:
-        """Bucket index -> flat float32 P (packed in PyTorch's order)."""
-        return {i: m.p for i, m in self.buckets.items() if m.p is not None}
+    def p_memory_dict(self) -> MemoryDict:
+        """Bucket index -> flat P (float32, packed in PyTorch's order); live, as :attr:`error_dict`."""
+        return self._memory_dicts["p"]
+
+    @p_memory_dict.setter
+    def p_memory_dict(self, value) -> None:
+        self._memory_dicts["p"].assign(value)
 
     @property
-    def q_memory_dict(self) -> Dict[int, torch.Tensor]:
-        """Bucket index -> flat float32 warm-start Q, divided by the world size (PyTorch's order and scale)."""
-        return {i: m.q for i, m in self.buckets.items() if m.q is not None}
+    def q_memory_dict(self) -> MemoryDict:
+        """Bucket index -> flat warm-start Q divided by the world size (PyTorch's order and scale); live, as
+        :attr:`error_dict`."""
+        return self._memory_dicts["q"]
+
+    @q_memory_dict.setter
+    def q_memory_dict(self, value) -> None:
+        self._memory_dicts["q"].assign(value)
 
     # PyTorch's state keeps these constructor arguments as attributes of the same names (not random_seed).
     _TORCH_ARGUMENTS = tuple(h for h in _HYPERPARAMETERS
@@ -442,6 +462,8 @@ class PowerSGDState:
                 "cached_gaussian": float(cached),
             },
             "buckets": _state_dict.bucket_entries(self),
+            # what PyTorch's own hook wrote into error_dict / p_memory_dict / q_memory_dict (it ran on this state)
+            **({"torch_hook_memory": written} if (written := written_entries(self)) else {}),
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -494,6 +516,8 @@ class PowerSGDState:
         self.next_stats_report = checked["next_stats_report"]
         self.buckets.replace_loaded(_state_dict.loaded_memories(checked["buckets"]), checked["world_size"],
                                     checked["rank"])
+        for kind, d in self._memory_dicts.items():
+            d.written = checked["torch_hook_memory"].get(kind, {})
 
     def __getstate__(self) -> Dict[str, Any]:
         """Pickle everything but the process group (see :meth:`state_dict`)."""
@@ -505,6 +529,9 @@ class PowerSGDState:
 
         Works before ``init_process_group``.
         """
+        if isinstance(pickled, dict) and "config" not in pickled:
+            self._set_torch_pickled(pickled)
+            return
         config = dict(pickled["config"])
         seed = config["random_seed"]  # None for a state made by from_torch: its RNG state comes with the state dict
         PowerSGDState.__init__(self, None, **{**config, "random_seed": 0 if seed is None else seed})
@@ -515,6 +542,31 @@ class PowerSGDState:
             "NOTE: Process group will be set to the default group (i.e. the world size) when the hook runs. "
             "If a different group is desired, please set `self.process_group` after PowerSGD state is loaded."
         )
+
+    def _set_torch_pickled(self, pickled: Dict[str, Any]) -> None:
+        """``__setstate__`` of what PyTorch's ``PowerSGDState.__getstate__`` returns (its slots but the process group):
+        its settings, RNG, counters (as :meth:`from_torch`) and its memory dicts, kept in ours for PyTorch's hook."""
+        needed = ("rng", "iter", "error_dict", "p_memory_dict", "q_memory_dict") + self._TORCH_ARGUMENTS
+        missing = [k for k in needed if k not in pickled]
+        if missing:
+            raise TypeError(
+                f"cannot unpickle a PowerSGDState from this state: it lacks {missing} (neither ours nor PyTorch's "
+                "PowerSGDState.__getstate__); for a live PyTorch state use PowerSGDState.from_torch(state)"
+            )
+        PowerSGDState.__init__(self, None, **{a: pickled[a] for a in self._TORCH_ARGUMENTS})
+        self.rng.set_state(pickled["rng"].get_state())
+        self.random_seed = None
+        self.iter = int(pickled["iter"])
+        for key in ("total_numel_before_compression", "total_numel_after_compression", "next_stats_report"):
+            setattr(self, key, int(pickled.get(key, 0)))
+        for kind, key in (("error", "error_dict"), ("p", "p_memory_dict"), ("q", "q_memory_dict")):
+            self._memory_dicts[kind].written = dict(pickled[key])
+        if any(pickled[k] for k in ("error_dict", "q_memory_dict")):
+            logger.warning(
+                "NOTE: PyTorch's PowerSGDState unpickled into powersgd_triton's: its error-feedback and warm-start "
+                "memory stays in error_dict / q_memory_dict for PyTorch's hook; powersgd_triton's hooks start their "
+                "own memory (a fresh random Q per bucket), as PowerSGDState.from_torch does"
+            )
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={getattr(self, k)!r}" for k in _HYPERPARAMETERS)

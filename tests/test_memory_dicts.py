@@ -1,0 +1,119 @@
+"""``state.error_dict`` / ``p_memory_dict`` / ``q_memory_dict`` as live mappings (powersgd_triton._memory_dicts): our
+hooks' memory read through them, PyTorch-style resets (``del``, ``clear()``, assignment) act on it or raise, and what
+PyTorch's hook writes is kept, saved and checked on load. In-process, torch backend."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+
+from _dist import FakeBucket, bucket_numel
+from powersgd_triton import PowerSGDState, _step, powerSGD_hook
+
+pytestmark = pytest.mark.timeout(60)
+
+SHAPES = [(40, 48), (12,), (16, 8, 3, 3), (16,)]
+
+
+def _state(rng, **kwargs):
+    state = PowerSGDState(None, start_powerSGD_iter=2, backend="torch", matrix_approximation_rank=2, **kwargs)
+    state.iter = 7
+    for index in (0, 3):
+        bucket = FakeBucket(torch.randn(bucket_numel(SHAPES), generator=rng), SHAPES, index=index)
+        mem = _step.prepare_bucket(state, bucket, bucket.buffer(), False, None)
+        _step.draw_q(state, mem, torch.float32)
+        mem.error.normal_(generator=rng)
+        mem.p.normal_(generator=rng)
+    return state
+
+
+def test_our_memory_reads_through_and_deletes_reset_it(rng):
+    state = _state(rng)
+    m0, m3 = state.buckets[0], state.buckets[3]
+    assert state.error_dict[0] is m0.error and state.p_memory_dict[3] is m3.p and state.q_memory_dict[0] is m0.q
+    assert sorted(state.error_dict) == [0, 3] and len(state.q_memory_dict) == 2 and 3 in state.p_memory_dict
+    del state.error_dict[0]  # error feedback restarts from zero, as PyTorch's hook re-creates a zero error
+    assert torch.count_nonzero(m0.error) == 0 and torch.count_nonzero(m3.error) > 0
+    q_before = m3.q.clone()
+    del state.q_memory_dict[3]  # a fresh random initial Q at the next compressed step
+    assert not m3.q_initialized and m0.q_initialized and torch.equal(m3.q, q_before)
+    state.p_memory_dict.clear()  # PyTorch's hook without warm start: every bucket draws a new Q
+    assert not m0.q_initialized
+    state.error_dict = {}  # PyTorch-style reset by assignment
+    assert torch.count_nonzero(m3.error) == 0
+    with pytest.raises(KeyError):
+        del state.error_dict[5]
+
+
+def test_a_deleted_q_is_drawn_again_at_the_next_step(rng, world1):
+    """After ``del state.q_memory_dict[i]`` the bucket's next compressed step consumes one seed of ``state.rng`` (the
+    fresh initial Q, as PyTorch's hook draws one when its memory lacks the bucket); an untouched bucket does not."""
+    state = _state(rng)
+    data = torch.randn(bucket_numel(SHAPES), generator=rng)
+
+    def seeds_used(index):
+        before = state.rng.get_state()[2]
+        powerSGD_hook(state, FakeBucket(data.clone(), SHAPES, index=index, is_last=False)).wait()
+        return state.rng.get_state()[2] - before
+
+    assert seeds_used(0) == 0
+    del state.q_memory_dict[0]
+    assert seeds_used(0) == 1 and seeds_used(0) == 0
+
+
+def test_assignment_copies_in_or_raises_and_changes_nothing(rng):
+    state = _state(rng)
+    mem = state.buckets[0]
+    new_q = torch.randn(mem.q.numel(), generator=rng)
+    state.q_memory_dict[0] = new_q
+    assert state.q_memory_dict[0] is mem.q and torch.equal(mem.q, new_q)
+    before = mem.error.clone()
+    with pytest.raises(ValueError, match="holds .* elements"):
+        state.error_dict[0] = torch.zeros(bucket_numel(SHAPES))  # PyTorch's size: the whole bucket
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        state.error_dict[0] = [1.0]
+    with pytest.raises(TypeError, match="must be set to a dict"):
+        state.error_dict = None
+    assert torch.equal(mem.error, before)
+
+
+def test_written_entries_are_kept_saved_and_checked(rng):
+    state = PowerSGDState(None, start_powerSGD_iter=2)
+    e = torch.randn(50, generator=rng)
+    state.error_dict[1] = e
+    assert state.error_dict[1] is e and dict(state.error_dict) == {1: e} and state.p_memory_dict == {}
+    sd = state.state_dict()
+    other = PowerSGDState(None, start_powerSGD_iter=2)
+    other.load_state_dict(sd)
+    assert torch.equal(other.error_dict[1], e) and other.error_dict[1] is not e
+    bad = dict(sd, torch_hook_memory={"error": {1: torch.tensor([1.0, float("nan")])}})
+    fresh = PowerSGDState(None, start_powerSGD_iter=2)
+    with pytest.raises(ValueError, match=r"torch_hook_memory.*NaN"):
+        fresh.load_state_dict(bad)
+    assert fresh.error_dict == {}
+    state.error_dict.clear()
+    assert "torch_hook_memory" not in state.state_dict()
+
+
+def test_pytorch_pickled_state_loads_into_ours(rng):
+    """What PyTorch's ``PowerSGDState.__getstate__`` returns unpickles into ours: its settings, RNG, counters and
+    memory (kept for PyTorch's hook); something else is a TypeError naming from_torch."""
+    theirs = torch_psgd.PowerSGDState(None, matrix_approximation_rank=3, start_powerSGD_iter=5, random_seed=11,
+                                      warm_start=False, min_compression_rate=1.5)
+    theirs.iter = 9
+    theirs.rng.randint(10)
+    theirs.error_dict[0] = torch.randn(20, generator=rng)
+    theirs.q_memory_dict[0] = torch.randn(6, generator=rng)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pickled = theirs.__getstate__()
+    ours = PowerSGDState.__new__(PowerSGDState)
+    ours.__setstate__(pickled)
+    assert (ours.matrix_approximation_rank, ours.start_powerSGD_iter, ours.warm_start, ours.min_compression_rate,
+            ours.iter) == (3, 5, False, 1.5, 9)
+    assert ours.rng.randint(1_000_000_000) == theirs.rng.randint(1_000_000_000)
+    assert ours.error_dict[0] is theirs.error_dict[0] and ours.q_memory_dict[0] is theirs.q_memory_dict[0]
+    with pytest.raises(TypeError, match="from_torch"):
+        PowerSGDState.__new__(PowerSGDState).__setstate__({"rng": np.random.RandomState(0)})
