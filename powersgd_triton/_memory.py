@@ -112,7 +112,9 @@ class BucketMemories(dict):
       ``unnameable``: parameters no registered DDP module could name (not searched again);
     * ``backend_devices``: devices where ``backend="triton"`` was found to run (checked once each);
     * ``index_params``: per bucket index, weak references to its parameters at the last warm-up call (a second DDP
-      model on the same state is refused: ``powersgd_triton._models.check_one_model``).
+      model on the same state is refused: ``powersgd_triton._models.check_one_model``);
+    * ``group_checked``: the state's process group was compared with its DDP model's
+      (``powersgd_triton._models.check_bucket_group``, at the first hook call).
     """
 
     def __init__(self):
@@ -130,6 +132,8 @@ class BucketMemories(dict):
         self.backend_devices: set = set()
         # bucket index -> weak references to its parameters at the last warm-up call (_models.check_one_model)
         self.index_params: Dict[int, tuple] = {}
+        # the state's process group was compared with its DDP model's (_models.check_bucket_group, first call)
+        self.group_checked = False
 
     def replace_loaded(self, memories: Dict[int, BucketMemory], world_size: Optional[int],
                        rank: Optional[int]) -> None:

@@ -122,3 +122,49 @@ def refuse_second_model(state, index: int, before, params) -> None:
         "error-feedback and warm-start memory belongs to one model's parameters (sharing it would reset it at every "
         "call): give each model its own PowerSGDState"
     )
+
+
+def _ranks(group) -> list:
+    import torch.distributed as dist
+
+    return list(dist.get_process_group_ranks(group))
+
+
+def _describe_group(group, world) -> str:
+    ranks = _ranks(group)
+    shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+    return f"{'the default group (WORLD)' if group is world else 'a group'} of {len(ranks)} ranks [{shown}]"
+
+
+def check_group(state, ddp, group) -> None:
+    """``ValueError`` when ``group`` (the state's process group, resolved: None is WORLD) holds other ranks than the
+    process group DDP ``ddp`` all-reduces in (``DDP(..., process_group=...)`` or a device mesh): the hook would
+    average every gradient over the wrong ranks, a silently wrong gradient (PyTorch's hook does exactly that)."""
+    import torch.distributed as dist
+
+    theirs = getattr(ddp, "process_group", None)
+    if theirs is None or theirs is group or _ranks(theirs) == _ranks(group):
+        return
+    world = dist.group.WORLD
+    mine = _describe_group(group, world)
+    if state.process_group is None:
+        mine += " (PowerSGDState(process_group=None))"
+    raise ValueError(
+        f"PowerSGD: the state's process group is {mine}, but the DistributedDataParallel model it is registered on "
+        f"all-reduces in {_describe_group(theirs, world)}: the hook would average the gradients over other ranks "
+        "than DDP. Give the state DDP's group: PowerSGDState(process_group=<the group passed to "
+        "DistributedDataParallel>, ...)"
+    )
+
+
+def check_bucket_group(state, bucket, group) -> None:
+    """Once per state, at its first hook call: :func:`check_group` against the DDP model the state is registered on
+    (found from the bucket's parameters: one scan of the garbage collector's objects). Buckets without
+    ``nn.Parameter`` objects, and states registered through a wrapper, are not checked."""
+    state.buckets.group_checked = True
+    params = bucket_params(bucket)
+    if params is None:
+        return
+    found = _holders(_registered_ddps(state), params)
+    if len(found) == 1:
+        check_group(state, found[0], group)

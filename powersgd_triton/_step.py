@@ -45,7 +45,7 @@ from . import _hook_ops
 from ._backend import device_backend
 from ._buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401 - the hooks' entry points
 from ._memory import BucketMemory, allocate_alternating, draw_q, drop_next_q, p_comm, p_work, q_comm  # noqa: F401 - the hooks' entry points
-from ._models import check_one_model
+from ._models import check_bucket_group, check_one_model
 from .layout import check_gradient_dtype
 from .state import PowerSGDState, check_grad_scaler
 
@@ -364,6 +364,8 @@ def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor):
     check_backend_runs(state, buffer)
     group = process_group(state)
     world_size = group_size(group)
+    if not state.buckets.group_checked:
+        check_bucket_group(state, bucket, group)  # the state's group is DDP's: checked once, at the first call
     if state.iter < state.start_powerSGD_iter:
         check_one_model(state, bucket)  # a second DDP model on this state: refused at its first call
         state.maybe_increase_iter(bucket)

@@ -94,6 +94,7 @@ def register(model, state, hook=None):
 
     Raises:
         TypeError: FSDP, compiled DDP's python reducer, not a DDP model, or a state that is not ours with our hook.
+        ValueError: our state's process group (None: WORLD) holds other ranks than the one DDP all-reduces in.
     """
     from .. import _step
     from .. import alternating as _alternating
@@ -107,6 +108,10 @@ def register(model, state, hook=None):
     if hook in ours:
         _step.check_state(state, hook.__name__)
     if isinstance(state, PowerSGDState):
+        if hook in ours:
+            from .._models import check_group
+
+            check_group(state, model, _step.process_group(state))  # DDP's group: a mismatch refused now
         _step.bind_model(state, model)
     model.register_comm_hook(state, hook)
     return model
