@@ -300,14 +300,24 @@ def skip_bucket(state, bucket) -> None:
         end_of_iteration(state)
 
 
+# What works instead of compiled DDP's python reducer / compiled autograd (torch's own error for compiled autograd with
+# DDP's C++ reducer points at the python reducer; ours must not point back).
+COMPILED_AUTOGRAD_WAY_OUT = (
+    "PowerSGD needs whole DDP buckets, which only DDP's C++ reducer gives; compiled autograd works only with the "
+    "python reducer, so the two cannot be combined: run the backward without compiled autograd "
+    "(torch._dynamo.config.compiled_autograd = False, no torch._dynamo.compiled_autograd.enable()) and keep "
+    "optimize_ddp='ddp_optimizer' (the default: torch.compile of the model with DDPOptimizer, which these hooks "
+    "support) or 'no_optimization'"
+)
+
+
 def check_bucket(bucket) -> None:
     """Refuse callers that are not DDP's C++ reducer with a clear error (a bucket check of a few isinstance calls)."""
     if isinstance(bucket, tuple):
         raise TypeError(
             "PowerSGD hook called with a (grad, param) tuple instead of a torch.distributed.GradBucket: this is "
             "compiled DDP's python reducer (torch._dynamo.config.optimize_ddp='python_reducer'), which calls comm "
-            "hooks once per parameter. PowerSGD needs whole DDP buckets: use optimize_ddp='ddp_optimizer' (the "
-            "default) or 'no_optimization' with torch.compile, or do not compile the DDP model"
+            "hooks once per parameter. " + COMPILED_AUTOGRAD_WAY_OUT
         )
     if isinstance(bucket, torch.Tensor):
         raise TypeError(

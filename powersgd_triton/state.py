@@ -232,6 +232,15 @@ class PowerSGDState:
     model: registered on two DDP models, the second one's first hook call raises ``RuntimeError`` naming both.
     """
 
+    # As PyTorch's state: a misspelt attribute (``state.warmstart = False``) raises instead of doing nothing.
+    __slots__ = (
+        "process_group", "matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate",
+        "use_error_feedback", "warm_start", "orthogonalization_epsilon", "random_seed", "batch_tensors_with_same_shape",
+        "backend", "autotune", "communication_dtype", "grad_scaler", "_verify", "rng", "iter",
+        "total_numel_before_compression", "total_numel_after_compression", "compression_stats_logging_frequency",
+        "next_stats_report", "buckets", "_memory_dicts", "__weakref__",
+    )
+
     def __init__(
         self,
         process_group,

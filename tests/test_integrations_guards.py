@@ -27,12 +27,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_hook_refuses_python_reducer_and_fsdp_arguments(hook):
     state = PowerSGDState(None, start_powerSGD_iter=2)
     grad = torch.zeros(4, 4)
-    with pytest.raises(TypeError, match="python_reducer"):
+    with pytest.raises(TypeError, match="python_reducer") as caught:
         hook(state, (grad, nn.Parameter(grad)))
+    # one message that says what works, without pointing back at the python reducer (torch's compiled-autograd
+    # error with DDP's C++ reducer points there)
+    assert "compiled autograd" in str(caught.value) and "optimize_ddp='ddp_optimizer'" in str(caught.value)
     with pytest.raises(TypeError, match="FSDP"):
         hook(state, grad)
     with pytest.raises(TypeError, match="GradBucket"):
         hook(state, object())
+
+
+def test_register_refuses_compiled_autograd(world1, monkeypatch):
+    import torch._dynamo as dynamo
+
+    ddp = DDP(nn.Linear(4, 4))
+    monkeypatch.setattr(dynamo.config, "compiled_autograd", True)
+    with pytest.raises(TypeError, match="compiled_autograd is on.*compiled_autograd = False.*ddp_optimizer"):
+        register(ddp, PowerSGDState(None))
+    monkeypatch.setattr(dynamo.config, "compiled_autograd", False)
+    register(ddp, PowerSGDState(None))
 
 
 def test_register_refuses_what_is_not_ddp():

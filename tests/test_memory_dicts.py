@@ -117,3 +117,10 @@ def test_pytorch_pickled_state_loads_into_ours(rng):
     assert ours.error_dict[0] is theirs.error_dict[0] and ours.q_memory_dict[0] is theirs.q_memory_dict[0]
     with pytest.raises(TypeError, match="from_torch"):
         PowerSGDState.__new__(PowerSGDState).__setstate__({"rng": np.random.RandomState(0)})
+
+
+def test_misspelt_attribute_raises_as_on_pytorchs_state():
+    """Both states have ``__slots__``: ``state.warmstart = False`` would otherwise change nothing, silently."""
+    for state in (PowerSGDState(None), torch_psgd.PowerSGDState(None)):
+        with pytest.raises(AttributeError):
+            state.warmstart = False

@@ -31,7 +31,8 @@ def check_ddp_model(model) -> None:
 
     Refused with a message naming the mode: FSDP (``FullyShardedDataParallel`` / ``fully_shard``), compiled DDP's
     python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``, which calls comm hooks per parameter),
-    and anything that is not DDP.
+    compiled autograd (``torch._dynamo.config.compiled_autograd``: it needs that reducer), and anything that is not
+    DDP; the message says what works (``optimize_ddp="ddp_optimizer"``, the default, without compiled autograd).
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -47,11 +48,19 @@ def check_ddp_model(model) -> None:
             f"expected a torch.nn.parallel.DistributedDataParallel model, got {type(model).__name__}; wrap the model "
             "in DistributedDataParallel first (a single-process run has nothing to compress)"
         )
+    from .._step import COMPILED_AUTOGRAD_WAY_OUT
+
     if getattr(model, "_use_python_reducer", False):
         raise TypeError(
             "this DistributedDataParallel model uses compiled DDP's python reducer "
             "(torch._dynamo.config.optimize_ddp='python_reducer'), which calls comm hooks once per parameter with a "
-            "(grad, param) tuple; PowerSGD needs whole buckets. Use optimize_ddp='ddp_optimizer' (the default)"
+            "(grad, param) tuple. " + COMPILED_AUTOGRAD_WAY_OUT
+        )
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and getattr(dynamo.config, "compiled_autograd", False):
+        raise TypeError(
+            "torch._dynamo.config.compiled_autograd is on: DDP's C++ reducer then refuses the backward and asks for "
+            "the python reducer, which calls comm hooks per parameter. " + COMPILED_AUTOGRAD_WAY_OUT
         )
 
 
