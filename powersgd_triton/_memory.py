@@ -132,6 +132,9 @@ class BucketMemories(dict):
         self.backend_devices: set = set()
         # bucket index -> weak references to its parameters at the last warm-up call (_models.check_one_model)
         self.index_params: Dict[int, tuple] = {}
+        # bucket index -> (bucket dtype, hook: "layerwise" | "batched" | "alternating") at the last warm-up call
+        # (with index_params: the first compressed step's draws, made ahead for a state dict; powersgd_triton._predraw)
+        self.index_dtypes: Dict[int, tuple] = {}
         # the state's process group was compared with its DDP model's (_models.check_bucket_group, first call)
         self.group_checked = False
 

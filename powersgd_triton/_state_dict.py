@@ -254,46 +254,49 @@ def saved_world(buckets: BucketMemories) -> Tuple[Optional[int], Optional[int]]:
 
 
 def bucket_entries(state) -> Dict[int, Dict[str, Any]]:
-    """The ``"buckets"`` entry of :meth:`PowerSGDState.state_dict`: per bucket index its memory tensors (the state's
-    own, detached, not copies), its layout signature and what lets it follow its parameters on resume (names of the
-    bound model, packing table, gradient shapes); a loaded, not yet adopted memory passes through as loaded."""
-    buckets = {}
-    for index, mem in state.buckets.items():
-        shapes = None
-        if mem.layout is not None:
-            # the parameters the memory belongs to, in its order (the batched hook's may differ from the bucket's)
-            params = mem.order_params if mem.layout.batched else mem.params
-            name_params(state, params)
-            names = None
-            if params is not None and state.buckets.params_by_name:
-                names = [param_name(state, p) for p in params]
-            matrices = None
-            if not mem.layout.batched:
-                matrices = [
-                    [s.grad_index, s.n, s.m, s.rank, s.p_offset, s.q_offset, s.e_offset] for s in mem.layout.matrices
-                ]
-            elif params is not None:
-                shapes = [list(p.shape) for p in params]
-        else:  # loaded, not adopted yet: pass through what was loaded
-            names = None if mem.param_names is None else list(mem.param_names)
-            matrices = None if mem.matrices is None else [list(r) for r in mem.matrices]
-            shapes = None if mem.shapes is None else [list(x) for x in mem.shapes]
-        buckets[int(index)] = {
-            "signature": mem.signature,
-            "error": None if mem.error is None else mem.error.detach(),
-            "p": None if mem.p is None else mem.p.detach(),
-            "q": None if mem.q is None else mem.q.detach(),
-            "q_initialized": bool(mem.q_initialized),
-            "phase": mem.phase,
-            # which parameter each gradient of the bucket is (names of the bound model; None: unknown) and
-            # where each compressed matrix's memory lies: lets the memory follow its parameters on resume
-            "param_names": names,
-            "matrices": matrices,
-            # batched hook: the gradient shapes its memory was built for, in order (a memory without names is
-            # adopted only by a bucket with these shapes in this order)
-            "shapes": shapes,
-        }
-    return buckets
+    """The ``"buckets"`` entry of :meth:`PowerSGDState.state_dict`: per bucket index :func:`bucket_entry` of its
+    memory."""
+    return {int(index): bucket_entry(state, mem) for index, mem in state.buckets.items()}
+
+
+def bucket_entry(state, mem: BucketMemory) -> Dict[str, Any]:
+    """One bucket's memory tensors (the memory's own, detached, not copies), its layout signature and what lets it
+    follow its parameters on resume (names of the bound model, packing table, gradient shapes); a loaded, not yet
+    adopted memory passes through as loaded."""
+    shapes = None
+    if mem.layout is not None:
+        # the parameters the memory belongs to, in its order (the batched hook's may differ from the bucket's)
+        params = mem.order_params if mem.layout.batched else mem.params
+        name_params(state, params)
+        names = None
+        if params is not None and state.buckets.params_by_name:
+            names = [param_name(state, p) for p in params]
+        matrices = None
+        if not mem.layout.batched:
+            matrices = [
+                [s.grad_index, s.n, s.m, s.rank, s.p_offset, s.q_offset, s.e_offset] for s in mem.layout.matrices
+            ]
+        elif params is not None:
+            shapes = [list(p.shape) for p in params]
+    else:  # loaded, not adopted yet: pass through what was loaded
+        names = None if mem.param_names is None else list(mem.param_names)
+        matrices = None if mem.matrices is None else [list(r) for r in mem.matrices]
+        shapes = None if mem.shapes is None else [list(x) for x in mem.shapes]
+    return {
+        "signature": mem.signature,
+        "error": None if mem.error is None else mem.error.detach(),
+        "p": None if mem.p is None else mem.p.detach(),
+        "q": None if mem.q is None else mem.q.detach(),
+        "q_initialized": bool(mem.q_initialized),
+        "phase": mem.phase,
+        # which parameter each gradient of the bucket is (names of the bound model; None: unknown) and
+        # where each compressed matrix's memory lies: lets the memory follow its parameters on resume
+        "param_names": names,
+        "matrices": matrices,
+        # batched hook: the gradient shapes its memory was built for, in order (a memory without names is
+        # adopted only by a bucket with these shapes in this order)
+        "shapes": shapes,
+    }
 
 
 def loaded_memories(buckets: Dict[int, Dict[str, Any]]) -> Dict[int, BucketMemory]:

@@ -364,10 +364,13 @@ def checked_buffer(bucket) -> torch.Tensor:
     return buffer
 
 
-def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor):
+def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor, hook: str = "layerwise"):
     """``(group, world_size, future)``: ``future`` is the plain averaged all-reduce while
     ``iter < start_powerSGD_iter`` (PyTorch's warm-up) and, at every step, for a sparse bucket (as DDP's default
     hook averages it: PowerSGD compresses dense matrices); else None and the hook compresses.
+
+    ``hook`` ("layerwise", "batched", "alternating") is recorded with the bucket's dtype in warm-up calls (the first
+    compressed step's Qs drawn ahead for a state dict: :mod:`powersgd_triton._predraw`).
 
     Raises ``RuntimeError`` (before anything is changed, from step 0) when ``backend="triton"`` cannot run on the
     bucket's device."""
@@ -378,6 +381,7 @@ def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor):
         check_bucket_group(state, bucket, group)  # the state's group is DDP's: checked once, at the first call
     if state.iter < state.start_powerSGD_iter:
         check_one_model(state, bucket)  # a second DDP model on this state: refused at its first call
+        state.buckets.index_dtypes[bucket.index()] = (buffer.dtype, hook)  # for powersgd_triton._predraw
         state.maybe_increase_iter(bucket)
         return group, world_size, allreduce_average(group, world_size, buffer)
     if buffer.is_sparse:

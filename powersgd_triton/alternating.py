@@ -243,7 +243,7 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
             "alternating_powerSGD_hook needs warm_start=True: the factors kept between steps carry its power "
             "iteration"
         )
-    group, world_size, plain = _step.warm_up(state, bucket, buffer)
+    group, world_size, plain = _step.warm_up(state, bucket, buffer, "alternating")
     if plain is not None:
         return plain
 

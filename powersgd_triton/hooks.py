@@ -185,7 +185,7 @@ class _Step:
 def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
     _step.check_state(state, "batched_powerSGD_hook" if batched else "powerSGD_hook")
     buffer = _step.checked_buffer(bucket)
-    group, world_size, plain = _step.warm_up(state, bucket, buffer)
+    group, world_size, plain = _step.warm_up(state, bucket, buffer, "batched" if batched else "layerwise")
     if plain is not None:
         return plain
 

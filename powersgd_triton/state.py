@@ -65,7 +65,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from . import _state_dict
+from . import _predraw, _state_dict
 from ._backend import BACKENDS, check_backend, triton_unusable_reason  # noqa: F401 - BACKENDS: importable here
 from ._memory import BucketMemories, BucketMemory  # noqa: F401 - BucketMemory: importable from here as before
 from ._memory_dicts import KINDS, MemoryDict, written_entries
@@ -449,7 +449,9 @@ class PowerSGDState:
         state's own (not copies), on their devices, like ``nn.Module.state_dict()``. Error memory is per rank: save
         every rank's state to resume exactly. The process group is not saved.
         """
-        name, keys, pos, has_gauss, cached = self.rng.get_state()
+        # saved at iter == start_powerSGD_iter: the first compressed step's Qs, drawn now (powersgd_triton._predraw)
+        first, rng_after = _predraw.first_draws(self)
+        name, keys, pos, has_gauss, cached = self.rng.get_state() if rng_after is None else rng_after
         world_size, rank = _state_dict.saved_world(self.buckets)
         return {
             "version": _STATE_DICT_VERSION,
@@ -470,7 +472,7 @@ class PowerSGDState:
                 "has_gauss": int(has_gauss),
                 "cached_gaussian": float(cached),
             },
-            "buckets": _state_dict.bucket_entries(self),
+            "buckets": {**_state_dict.bucket_entries(self), **first},
             # what PyTorch's own hook wrote into error_dict / p_memory_dict / q_memory_dict (it ran on this state)
             **({"torch_hook_memory": written} if (written := written_entries(self)) else {}),
         }

@@ -59,15 +59,15 @@ def _setup(model, cap, hook=powerSGD_hook, **state_kw):
     return ddp, state, opt
 
 
-def _resume_worker(rank, world_size, folder, cap, how, hook=powerSGD_hook):
-    """Uninterrupted run vs stop at STOP, save, rebuild everything, load, continue. Returns what differs."""
-    ddp, state, opt = _setup(_model(), cap, hook)
+def _resume_worker(rank, world_size, folder, cap, how, hook=powerSGD_hook, stop=STOP, **state_kw):
+    """Uninterrupted run vs stop at ``stop``, save, rebuild everything, load, continue. Returns what differs."""
+    ddp, state, opt = _setup(_model(), cap, hook, **state_kw)
     _steps(ddp, opt, rank, 0, TOTAL)
     reference = [p.detach().clone() for p in ddp.parameters()]
     buckets_uninterrupted = len(state.buckets)
 
-    ddp, state, opt = _setup(_model(), cap, hook)
-    _steps(ddp, opt, rank, 0, STOP)
+    ddp, state, opt = _setup(_model(), cap, hook, **state_kw)
+    _steps(ddp, opt, rank, 0, stop)
     model_sd = copy.deepcopy(ddp.module.state_dict())
     opt_sd = copy.deepcopy(opt.state_dict())
     if how == "files":
@@ -78,14 +78,14 @@ def _resume_worker(rank, world_size, folder, cap, how, hook=powerSGD_hook):
 
     model = _model()
     model.load_state_dict(model_sd)
-    ddp, state, opt = _setup(model, cap, hook)
+    ddp, state, opt = _setup(model, cap, hook, **state_kw)
     opt.load_state_dict(opt_sd)
     if how == "files":
         load_hook_state(state, ddp, folder)
     else:
         state.load_state_dict(hook_sd)
     return {
-        **continue_and_report(ddp, opt, state, rank, STOP, TOTAL, reference),
+        **continue_and_report(ddp, opt, state, rank, stop, TOTAL, reference),
         "buckets": (buckets_uninterrupted, len(state.buckets)),
         "errors": errors,
         "file": file if how == "files" else None,
@@ -105,6 +105,19 @@ def test_resume_is_bitwise_equal_to_uninterrupted(tmp_path, cap):
     # The error memory really is per rank: rank 1's is not rank 0's.
     e0, e1 = results[0]["errors"], results[1]["errors"]
     assert e0.keys() == e1.keys() and not all(torch.equal(e0[i], e1[i]) for i in e0)
+
+
+@pytest.mark.parametrize("hook, cap, how", [
+    (powerSGD_hook, None, "files"), (powerSGD_hook, 0.002, "state_dict"), (alternating_powerSGD_hook, 0.002, "files"),
+    (batched_powerSGD_hook, None, "files")], ids=["layerwise-one_bucket", "layerwise-three_buckets-state_dict",
+                                                 "alternating-three_buckets", "batched-one_bucket"])
+def test_resume_at_the_first_compressed_step_is_bitwise(tmp_path, hook, cap, how):
+    """Saved at iter == start_powerSGD_iter (no memory yet): the resumed run's first compressed step meets the fresh
+    DDP's first buckets, the uninterrupted run's the rebuilt ones; the state dict carries the first step's Qs drawn
+    for the rebuilt buckets (powersgd_triton._predraw), so the runs stay bitwise equal."""
+    for r in run_ranks(_resume_worker, 2, tmp_path, str(tmp_path / "ckpt") if how == "files" else None, cap, how,
+                       hook, 2):
+        assert r["equal"] and r["warnings"] == [] and r["iter"] == TOTAL, r["max_diff"]
 
 
 def test_alternating_hook_resumes_exactly(tmp_path):
