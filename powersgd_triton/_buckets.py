@@ -319,7 +319,7 @@ def _follow_batched(state, layout: BucketLayout, params, segments, buffer: torch
     old, order = found
     new = BucketMemory()
     new.error, new.p, new.q = old.error, old.p, old.q
-    new.q_initialized, new.phase = old.q_initialized, old.phase
+    new.q_initialized, new.q_predrawn, new.phase = old.q_initialized, old.q_predrawn, old.phase
     adopt_loaded(new, layout, buffer, state.use_error_feedback)  # on the bucket's device and dtype; a fresh q_work
     new.order_params = tuple(order)
     runs = [segments[id(p)] for p in order]
@@ -401,7 +401,7 @@ def _migrate(state, index: int, layout: BucketLayout, params, buffer: torch.Tens
             return None
         new = BucketMemory()
         allocate(new, layout, buffer, state.use_error_feedback)
-        new.q_initialized = old.q_initialized
+        new.q_initialized, new.q_predrawn = old.q_initialized, old.q_predrawn
         new.phase = old.phase
         return new
     strict = any(m.strict for m in list(state.buckets.retired) + list(state.buckets.values()))
@@ -445,14 +445,16 @@ def _migrate(state, index: int, layout: BucketLayout, params, buffer: torch.Tens
         return None  # the caller resets the bucket (with a warning if it had memory)
     new = BucketMemory()
     allocate(new, layout, buffer, state.use_error_feedback)
-    initialized = []
+    initialized, predrawn = [], []
     for s, mem, (gi, n, m, r, p_off, q_off, e_off) in rows:
         if new.error is not None:
             new.error[s.e_offset : s.e_offset + s.numel].copy_(mem.error[e_off : e_off + n * m])
         new.p[s.p_offset : s.p_offset + s.n * s.rank].copy_(mem.p[p_off : p_off + n * r])
         new.q[s.q_offset : s.q_offset + s.m * s.rank].copy_(mem.q[q_off : q_off + m * r])
         initialized.append(mem.q_initialized)
+        predrawn.append(mem.q_predrawn)
     new.q_initialized = all(initialized)
+    new.q_predrawn = new.q_initialized and all(predrawn)
     new.phase = phases[0]
     logger.info("PowerSGD: bucket %s changed layout; its memory followed its %s matrices", index, len(rows))
     return new

@@ -28,7 +28,7 @@ class BucketMemory:
     """Everything the state keeps for one bucket index (see the module docstring)."""
 
     __slots__ = (
-        "layout", "signature", "backend", "configs", "error", "p", "q", "q_work", "q_initialized", "q_next",
+        "layout", "signature", "backend", "configs", "error", "p", "q", "q_work", "q_initialized", "q_predrawn", "q_next",
         "phase", "comm", "local", "p_work", "p_comm", "q_comm",
         "params", "param_names", "matrices", "strict", "verified", "order", "order_params", "shapes",
         "verify_pending",
@@ -69,6 +69,9 @@ class BucketMemory:
         self.q: Optional[torch.Tensor] = None
         self.q_work: Optional[torch.Tensor] = None
         self.q_initialized: bool = False
+        # `q` holds the random Q the next step would draw, drawn ahead for a state dict (powersgd_triton._predraw;
+        # loaded memory only): that step takes it instead of drawing, also without warm start; then False.
+        self.q_predrawn: bool = False
         # The next step's Q, orthogonalized ahead into `q_work` after a step that kept its Q (not saved): the
         # :class:`powersgd_triton._step.NextQ` that says from which `q` it was made, or None (see
         # powersgd_triton._step.orthogonalize_next_q).
@@ -199,7 +202,7 @@ def adopt_loaded(mem: BucketMemory, layout: BucketLayout, buffer: torch.Tensor, 
         mem.error = None
     mem.p = fit(mem.p, layout.p_numel, True)
     if mem.q is None or mem.q.numel() != layout.q_numel:
-        mem.q_initialized = False
+        mem.q_initialized = mem.q_predrawn = False
     mem.q = fit(mem.q, layout.q_numel, True)
     drop_next_q(mem)
     mem.q_work = torch.empty(layout.q_numel, **f32)

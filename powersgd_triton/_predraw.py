@@ -7,10 +7,13 @@ draw). A run saved at ``iter == start_powerSGD_iter`` has no memory yet; resumed
 meets the fresh DDP's first buckets (parameters in registration order), not the rebuilt (gradient-ready order) buckets
 the uninterrupted run compresses, so every matrix would get another Q and the runs would part.
 
+Without warm start the same holds at every compressed step (each draws a fresh Q per bucket, in DDP's order).
+
 So :meth:`PowerSGDState.state_dict` draws those Qs itself, from a copy of ``state.rng``, for the buckets of the last
 warm-up iteration (``state.buckets.index_params``: the rebuilt buckets, DDP rebuilds after the first iteration and
-``start_powerSGD_iter >= 2`` with warm start), and saves them as each bucket's memory (zero error, drawn Q, the
-parameter names) with the RNG state after the draws. The resumed state's memory then follows its parameters into
+``start_powerSGD_iter >= 2`` with warm start; without it, the buckets of its memory), and saves them as each bucket's
+memory (the error, the drawn Q, the parameter names; marked ``predrawn`` without warm start) with the RNG state after
+the draws. The resumed state's memory then follows its parameters into
 whatever buckets the fresh DDP has (:func:`powersgd_triton._buckets.prepare_bucket`), and draws nothing at that step:
 bitwise the uninterrupted run. The live state is not changed (its next step draws the same numbers).
 """
@@ -50,30 +53,60 @@ def _layout(state, params, dtype: torch.dtype, hook: str) -> Tuple[BucketLayout,
                                        state.min_compression_rate), buffer
 
 
-def first_draws(state) -> Tuple[Dict[int, Dict[str, Any]], Optional[tuple]]:
-    """``(bucket entries, RNG state)``: the memory of the buckets whose first compressed step is the next step, with
-    its Q drawn, and ``state.rng``'s state after those draws; ``({}, None)`` when there is nothing to draw ahead (the
-    next step is a warm-up step, every bucket has memory, warm start is off, or a bucket of the last warm-up
-    iteration is unknown: its parameters gone or not ``nn.Parameter`` objects)."""
-    buckets = state.buckets
-    if state.iter < state.start_powerSGD_iter or not buckets.index_params:
-        return {}, None
-    pending = sorted(i for i in buckets.index_params if i not in buckets)
-    if not pending or len(pending) != len(buckets.index_params):
-        return {}, None  # some buckets were compressed already: no first step ahead
-    found = [_warmup_bucket(state, i) for i in pending]
-    if any(f is None for f in found) or not state.warm_start and found[0][2] != "alternating":
-        return {}, None  # without warm start every step draws anew: nothing to keep
+def _drawer(state):
     rng = np.random.RandomState()
     rng.set_state(state.rng.get_state())
-    drawer = types.SimpleNamespace(rng=rng, batch_tensors_with_same_shape=state.batch_tensors_with_same_shape)
+    return types.SimpleNamespace(rng=rng, batch_tensors_with_same_shape=state.batch_tensors_with_same_shape)
+
+
+def first_draws(state) -> Tuple[Dict[int, Dict[str, Any]], Optional[tuple]]:
+    """``(bucket entries, RNG state)``: the memory of the buckets with the random Q their next compressed step would
+    draw, drawn, and ``state.rng``'s state after those draws; ``({}, None)`` when the next step draws nothing or is a
+    warm-up step, or where the buckets are not known well enough (a memory loaded and not yet used; a bucket of the
+    last warm-up iteration whose parameters are gone or not ``nn.Parameter`` objects).
+
+    Two cases: no bucket has memory yet (saved at ``iter == start_powerSGD_iter``: the first compressed step, every
+    hook), and, without warm start, the layer-wise and batched hooks' steps, which each draw a fresh Q per bucket
+    (saved at any compressed iteration); there the entries are marked ``predrawn``: the resumed step takes them."""
+    buckets = state.buckets
+    if state.iter < state.start_powerSGD_iter:
+        return {}, None
+    if buckets:
+        return _redraws(state)
+    pending = sorted(buckets.index_params)
+    found = [_warmup_bucket(state, i) for i in pending]
+    # start_powerSGD_iter 1 (allowed without warm start and error feedback): the only warm-up iteration saw DDP's
+    # first buckets, not the rebuilt ones the first compressed step meets
+    if not pending or any(f is None for f in found) or state.start_powerSGD_iter < 2:
+        return {}, None
+    drawer = _drawer(state)
     entries = {}
     for index, (params, dtype, hook) in zip(pending, found):
         layout, buffer = _layout(state, params, dtype, hook)
         mem = BucketMemory()
         allocate(mem, layout, buffer, state.use_error_feedback)
         mem.layout, mem.signature, mem.params = layout, repr(layout.signature), params
-        draw_q(drawer, mem, dtype)  # one seed per bucket, in DDP's call order, as the hook's first step
         mem.order_params = params if layout.batched else None
+        draw_q(drawer, mem, dtype)  # one seed per bucket, in DDP's call order, as the hook's first step
+        mem.q_predrawn = not state.warm_start and hook != "alternating"
         entries[index] = bucket_entry(state, mem)
-    return entries, rng.get_state()
+    return entries, drawer.rng.get_state()
+
+
+def _redraws(state) -> Tuple[Dict[int, Dict[str, Any]], Optional[tuple]]:
+    """Without warm start: every bucket's next Q, drawn (layer-wise and batched hooks; the alternating hook, whose
+    memory has ``comm``, draws only once)."""
+    mems = [state.buckets[i] for i in sorted(state.buckets)]
+    if state.warm_start or any(m.layout is None or m.comm is not None for m in mems):
+        return {}, None
+    drawer = _drawer(state)
+    entries = {}
+    for index, live in zip(sorted(state.buckets), mems):
+        mem = BucketMemory()
+        for name in ("layout", "signature", "params", "order_params", "error", "p", "phase"):
+            setattr(mem, name, getattr(live, name))
+        mem.q = torch.empty_like(live.q)
+        draw_q(drawer, mem, live.layout.signature[2])
+        mem.q_predrawn = True
+        entries[index] = bucket_entry(state, mem)
+    return entries, drawer.rng.get_state()

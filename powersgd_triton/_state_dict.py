@@ -133,6 +133,10 @@ def check_bucket(index: Any, saved: Any) -> Dict[str, Any]:
     if phase not in ("p", "q"):
         raise ValueError(f"{where}, 'phase' must be 'p' or 'q', got {phase!r}")
     out["phase"] = phase
+    predrawn = saved.get("predrawn", False)
+    if not isinstance(predrawn, bool):
+        raise ValueError(f"{where}, 'predrawn' must be a bool, got {predrawn!r}")
+    out["predrawn"] = predrawn
     out["error"] = _tensor(f"{where}, 'error'", saved["error"], layout.e_numel, dtype)
     # P is read by the next step only at phase "q" (the alternating hook's kept P); powerSGD_hook's memories stay
     # at phase "p" and recompute P every step
@@ -288,6 +292,8 @@ def bucket_entry(state, mem: BucketMemory) -> Dict[str, Any]:
         "p": None if mem.p is None else mem.p.detach(),
         "q": None if mem.q is None else mem.q.detach(),
         "q_initialized": bool(mem.q_initialized),
+        # q is the random Q the next step draws, drawn ahead (powersgd_triton._predraw): that step takes it
+        **({"predrawn": True} if mem.q_predrawn else {}),
         "phase": mem.phase,
         # which parameter each gradient of the bucket is (names of the bound model; None: unknown) and
         # where each compressed matrix's memory lies: lets the memory follow its parameters on resume
@@ -311,6 +317,7 @@ def loaded_memories(buckets: Dict[int, Dict[str, Any]]) -> Dict[int, BucketMemor
         mem.shapes = entry["shapes"]
         mem.error, mem.p, mem.q = entry["error"], entry["p"], entry["q"]
         mem.q_initialized = entry["q_initialized"]
+        mem.q_predrawn = entry["predrawn"] and mem.q_initialized
         mem.phase = entry["phase"]
         out[index] = mem
     return out

@@ -121,9 +121,10 @@ class _Step:
         """Q from memory (or a fresh random Q), orthogonalized into ``q_work``; ``P = (M + E)·Q``."""
         state, mem, layout = self.state, self.mem, self.layout
         ahead = _step.take_next_q(mem, self.eps)  # orthogonalized at the end of the last step
-        if not mem.q_initialized or not state.warm_start:
+        if not mem.q_initialized or not (state.warm_start or mem.q_predrawn):  # predrawn: see _predraw
             _step.draw_q(state, mem, self.buffer.dtype)
             ahead = False
+        mem.q_predrawn = False
         if layout.num_matrices == 0:
             return
         if not ahead:

@@ -416,7 +416,7 @@ class Check:
         self.saved = {name: (None if getattr(mem, name) is None else getattr(mem, name).clone())
                       for name in ("error", "p", "q", "q_work")}
         self.saved_buffer = buffer.clone()
-        self.saved_flags = (mem.q_initialized, mem.phase, state.rng.get_state())
+        self.saved_flags = (mem.q_initialized, mem.q_predrawn, mem.phase, state.rng.get_state())
         self.diff = Differential(mem.layout, buffer.dtype) if compare_here else None
         self.ops = self.diff if compare_here else ops
         if compare_here:
@@ -435,7 +435,7 @@ class Check:
         for name, value in self.saved.items():
             if value is not None:
                 getattr(mem, name).copy_(value)
-        mem.q_initialized, mem.phase, rng = self.saved_flags
+        mem.q_initialized, mem.q_predrawn, mem.phase, rng = self.saved_flags
         self.state.rng.set_state(rng)
 
     def end(self, out: torch.Tensor, replay) -> torch.Tensor:

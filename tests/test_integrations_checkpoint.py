@@ -120,6 +120,16 @@ def test_resume_at_the_first_compressed_step_is_bitwise(tmp_path, hook, cap, how
         assert r["equal"] and r["warnings"] == [] and r["iter"] == TOTAL, r["max_diff"]
 
 
+@pytest.mark.parametrize("hook, cap, stop", [(powerSGD_hook, None, 2), (powerSGD_hook, 0.002, 5),
+                                             (batched_powerSGD_hook, None, 3)])
+def test_resume_without_warm_start_is_bitwise(tmp_path, hook, cap, stop):
+    """Without warm start every compressed step draws a fresh Q per bucket: the state dict carries the next step's
+    draws for the trained DDP's buckets (``predrawn``), taken by the resumed step in the fresh DDP's buckets."""
+    for r in run_ranks(_resume_worker, 2, tmp_path, str(tmp_path / "ckpt"), cap, "files", hook, stop,
+                       warm_start=False):
+        assert r["equal"] and r["warnings"] == [] and r["iter"] == TOTAL, r["max_diff"]
+
+
 def test_alternating_hook_resumes_exactly(tmp_path):
     """The alternating hook's kept factors, local residuals and phase follow their parameters too (STOP is odd:
     the resumed buckets take a Q half-step first)."""
