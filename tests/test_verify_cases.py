@@ -210,9 +210,10 @@ def test_fault_on_one_bucket_table_is_caught(world1, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ ranks keep agreeing
-def _asymmetric_worker(rank, world_size, cache_dir, seed):
-    """Rank 0 settles the verdicts of these kernels in another group (a group of its own) first; rank 1 knows
-    nothing. Then both train on the world group: both take part in the verdict all-reduce."""
+def _asymmetric_worker(rank, world_size, cache_dir, seed, how):
+    """Rank 0 settles the verdicts of these kernels in another group (a group of its own) first (``how="group"``:
+    in this process; ``"file"``: in its verdict file only, as an earlier run); rank 1 knows nothing. Then both train
+    on the world group: both take part in the verdict all-reduce."""
     os.environ["POWERSGD_TRITON_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
     verify.forget()
     alone = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
@@ -222,20 +223,23 @@ def _asymmetric_worker(rank, world_size, cache_dir, seed):
         own = PowerSGDState(alone[0], matrix_approximation_rank=4, start_powerSGD_iter=2, backend="triton")
         _run(own, powerSGD_hook, buckets, data)
     before = dict(verify.stats)
+    if how == "file":
+        verify.forget()
     got, msgs = _checked(_state(), powerSGD_hook, buckets, data)
     stats = dict(verify.stats)
     plain = _run(_state(verify="off"), powerSGD_hook, buckets, data)
     return dict(msgs=msgs, before=before, stats=stats, same=_same(got, plain))
 
 
-def test_asymmetric_verdict_history_no_collective_mismatch(tmp_path):
+@pytest.mark.parametrize("how", ["group", "file"])
+def test_asymmetric_verdict_history_no_collective_mismatch(tmp_path, how):
     seed = _seed()
-    r0, r1 = run_ranks(_asymmetric_worker, 2, tmp_path, str(tmp_path), seed, timeout=240)
+    r0, r1 = run_ranks(_asymmetric_worker, 2, tmp_path, str(tmp_path), seed, how, timeout=240)
     assert r0["before"]["checks"] == 1 and r1["before"]["checks"] == 0  # rank 0 settled them alone
     for r in (r0, r1):
         assert r["msgs"] == [] and r["same"] and r["stats"]["fallbacks"] == 0, (seed, r)
         assert r["stats"]["agreements"] == 1, r  # the one verdict all-reduce, on both ranks
-    assert r0["stats"]["checks"] == 1 and r1["stats"]["checks"] == 1  # rank 0 compared nothing again
+    assert r0["stats"]["checks"] == (1 if how == "group" else 0) and r1["stats"]["checks"] == 1  # rank 0: none again
 
 
 # ------------------------------------------------------------------------------------------ a wrong verdict
