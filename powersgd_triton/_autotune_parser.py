@@ -18,7 +18,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "autotune",
         help="tune the Triton kernels' block sizes for a model's gradient shapes on this GPU",
         description="Tune the shape classes of a model's gradients on this GPU (cached per GPU model), "
-        "or show / clear the cache.",
+        "or show / clear the cache and the first-use verdicts.",
     )
     p.add_argument("--model", choices=sorted(MODELS), help="model whose gradient shapes are tuned")
     add_rank_option(p, type=positive(int), nargs="+", default=[4], metavar="R",
@@ -38,5 +38,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="do_bench measurement time per candidate (default 100)")
     p.add_argument("--show", action="store_true", help="print the cache and exit")
     p.add_argument("--clear", action="store_true", help="empty the cache")
+    p.add_argument("--clear-verdicts", action="store_true",
+                   help="forget the first-use verification's verdicts (verify-verdicts.json): every kernel is "
+                   "checked again at its next first use")
     p.set_defaults(func=_run)
     return p

@@ -190,12 +190,15 @@ class PowerSGDState:
             the state dict records that the error memory is unscaled, and a state unpickled without its scaler
             must get it back (``state.grad_scaler = scaler``, done by the Lightning and Accelerate integrations).
         verify: ``"first"`` (default), ``"always"`` or ``"off"``: on the Triton backend (GPU or interpreter), the
-            first compressed step of a bucket whose kernels (GPU model, Triton version, kernel sources, shape class,
-            config) have no verdict yet is also computed on the torch backend from copies of the same inputs and
-            compared launch by launch (P, Q, the output, the error memory); on a disagreement the bucket runs on the
-            torch backend on every rank from that step on, with a ``RuntimeWarning``. Verdicts are kept in the
-            process and next to the autotune cache (``powersgd-triton autotune --show``). Cost: one extra
-            torch-backend step per set of kernels, once (plus one small all-reduce with several ranks).
+            first compressed step of every bucket whose kernels (GPU model, Triton version, kernel sources, shape
+            class, config, the bucket's matrix table) have no verdict yet is also computed on the torch backend from
+            copies of the same inputs and compared launch by launch, in backend-invariant quantities (the output,
+            the error memory, P and Q products; orthogonalized factors by span and Gram matrix); on a disagreement
+            the bucket runs on the torch backend on every rank from that step on, with a ``RuntimeWarning``.
+            Verdicts are kept in the process and next to the autotune cache (``powersgd-triton autotune --show``;
+            a wrong one is checked again by the next run and sticks at the second; ``--clear-verdicts`` forgets
+            them). Cost: one extra torch-backend step per bucket, once (plus one small all-reduce per bucket with
+            several ranks).
             ``"always"``: every compressed step (debugging). Details, tolerances: :mod:`powersgd_triton.verify`.
             Settable on a live state (``state.verify = "always"``), checked.
 

@@ -2,72 +2,70 @@
 
 No test of ours runs the Triton kernels on the GPU a user has, with the Triton version they have: a compiler bug at
 some ``num_stages``, a race at some tile or a wrong mask there would give finite, wrong gradients without any
-error. So the hooks check the kernels where they run, once.
+error. So the hooks check the kernels where they run, once per bucket.
 
-What is checked. The first compressed step of a bucket whose kernels (per kernel: GPU model, Triton version,
-kernel-source hash, shape class and config; the autotuner's key, :mod:`powersgd_triton.autotune.keys`) have no
-verdict yet runs every numeric launch of the step twice: the Triton launch on the live tensors, and the torch
-backend (:mod:`powersgd_triton.kernels.reference`, through :mod:`powersgd_triton.ops`) on copies of the very same
-inputs, taken just before the launch. Each launch is compared on its own (its inputs are the Triton path's, so the
-all-reduced P and Q every rank holds are the inputs of both: the check adds no collective to the step), and
-every tensor the launch was given is compared, so a kernel that writes where it should not is caught too. Then the
-ranks agree on the verdict: one all-reduce (MAX) of a few int32 flags, one per kernel (0 agrees, 1 not checkable,
-2 disagrees), over the hook's process group; with one rank there is nothing to agree on.
-A kernel a step does not launch stays unjudged: the alternating hook's first P step runs no ``project_t``, so its
-first Q step is checked too.
+What is checked. The first compressed step of every bucket whose kernels (per kernel: GPU model, Triton version,
+kernel-source hash, shape class, config, and the bucket's own matrix table: :func:`verdict_key`,
+:func:`layout_digest`; two buckets of one shape class read different masks and offsets) have no verdict yet runs
+every numeric launch of the step twice: the Triton launch on the live tensors, and the torch backend
+(:mod:`powersgd_triton.kernels.reference`, through :mod:`powersgd_triton.ops`) on copies of the very same inputs,
+taken just before the launch. Each launch is compared on its own (its inputs are the Triton path's, so the
+all-reduced P and Q every rank holds are the inputs of both: the check adds no collective to the step), and every
+tensor the launch was given is compared, so a kernel that writes where it should not is caught too. The comparison
+rule (backend-invariant quantities, scales from the launch's inputs, tolerances from the bucket's and the compared
+tensor's dtypes, ranges an in-flight collective writes left out) is :mod:`powersgd_triton._verify_compare`'s. Then
+the ranks agree on the verdict: one all-reduce (MAX) of a few int32 flags, one per kernel (0 agrees, 1 not
+checkable, 2 disagrees), over the hook's process group; with one rank there is nothing to agree on. With several
+ranks that all-reduce happens at the first compressed step of every bucket memory on every rank, whatever each
+rank knew before (from its file or another group's check): no rank-local knowledge decides whether a collective
+happens. A kernel a step does not launch stays unjudged: the alternating hook's first P step runs no
+``project_t``, so its first Q step is checked too.
 
-Tolerances (worst relative error: ``max |triton - torch|`` over each matrix's slice of a tensor, divided by the
-largest ``|torch|`` of that slice; the uncompressed gradients are one slice). Both backends take the same inputs
-and accumulate in float32 (Gram matrices in float64), so they differ only by summation order: a few float32 ulps of
-the slice's largest value for fp32 gradients (measured: below 1e-5 in ``tests/test_kernels.py``), plus the
-rounding of a product's operands to bf16/fp16 where a kernel feeds tensor cores with 2-byte gradients (``SPLIT_BF16``,
-2^-8 relative per operand, mostly averaged away), plus one storage ulp where the output is a 2-byte bucket (bf16
-2^-8, fp16 2^-11). A wrong kernel (a race, a wrong mask, a miscompiled loop, a launch that did not run) is off by
-O(1) in what it got wrong. So the bounds sit far above rounding and far below any error that matters:
-``1e-3`` for fp32 buckets; for fp16/bf16 buckets ``1e-2`` for float32 outputs (P, Q, the error memory) and
-``2e-2`` (fp16) / ``4e-2`` (bf16) for outputs stored in the bucket's dtype. The communication dtype does not enter:
-the all-reduced factors, rounded to it, are the same input of both backends. A false alarm costs speed (the bucket
-runs on the torch backend), never a wrong gradient.
-
-Non-finite steps. A launch whose torch result holds NaN or inf anywhere (NaN gradients, an overflow step, or
-another rank's: the all-reduced factors) cannot be judged, whatever the Triton result: that kernel's check is
-deferred to the bucket's next compressed step, on every rank (the agreed flag says "not checkable"). A NaN or inf
-where the torch result is finite is a disagreement.
+Non-finite steps. A launch whose torch result holds NaN or inf (NaN gradients, an overflow step, or another rank's:
+the all-reduced factors) cannot be judged, whatever the Triton result: that kernel's check is deferred to the
+bucket's next compressed step, on every rank (the agreed flag says "not checkable"). A NaN or inf where the torch
+result is finite is a disagreement.
 
 On disagreement (on any rank): one ``RuntimeWarning`` per rank naming the kernel, its config, the bucket, its
-shapes and dtype and the worst relative error (or that another rank found it), the memory of the step is restored
-from the copies taken before it (error memory, P, Q, the RNG of the initial Q, the gradients), and the step runs
-again on the torch backend on every rank, with its collectives (the Triton path's all-reduced factors hold the
-wrong kernel's numbers): its output is the step's output, and the state's bucket stays on the torch backend. Every
-rank takes the same path, since the verdict was agreed.
+shapes and dtype and the worst relative error (or that another rank found it), what was recorded and the command
+that clears the verdicts (:data:`CLEAR_COMMAND`); the memory of the step is restored from the copies taken before
+it (error memory, P, Q, the RNG of the initial Q, the gradients), and the step runs again on the torch backend on
+every rank, with its collectives (the Triton path's all-reduced factors hold the wrong kernel's numbers): its
+output is the step's output, and the state's bucket stays on the torch backend for this process. Every rank takes
+the same path, since the verdict was agreed.
 
-Verdicts are remembered in the process (every state, every bucket with the same kernels) and in
+Verdicts are remembered in the process (every state, every bucket with the same kernels and table) and in
 ``verify-verdicts.json`` next to the autotune cache (``$POWERSGD_TRITON_CACHE_DIR`` or the user cache dir), under
-the same keys, so a later run does not check again: with one rank it uses the file; with several it still agrees
-once per kernel set and process (one all-reduce; a rank whose file does not know a kernel checks it, one whose file
-says wrong makes every rank use torch). ``powersgd-triton autotune --show`` lists them. A damaged verdict file is
-treated as the autotune cache treats its file: a ``CacheWarning``, the file moved aside, checks run again.
+the same keys, so a later run does not check again: with one rank it uses the file; with several every rank still
+takes part in one all-reduce per bucket memory and process (a rank whose file does not know a kernel checks it).
+A "wrong" verdict is one strike: the next run checks that kernel again; a second disagreement (in another run)
+makes it stick (:data:`STICKY`: later runs use the torch backend for it without checking), an agreement replaces
+it. ``powersgd-triton autotune --show`` lists the verdicts, ``--clear-verdicts`` removes the file. A damaged
+verdict file is treated as the autotune cache treats its file: a ``CacheWarning``, the file moved aside, checks
+run again.
 
-Cost: once per set of kernels and process, one extra torch-backend step of that bucket plus copies of its
-gradients and memory (on the device), a host synchronization and, with several ranks, one small all-reduce. After
-that, one attribute test per bucket step. ``verify="always"`` checks every compressed step (debugging: a torch
-step and an all-reduce each); ``"off"`` never checks.
+Cost: once per bucket (kernels and table) and process, one extra torch-backend step of that bucket plus copies of
+its gradients and memory (on the device), a host synchronization and, with several ranks, one small all-reduce.
+After that, one attribute test per bucket step. ``verify="always"`` checks every compressed step (debugging: a
+torch step and an all-reduce each); ``"off"`` never checks.
 """
 
-import inspect
+import hashlib
 import json
 import logging
 import math
 import os
 import time
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import _env, ops
 from ._memory import drop_next_q
+from ._verify_compare import (DEFERRED, KERNEL_OF, OK, WRONG, Differential, compare,  # noqa: F401 - re-exported
+                              compare_orthogonal, tolerance)
 from .autotune.cache import CacheWarning, atomic_write_json, default_cache_dir
 from .autotune.keys import DeviceKey, dtype_name, shape_class
 
@@ -76,11 +74,6 @@ logger = logging.getLogger("powersgd_triton.verify")
 MODES = ("first", "always", "off")
 VERDICT_FILENAME = "verify-verdicts.json"
 FORMAT = 1
-# The ops a hook step launches, and the kernel each one's verdict is kept under.
-KERNEL_OF = {"project": "project", "orthogonalize": "orthogonalize", "project_t": "project_t",
-             "reconstruct": "reconstruct", "average": "average", "pack_uncompressed": "copy_segments",
-             "unpack_uncompressed": "copy_segments", "commit_factor": "commit_factor"}
-OK, DEFERRED, WRONG = 0, 1, 2
 stats = {"checks": 0, "agreements": 0, "fallbacks": 0}  # counts for tests and benchmarks
 
 
@@ -91,137 +84,20 @@ def check_mode(value) -> str:
     return value
 
 
-def tolerance(role: str, bucket_dtype: torch.dtype) -> float:
-    """Largest worst relative error accepted for an output of ``role`` (``"m"``/``"u"``: stored in the bucket's
-    dtype; ``"p"``/``"q"``/``"e"``: float32) of a bucket of ``bucket_dtype`` (module docstring: why)."""
-    if bucket_dtype not in (torch.float16, torch.bfloat16):
-        return 1e-3
-    if role in ("m", "u"):
-        return 2e-2 if bucket_dtype == torch.float16 else 4e-2
-    return 1e-2
-
-
-# --------------------------------------------------------------------------------------------------- comparison
-_ROLES = {"buffer": "m", "p": "p", "q": "q", "error": "e", "p2": "p", "q2": "q", "local_p": "p", "local_q": "q",
-          "unc": "u", "dst": "u", "src": "u", "loss_scale": "u", "new": None, "kept": None, "x": None, "out": None,
-          "factor": None, "orthogonalize_kept": "q"}
-# Arguments whose content after the call the ops do not specify (scratch): not compared. ``average`` divides the
-# packed uncompressed gradients on their way into the bucket (the torch backend in place, the Triton kernel not).
-_UNSPECIFIED = {"average": ("unc",)}
-_SIGNATURES = {name: inspect.signature(getattr(ops, name)) for name in KERNEL_OF}
-
-
-def _segments(layout, role: str, numel: int) -> List[Tuple[int, int]]:
-    """``(offset, length)`` slices of a tensor of ``role``: one per matrix, the uncompressed gradients as one."""
-    mats = layout.matrices
-    if role == "p":
-        return [(s.p_offset, s.n * s.rank) for s in mats]
-    if role == "q":
-        return [(s.q_offset, s.m * s.rank) for s in mats]
-    if role == "e":
-        return [(s.e_offset, s.n * s.m if layout.batched else s.numel) for s in mats]
-    if role == "m":
-        return [(s.offset, s.numel) for s in mats] + list(layout.uncompressed)
-    return [(0, numel)]
-
-
-def compare(got: torch.Tensor, want: torch.Tensor, layout, role: str) -> Tuple[float, bool]:
-    """``(worst relative error, judgeable)`` of ``got`` (Triton) against ``want`` (torch), see the module docstring.
-    Not judgeable: ``want`` holds NaN or inf (a non-finite step); then nothing is concluded."""
-    a, b = got.detach().reshape(-1).double(), want.detach().reshape(-1).double()
-    if not bool(torch.isfinite(b).all()):
-        return math.nan, False
-    if torch.equal(a, b):
-        return 0.0, True
-    if not bool(torch.isfinite(a).all()):  # NaN or inf where torch is finite
-        return math.inf, True
-    diff = (a - b).abs()
-    size = b.abs()
-    worst = 0.0
-    for off, n in _segments(layout, role, a.numel()):
-        if n == 0:
-            continue
-        scale = float(size[off : off + n].max())
-        d = float(diff[off : off + n].max())
-        if d > 0:
-            worst = max(worst, d / scale if scale > 0 else math.inf)
-    return worst, True
-
-
-class Differential:
-    """Runs :mod:`powersgd_triton.ops` calls on the Triton backend (the given tensors) and on the torch backend
-    (copies made before the Triton call) and keeps per kernel ``[worst error / tolerance, judgeable, detail]``.
-    The :class:`~powersgd_triton.ops.StepFlags` of a Triton ``average`` stand for its torch twin in later calls."""
-
-    def __init__(self, layout, bucket_dtype: torch.dtype):
-        self.layout, self.dtype = layout, bucket_dtype
-        self.results: Dict[str, list] = {}
-        self.twins: Dict[int, object] = {}
-
-    def __getattr__(self, name):
-        if name not in KERNEL_OF:
-            raise AttributeError(name)
-        return lambda *args, **kwargs: self.call(name, *args, **kwargs)
-
-    def call(self, name: str, *args, **kwargs):
-        bound = _SIGNATURES[name].bind(*args, **kwargs)
-        which = bound.arguments.get("which")
-        copies: Dict[int, tuple] = {}  # id -> (argument name, live tensor, copy, role)
-
-        def twin(arg, value, role):
-            if isinstance(value, torch.Tensor):
-                if id(value) not in copies:
-                    copies[id(value)] = (arg, value, value.clone(), role or which)
-                return copies[id(value)][2]
-            if isinstance(value, ops.StepFlags):
-                return self.twins.get(id(value), value)
-            if isinstance(value, tuple):  # commit=(which, kept)
-                return tuple(twin(arg, v, value[0]) for v in value)
-            return value
-
-        torch_args = {k: twin(k, v, _ROLES.get(k)) for k, v in bound.arguments.items()}
-        torch_args["backend"] = "torch"
-        torch_args.pop("config", None)
-        if name == "reconstruct":
-            torch_args["orthogonalize_kept"] = None  # the Triton backend never fills it: nothing to compare
-        config = bound.arguments.get("config")
-        result = getattr(ops, name)(*args, **kwargs)
-        try:
-            torch_result = getattr(ops, name)(**torch_args)
-        except Exception as exc:  # noqa: BLE001 - our reference failing must not stop training: not judged
-            logger.warning("powersgd_triton verify: the torch reference of %s failed (%s: %s); not judged",
-                           name, type(exc).__name__, exc)
-            self._record(name, (0.0, 0.0, ""), False, config)
-            return result
-        if isinstance(result, ops.StepFlags):
-            self.twins[id(result)] = torch_result
-        worst = (0.0, 0.0, "")  # error / tolerance, error, detail
-        judged = True
-        for arg, live, copy, role in copies.values():
-            if arg in _UNSPECIFIED.get(name, ()):
-                continue
-            err, ok = compare(live, copy, self.layout, role)
-            judged &= ok
-            tol = tolerance(role, self.dtype)
-            if ok and err / tol > worst[0]:
-                worst = (err / tol, err, f"{arg}: worst relative error {err:.3g} (tolerance {tol:g})")
-        self._record(name, worst, judged, config)
-        return result
-
-    def _record(self, name, worst, judged, config):
-        """``results[kernel] = [error / tolerance, judgeable, detail, config, error]``, the worst call's."""
-        r = self.results.setdefault(KERNEL_OF[name], [0.0, True, "", config, 0.0])
-        if not judged:
-            r[1] = False
-        elif worst[0] > r[0]:
-            r[0], r[4], r[2] = worst
-
-    def codes(self) -> Dict[str, int]:
-        """Per kernel seen: :data:`OK`, :data:`DEFERRED` (not judgeable) or :data:`WRONG` (beyond tolerance)."""
-        return {k: WRONG if r[0] > 1.0 else (OK if r[1] else DEFERRED) for k, r in self.results.items()}
-
-
 # ---------------------------------------------------------------------------------------------- verdict store
+STICKY = 2  # a kernel found wrong in this many runs stays wrong (until the verdicts are cleared)
+CLEAR_COMMAND = "powersgd-triton autotune --clear-verdicts"
+
+
+def strikes(entry: dict) -> int:
+    """The number of runs that found the kernel of a wrong verdict ``entry`` wrong (1 for files written before
+    strikes were counted); 0 for an ok one."""
+    if entry.get("ok"):
+        return 0
+    n = entry.get("strikes", 1)
+    return n if isinstance(n, int) and n > 0 else 1
+
+
 def _entry_problem(entry) -> Optional[str]:
     if not isinstance(entry, dict):
         return f"not an object ({type(entry).__name__})"
@@ -236,18 +112,20 @@ class VerdictStore:
     """``verify-verdicts.json`` in ``directory`` (default: the autotune cache's folder)::
 
         {"format": 1, "devices": {"<device key>": {"device": {...},
-                                                   "verdicts": {"<shape class key>|<config JSON>": {
+                                                   "verdicts": {"<verdict key>": {
                                                        "ok": bool, "kernel": ..., "config": {...},
-                                                       "worst": ..., "detail": ..., "checked_at": ...}}}}}
+                                                       "worst": ..., "detail": ..., "checked_at": ...,
+                                                       "strikes": 1 or 2 (wrong verdicts)}}}}}
 
-    Written as the autotune cache is (lock, re-read, merge, atomic replace; a "wrong" verdict is never replaced by
-    an "ok" one). Damage: a :class:`~powersgd_triton.autotune.cache.CacheWarning`, the file moved aside (and its
+    Written as the autotune cache is (lock, re-read, merge, atomic replace; a "wrong" verdict found twice, in two
+    runs, is never replaced: :data:`STICKY`). Damage: a :class:`~powersgd_triton.autotune.cache.CacheWarning`, the file moved aside (and its
     valid entries written back); never raises on bad files or folders."""
 
     def __init__(self, directory: Optional[str] = None):
         self.directory = os.path.abspath(directory if directory is not None else default_cache_dir())
         self.path = os.path.join(self.directory, VERDICT_FILENAME)
         self._data: Optional[dict] = None
+        self._first: Optional[dict] = None  # the devices' verdicts as this process first read them
 
     def _aside(self, reason: str) -> None:
         aside = f"{self.path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -290,7 +168,31 @@ class VerdictStore:
                     self._data = self._read()
             except OSError:  # an unusable folder: read without the lock (or nothing)
                 self._data = self._read() if os.path.isfile(self.path) else {"format": FORMAT, "devices": {}}
+        if self._first is None:
+            self._first = json.loads(json.dumps(self._data["devices"]))
         return self._data
+
+    def prior_verdicts(self, device: DeviceKey) -> Dict[str, dict]:
+        """``device``'s verdicts as the file held them when this process first read it (before this run's checks
+        wrote anything: every rank judges a run's second strike from the same earlier runs)."""
+        self.load()
+        dev = self._first.get(device.key)
+        return dev["verdicts"] if dev else {}
+
+    def clear(self) -> int:
+        """Remove the file (``powersgd-triton autotune --clear-verdicts``); the number of verdicts it held."""
+        try:
+            with _env.file_lock(self.path + ".lock", 60.0):
+                n = sum(len(d["verdicts"]) for d in self._read()["devices"].values())
+                try:
+                    os.remove(self.path)
+                except FileNotFoundError:
+                    pass
+        except OSError as exc:
+            logger.warning("powersgd_triton verify: %s not cleared (%s)", self.path, exc)
+            return 0
+        self._data = self._first = None
+        return n
 
     def verdicts(self, device: DeviceKey) -> Dict[str, dict]:
         dev = self.load()["devices"].get(device.key)
@@ -301,8 +203,12 @@ class VerdictStore:
         def merge(data):
             dev = data["devices"].setdefault(device.key, {"device": device.as_dict(), "verdicts": {}})
             for k, e in entries.items():
-                if e["ok"] and k in dev["verdicts"] and not dev["verdicts"][k]["ok"]:
-                    continue  # a kernel found wrong stays wrong
+                old = dev["verdicts"].get(k)
+                if old is not None and not old["ok"]:
+                    if e["ok"] and strikes(old) >= STICKY:
+                        continue  # a kernel found wrong in two runs stays wrong
+                    if not e["ok"]:
+                        e = dict(e, strikes=max(strikes(old), strikes(e)))
                 dev["verdicts"][k] = e
             return data
         try:
@@ -342,10 +248,22 @@ def forget() -> None:
         stats[k] = 0
 
 
+def layout_digest(layout) -> str:
+    """A digest of the bucket's matrix table (offsets, shapes, ranks, factor and error offsets, uncompressed ranges):
+    the masks and offsets the kernels read. Two buckets of one shape class with different tables are two checks."""
+    def build():
+        table = (layout.batched, layout.numel, list(layout.uncompressed),
+                 [(s.offset, s.n, s.m, s.numel, s.rank, s.p_offset, s.q_offset, s.e_offset) for s in layout.matrices])
+        return hashlib.sha1(repr(table).encode()).hexdigest()[:16]
+
+    return layout.memo(("verify_layout_digest",), build)
+
+
 def verdict_key(kernel: str, layout, dtype: torch.dtype, config: Optional[dict]) -> str:
-    """``"<shape class key>|<config as sorted JSON>"``: what one kernel's verdict is remembered under."""
+    """``"<shape class key>|<config as sorted JSON>|<layout digest>"``: what one kernel's verdict on one bucket
+    table (:func:`layout_digest`) is remembered under."""
     cfg = json.dumps(config or {}, sort_keys=True, separators=(",", ":"))
-    return f"{shape_class(kernel, layout, dtype).key}|{cfg}"
+    return f"{shape_class(kernel, layout, dtype).key}|{cfg}|{layout_digest(layout)}"
 
 
 # ------------------------------------------------------------------------------------------------ the hooks' check
@@ -362,11 +280,26 @@ def _switch_to_torch(mem) -> None:
     mem.verify_pending = False
 
 
+def _file_verdict(entry: Optional[dict]) -> Optional[bool]:
+    """What a verdict file entry (as this run first read it) tells: True (agreed), False (found wrong in
+    :data:`STICKY` runs), None (unknown, or found wrong once: checked again)."""
+    if entry is None:
+        return None
+    if entry["ok"]:
+        return True
+    return False if strikes(entry) >= STICKY else None
+
+
 def begin(state, mem, buffer: torch.Tensor, group, world_size: int, index: int, packs: bool):
     """Called by a hook before a compressed step of a bucket whose memory is ``verify_pending``: a :class:`Check`
-    of this step, or None (nothing to check: ``verify="off"``, the torch backend, verdicts agreed already; a bucket
-    with a kernel found wrong then switches to the torch backend). ``packs``: the step packs uncompressed
-    gradients (the ``copy_segments`` kernel runs)."""
+    of this step, or None (nothing to check: ``verify="off"``, the torch backend; with one rank, verdicts known
+    already: a bucket with a kernel found wrong then switches to the torch backend). ``packs``: the step packs
+    uncompressed gradients (the ``copy_segments`` kernel runs).
+
+    With several ranks every pending bucket's step is a :class:`Check` on every rank, whatever each rank knows
+    already (its verdict all-reduce is then the same collective on every rank: what one rank settled in another
+    group or read from its own file never decides whether the all-reduce happens); a rank compares only the
+    kernels it has no verdict for."""
     mode = state.verify
     layout = mem.layout
     if PAUSED:
@@ -377,31 +310,30 @@ def begin(state, mem, buffer: torch.Tensor, group, world_size: int, index: int, 
     dk = _device_key(layout)
     kernels = ["project", "orthogonalize", "project_t", "reconstruct", "average"] + (["copy_segments"] if packs else [])
     keys = {k: verdict_key(k, layout, buffer.dtype, mem.configs.get(k)) for k in kernels}
-    settled = [_SETTLED.get((dk.key, keys[k])) for k in kernels]
-    if False in settled:
-        _switch_to_torch(mem)
-        return None
-    if mode == "first" and all(s is True for s in settled):
-        mem.verify_pending = False
-        return None
-    saved = store().verdicts(dk)
-    local = {k: (saved[keys[k]]["ok"] if keys[k] in saved else None) for k in kernels}
+    prior = store().prior_verdicts(dk)
+    local = {}
+    for k in kernels:
+        settled = _SETTLED.get((dk.key, keys[k]))
+        local[k] = settled if settled is not None else _file_verdict(prior.get(keys[k]))
     known_wrong = [k for k in kernels if local[k] is False]
-    if world_size <= 1 and (known_wrong or (mode == "first" and None not in local.values())):
-        for k in kernels:  # one rank: the file's verdicts are the agreed ones
-            if local[k] is not None:
-                _SETTLED[(dk.key, keys[k])] = local[k]
+    if world_size <= 1:
         if known_wrong:
-            warnings.warn(f"PowerSGD: bucket {index} runs on the torch backend: {store().path} records that "
-                          f"{', '.join(known_wrong)} computed wrong values on this GPU with these configs",
-                          RuntimeWarning, stacklevel=4)
+            from_file = [k for k in known_wrong if (dk.key, keys[k]) not in _SETTLED]
+            for k in known_wrong:
+                _SETTLED[(dk.key, keys[k])] = False
+            if from_file:
+                warnings.warn(f"PowerSGD: bucket {index} runs on the torch backend: {store().path} records that "
+                              f"{', '.join(from_file)} computed wrong values on this GPU with these configs in "
+                              f"{STICKY} runs (`{CLEAR_COMMAND}` forgets the verdicts)", RuntimeWarning, stacklevel=4)
             _switch_to_torch(mem)
-        else:
+            return None
+        if mode == "first" and None not in local.values():
+            for k in kernels:  # one rank: the file's verdicts are the agreed ones
+                _SETTLED[(dk.key, keys[k])] = True
             mem.verify_pending = False
-        return None
-    # several ranks agree at the end of the step; a rank whose file knows a kernel wrong has nothing to compare
+            return None
     compare_here = (mode == "always" or None in local.values()) and not known_wrong
-    return Check(state, mem, buffer, group, world_size, index, dk, keys, local, compare_here)
+    return Check(state, mem, buffer, group, world_size, index, dk, keys, local, compare_here, prior)
 
 
 class Check:
@@ -409,9 +341,11 @@ class Check:
     the ops the step calls (``ops``: a :class:`Differential` where this rank compares, else :mod:`ops`), the
     verdict at its end (:meth:`end`)."""
 
-    def __init__(self, state, mem, buffer, group, world_size, index, dk, keys, local, compare_here):
+    def __init__(self, state, mem, buffer, group, world_size, index, dk, keys, local, compare_here, prior=None):
         self.state, self.mem, self.buffer, self.group, self.world_size = state, mem, buffer, group, world_size
         self.index, self.dk, self.keys, self.local = index, dk, keys, local
+        self.prior = prior or {}  # the verdict file's entries as this run first read them
+        self.strikes: Dict[str, int] = {}  # kernel -> the strikes its wrong verdict was saved with
         drop_next_q(mem)  # "always": the Q made ahead is made again, through the checked ops, from the same input
         self.saved = {name: (None if getattr(mem, name) is None else getattr(mem, name).clone())
                       for name in ("error", "p", "q", "q_work")}
@@ -479,9 +413,15 @@ class Check:
             if found.get(k, DEFERRED) == DEFERRED:
                 continue
             _, _, detail, config, err = self.diff.results[k]
-            entries[self.keys[k]] = {"ok": found[k] == OK, "kernel": k, "config": dict(config or {}),
-                                     "worst": err if math.isfinite(err) else None, "detail": detail,
-                                     "checked_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            entry = {"ok": found[k] == OK, "kernel": k, "config": dict(config or {}),
+                     "worst": err if math.isfinite(err) else None, "detail": detail,
+                     "checked_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            before = self.prior.get(self.keys[k])
+            if found[k] == WRONG:  # one strike per run: this run's, plus the earlier runs' (as this run read them)
+                entry["strikes"] = self.strikes[k] = (strikes(before) if before is not None else 0) + 1
+            elif before is not None and not before["ok"]:
+                entry["earlier"] = f"found wrong before ({before.get('detail') or ''}), agreed when checked again"
+            entries[self.keys[k]] = entry
         if entries:
             store().put_many(self.dk, entries)
 
@@ -498,6 +438,12 @@ class Check:
                 + (self.diff.results[k][2] if self.diff is not None and k in self.diff.results
                    else f"recorded wrong in {store().path}") for k in mine)
             head = f"the Triton kernels disagree with the torch backend on {where}: {what}"
+            if self.diff is not None:
+                sticky = [k for k in mine if self.strikes.get(k, 0) >= STICKY]
+                head += (f". Recorded in {store().path}: " + (
+                    f"{', '.join(sticky)} found wrong in {STICKY} runs, the torch backend stays" if sticky else
+                    "the next run checks again, and a second disagreement makes the verdict stick"))
+            head += f" (`{CLEAR_COMMAND}` forgets the verdicts)"
         else:
             theirs = [k for k, c in zip(kernels, agreed) if c == WRONG]
             head = (f"another rank's first-use check found Triton kernel(s) {', '.join(theirs)} wrong on {where} "

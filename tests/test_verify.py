@@ -170,14 +170,23 @@ def test_wrong_kernel_falls_back_to_torch(world1, monkeypatch, hook_name, kernel
     calls = len(wrong.calls)
     _steps(st, hook, range(6, 8))
     assert len(wrong.calls) == calls  # later steps never launch the wrong kernel
-    # remembered: a new state in this process, and (after forgetting) the file, go straight to torch
+    assert "the next run checks again" in msgs[0] and verify.CLEAR_COMMAND in msgs[0]
+    # remembered: a new state in this process goes straight to torch
     st2 = _state()
     assert _same(_steps(st2, hook, range(6)), want) and len(wrong.calls) == calls
+    # the next run (this process forgets, the file has one strike) checks again: a second disagreement sticks
+    verify.forget()
+    with pytest.warns(RuntimeWarning, match="found wrong in 2 runs") as record:
+        assert _same(_steps(_state(), hook, range(6)), want)
+    assert verify.stats["checks"] == 1 and verify.CLEAR_COMMAND in str(record[-1].message)
+    calls = len(wrong.calls)
+    # and the run after that goes straight to torch, naming the command that clears the verdicts
     verify.forget()
     st3 = _state()
-    with pytest.warns(RuntimeWarning, match="records that"):
+    with pytest.warns(RuntimeWarning, match="records that") as record:
         assert _same(_steps(st3, hook, range(6)), want)
     assert len(wrong.calls) == calls and verify.stats["checks"] == 0
+    assert verify.CLEAR_COMMAND in str(record[-1].message)
 
 
 def _one_rank_wrong_worker(rank, world_size, cache_dir, hook_name):

@@ -7,6 +7,7 @@
                              [--hook layerwise|batched|both] [--bucket-cap-mb MB] [--force] [--export PATH]
     powersgd-triton autotune --show     (the cache, candidates the tuner dropped and why, the hooks' verdicts)
     powersgd-triton autotune --clear
+    powersgd-triton autotune --clear-verdicts   (the hooks' first-use verdicts: checked again at next use)
 
 The model's gradient shapes come from :mod:`powersgd_triton.shapes` (no download), split into DDP-like buckets; every
 distinct shape class of the four kernels is tuned once (progress bar on stderr) and a table is printed: chosen
@@ -145,12 +146,18 @@ def run(args, out=None) -> int:
         cache = ConfigCache()
         n = cache.clear()
         print(f"cleared {n} entries from {cache.path}", file=out)
+    if args.clear_verdicts:
+        from ..verify import store
+
+        verdicts = store()
+        n = verdicts.clear()
+        print(f"cleared {n} verdicts from {verdicts.path}", file=out)
     if args.show:
         return _show(out)
     if args.model is None:
-        if args.clear:
+        if args.clear or args.clear_verdicts:
             return 0
-        print("powersgd-triton autotune: --model is required (or --show / --clear)", file=sys.stderr)
+        print("powersgd-triton autotune: --model is required (or --show / --clear / --clear-verdicts)", file=sys.stderr)
         return 2
     tqdm = _env.progress_bar()
 

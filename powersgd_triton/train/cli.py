@@ -148,7 +148,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "PyTorch's hook (reference) always uses the bucket's")
     p.add_argument("--verify", choices=("first", "always", "off"), default="first",
                    help="our hooks' first-use check of the Triton kernels against the torch backend "
-                        "(PowerSGDState(verify=)): the first compressed step of each bucket layout (default), every "
+                        "(PowerSGDState(verify=)): the first compressed step of each bucket (default), every "
                         "step, or never; with several ranks it adds one small all-reduce to a checked step")
     p.add_argument("--amp", choices=("fp16", "bf16"), default=None,
                    help="mixed precision: autocast the forward in float16 (with a GradScaler, given to our hooks' "
