@@ -6,9 +6,10 @@ our ``powerSGD_hook`` / ``batched_powerSGD_hook`` on our :class:`PowerSGDState`,
 iteration is 1000 (the default) or later than the run's end, or every gradient is too small to be worth compressing
 (``Linear(1, 5)``: a 5 x 1 weight; the 2 x 2 parameter of the c10d module). Each port keeps the upstream case as it
 is and adds cases with ``start_powerSGD_iter=2`` and matrices that are compressed, run for enough steps, checked
-per step against an oracle (the exact average where the gradients make rank-1 compression lossless, PyTorch's hook
-on its own state with the same seed where the compression is lossy: within the fp32 tolerance of
-tests/test_hooks_equivalence.py, bitwise for PyTorch's hook on our state).
+per step against an oracle: the exact average where the gradients make rank-1 compression lossless (fp32
+rounding), PyTorch's hook on its own state with the same seed where it is lossy (bitwise for PyTorch's hook on our
+state; ours within 1e-5 for the first 5 compressed steps, as tests/test_hooks_equivalence.py, then no farther from
+a float64 run of PyTorch's hook than PyTorch's own float32 run, see ``DRIFT``).
 
 Ported (upstream file: test):
 
@@ -24,9 +25,10 @@ Ported (upstream file: test):
 - torch/testing/_internal/distributed/distributed_test.py: ``test_ddp_hook_parity_powerSGD`` via
   ``_test_ddp_hook_parity`` (``Linear(1, 5)``, rank 1, ``start_powerSGD_iter=2``, warm start on/off, input
   ``[rank]``: the hook's gradient equals DDP's without a hook). Ours: :func:`test_hook_parity_with_plain_ddp`
-  keeps that case and adds ``Linear(16, 12)`` for 30 steps (28 compressed), fresh inputs every step: inputs of one
-  direction (rank-1 average, lossless: equal to DDP without a hook) and independent ones per rank (lossy: equal to
-  PyTorch's hook on its own state per step, and its ``compression_stats()`` per step).
+  keeps that case and adds ``Linear(16, 12)`` for 30 steps (28 compressed), new inputs every step, for our hook and
+  PyTorch's on both states: inputs of one direction on all ranks (a rank-1 average, lossless: equal to DDP without
+  a hook) and per-rank ones (lossy: against PyTorch's hook and a float64 run of it), and ``compression_stats()``
+  equal to PyTorch's after every step.
 - test/distributed/test_c10d_common.py: ``test_invalid_powerSGD_state`` (``start_powerSGD_iter`` 0 or 1 with error
   feedback or warm start raises ``ValueError``): :func:`test_invalid_start_iter`, also that both states accept
   it with neither (the configuration of the uneven-inputs test).
@@ -71,13 +73,35 @@ HOOKS = {
     "torch_on_ours": ("ours", torch_psgd.powerSGD_hook),
     "torch": ("torch", torch_psgd.powerSGD_hook),
 }
+
+
+def _float32_draws(hook):
+    """``hook`` with ``torch.randn`` drawing in float32 (then cast) during its call: PyTorch's hook on a float64
+    model draws its initial Q as a float32 model's would (``randn`` in float64 gives other values for a seed), so
+    the float64 run is an oracle for the float32 runs' trajectory."""
+
+    def float32_draws(state, bucket):
+        randn = torch.randn
+        torch.randn = lambda *a, dtype=None, **k: randn(*a, **{**k, "dtype": torch.float32}).to(
+            dtype or torch.get_default_dtype())
+        try:
+            return hook(state, bucket)
+        finally:
+            torch.randn = randn
+
+    return float32_draws
+
+
+HOOKS["torch64"] = ("torch", _float32_draws(torch_psgd.powerSGD_hook))  # on a float64 model: the lossy oracle
 # (DDP refuses bf16_compress_wrapper's hook unless on CUDA with NCCL or XPU with XCCL: not testable here.)
 WRAPPERS = {None: None, "fp16": default_hooks.fp16_compress_wrapper}
-# Relative tolerance of a compressed step whose exact result is known, by bucket format: fp32 Gram-Schmidt and
-# products of rank-1 16 x 16 matrices stay within a few ulps (measured <= 3e-7); half-precision buckets carry P and Q
-# in that format (measured <= 2e-3 for fp16: one rounding of P, Q and the product each).
+# A compressed step whose exact result is known (a rank-1 average): ours may be off by at most DRIFT times
+# PyTorch's hook on its own state (same seed, same random Qs), or TOL (fp32, fp16 buckets). Both hooks are off by
+# a few ulps (fp32: <= 5e-7, fp16: <= 1.3e-3) until a random Q nearly orthogonal to the gradient amplifies the
+# rounding (one power iteration): measured over 40 seeds up to 2.8e-5 (fp32) and 6.8e-2 (fp16), PyTorch's hook as
+# ours (ratio <= 1.3).
 TOL = {None: 1e-5, "fp16": 5e-3}
-
+DRIFT = 8.0
 
 def fresh_seed() -> int:
     seed = int.from_bytes(os.urandom(3), "little")
@@ -156,15 +180,16 @@ def _c10d_cases(backend):
     """Upstream's cases as they are (2 x 2, start 1000, one step: never compressed), then compressed ones."""
     flags = list(itertools.product((True, False), (True, False)))
     if backend == "triton":  # the interpreter: each flag pair once, alternating the bucket view; one wrapper
-        compressed = [(h, 16, 2, 6, ef, ws, i % 2 == 0, None) for h in ("ours", "ours_batched")
+        compressed = [(h, 16, 2, 6, ef, ws, i % 2 == 0, None) for h in ("ours", "ours_batched", "torch")
                       for i, (ef, ws) in enumerate(flags)]
-        return compressed + [("ours", 16, 2, 6, True, True, False, "fp16")]
+        return compressed + [(h, 16, 2, 6, True, True, False, "fp16") for h in ("ours", "torch")]
     upstream = [(h, 2, 1000, 1, ef, ws, view, None) for h in ("ours", "ours_batched")
                 for (ef, ws), view in itertools.product(flags, (False, True))]
     upstream += [(h, 2, 1000, 1, True, True, False, "fp16") for h in ("ours", "ours_batched")]
-    compressed = [(h, 16, 2, 6, ef, ws, view, None) for h in HOOKS
+    hooks = ("ours", "ours_batched", "torch_on_ours", "torch")
+    compressed = [(h, 16, 2, 6, ef, ws, view, None) for h in hooks
                   for (ef, ws), view in itertools.product(flags, (False, True))]
-    compressed += [(h, 16, 2, 6, ef, ws, False, "fp16") for h in HOOKS for ef, ws in ((True, True), (False, False))]
+    compressed += [(h, 16, 2, 6, ef, ws, False, "fp16") for h in hooks for ef, ws in ((True, True), (False, False))]
     return upstream + compressed
 
 
@@ -173,44 +198,64 @@ def test_c10d_module_hooks(tmp_path, backend):
     cases = _c10d_cases(backend)
     results = run_ranks(_c10d_worker, 2, tmp_path, backend, fresh_seed(), cases, timeout=150)
     for r in results:
-        for case, res in zip(cases, r):
+        by_case = dict(zip(cases, r))
+        for case, res in by_case.items():
             name, n, start, steps, *_, wrapper = case
             assert res["iter"] == steps, case
             worst = max(res["devs"])
-            print(case, f"worst relative deviation {worst:.2e}")
-            assert worst <= TOL[wrapper], (case, res["devs"])
             if start >= steps:  # upstream's case: warm-up only, plain averaging, exact
                 assert res["compressed"] == 0 and worst == 0, (case, res)
-            else:  # the 16 x 16 parameter was compressed at every step from `start` on
-                assert res["compressed"] == (steps - start) * n * n, (case, res)
+                continue
+            # the 16 x 16 parameter was compressed at every step from `start` on
+            assert res["compressed"] == (steps - start) * n * n, (case, res)
+            if name == "torch":
+                continue
+            ref = by_case[("torch",) + case[1:]]["devs"]
+            print(case, f"worst relative deviation {worst:.2e}, PyTorch's hook {max(ref):.2e}")
+            if name == "torch_on_ours":
+                assert res["devs"] == ref, case  # the same computation on either state
+            assert worst <= max(DRIFT * max(ref), TOL[wrapper]), (case, res["devs"], ref)
 
 
 # ------------------------------------------------------------ distributed_test: _test_ddp_hook_parity
 IN, OUT, PARITY_STEPS, START = 16, 12, 30, 2
+NOISE = 0.3  # the per-step part of the lossy kind's inputs, against directions of norm ~4
 
 
 def _parity_worker(rank, world_size, backend, seed, cases):
     """Per case (hook, kind, warm start, steps): each step's gradients of the hooked DDP model, their largest
     relative error against DDP without a hook, and the state's ``compression_stats()`` after the step.
 
-    kind "upstream": ``Linear(1, 5)`` on the input ``[rank]``; "exact": ``Linear(IN, OUT)`` on ``(rank + 1) * u``
-    with ``u`` the same on every rank (the weight's average gradient is rank 1); "lossy": inputs drawn per rank."""
+    kind "upstream": ``Linear(1, 5)`` on the input ``[rank]``, loss ``sum(y)``; "exact": ``Linear(IN, OUT)`` on
+    ``(rank + 1) · s · u``, loss ``w · y``, with ``u`` and ``w`` drawn once, the same on every rank, and a new scale
+    ``s`` every step (the weight's gradient ``w·xᵀ`` and its average are of rank 1 and keep their direction; see
+    :class:`_ModuleForHook` for why not a new one); "lossy": ``u`` and ``w`` drawn per rank, plus NOISE-sized
+    fresh parts every step (an average of full rank, moving around a rank-2 one)."""
     out = []
     for name, kind, ws, steps in cases:
         torch.manual_seed(seed)
         model = nn.Linear(1, 5) if kind == "upstream" else nn.Linear(IN, OUT)
+        dtype = torch.float64 if name == "torch64" else torch.float32
+        model = model.to(dtype)
         hooked, plain = DDP(copy.deepcopy(model)), DDP(copy.deepcopy(model))
         state, hook = state_and_hook(name, backend, matrix_approximation_rank=1, start_powerSGD_iter=START,
                                      warm_start=ws, random_seed=seed % 997)
         hooked.register_comm_hook(state, hook)
-        shared, own = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1 + rank)
+        gen = torch.Generator().manual_seed(seed + (1 + rank if kind == "lossy" else 0))
         grads, errs, stats = [], [], []
+        u, w0 = torch.randn(1, IN, generator=gen), torch.randn(1, OUT, generator=gen)
+        w = w0
         for _ in range(steps):
-            u, v = torch.randn(1, IN, generator=shared), torch.randn(1, IN, generator=own)
-            x = {"upstream": torch.tensor([float(rank)]), "exact": (rank + 1) * u, "lossy": v}[kind]
+            if kind == "upstream":
+                x, w = torch.tensor([float(rank)]), torch.ones(5)
+            elif kind == "exact":
+                x = u * (rank + 1) * (torch.rand((), generator=gen) + 0.5) * torch.randn((), generator=gen).sign()
+            else:  # around directions of this rank's, drawn once (as gradients of consecutive steps are alike)
+                x = u * (torch.rand((), generator=gen) + 0.5) + NOISE * torch.randn(1, IN, generator=gen)
+                w = w0 + NOISE * torch.randn(1, OUT, generator=gen)
             for net in (plain, hooked):
                 net.zero_grad()
-                net(x).sum().backward()
+                (net(x.to(dtype)) * w.to(dtype)).sum().backward()
             got = [p.grad.detach().clone() for p in hooked.parameters()]
             errs.append(max(rel_err64(g, p.grad) for g, p in zip(got, plain.parameters())))
             grads.append(got)
@@ -222,10 +267,26 @@ def _parity_worker(rank, world_size, backend, seed, cases):
 def _parity_cases(backend):
     if backend == "triton":
         steps = 10  # 8 compressed steps through the interpreter
-        return [(h, kind, True, steps) for h in ("ours", "torch") for kind in ("exact", "lossy")]
+        return [(h, kind, True, steps) for h in ("ours", "torch", "torch64") for kind in ("exact", "lossy")]
     upstream = [(h, "upstream", ws, 10) for h in ("ours", "torch_on_ours", "torch") for ws in (True, False)]
-    return upstream + [(h, kind, ws, PARITY_STEPS) for h in ("ours", "torch_on_ours", "torch")
+    return upstream + [(h, kind, ws, PARITY_STEPS) for h in ("ours", "torch_on_ours", "torch", "torch64")
                        for kind in ("exact", "lossy") for ws in (True, False)]
+
+
+def _step_errs(grads, ref):
+    """Per step: the largest relative error over the parameters of ``grads`` against ``ref`` (float64)."""
+    return [max(rel_err64(a, b) for a, b in zip(g, h)) for g, h in zip(grads, ref)]
+
+
+# Over a whole run, the float32 runs' error against the exact average (kind "exact") or the float64 run (kind
+# "lossy") grows for both hooks alike: one power iteration from a Q (warm-start or random) nearly orthogonal to the
+# new gradient amplifies the last step's rounding, and the trajectories part. Ours may be at most DRIFT times
+# PyTorch's hook's, or FLOOR[kind]. Measured over 24 seeds (30 steps, both warm-start settings): ours / PyTorch's
+# at most 1.9 (exact), errors at most 2.7e-4 for either hook (lossy, where the ratio of two chaotic drifts reached
+# 4.7; with directions new at every step PyTorch's own hook drifts by up to 9e-2 from float64, so the lossy
+# inputs keep a direction per rank). A wrong memory (misplaced, not added) is off by O(1) (see
+# tests/test_pytorch_parity_ddp.py::test_hook_pickling, PyTorch's hook after a resume).
+FLOOR = {"exact": 1e-5, "lossy": 1e-3}
 
 
 @pytest.mark.parametrize("backend", backend_params())
@@ -240,24 +301,36 @@ def test_hook_parity_with_plain_ddp(tmp_path, backend):
             if kind == "upstream":  # upstream's check: weight[0, 0] is the mean of the ranks, as without a hook
                 assert all(float(g[0][0, 0]) == 0.5 for g in res["grads"]), case
                 assert max(res["errs"]) == 0, case
-                assert res["stats"][-1][1] == 0, case  # never compressed (the 5 x 1 weight is not worth it)
+                # never compressed (the 5 x 1 weight is not worth it): as many elements sent as counted
+                assert res["stats"][-1][1] == res["stats"][-1][2] == (steps - START) * 10, (case, res["stats"][-1])
                 continue
-            # the weight (OUT x IN) was compressed at every step from START on, as PyTorch counts it
-            assert res["stats"][-1][1] == (steps - START) * IN * OUT, (case, res["stats"][-1])
-            if kind == "exact":
-                assert max(res["errs"]) < 1e-5, (case, res["errs"])
-            else:
+            # a compressed step at every step from START on (PyTorch's count: the whole bucket before, the
+            # factors and the bias after)
+            assert res["stats"][-1][1:] == ((steps - START) * (IN + 1) * OUT, (steps - START) * (IN + 2 * OUT)), \
+                (case, res["stats"][-1])
+            if name == "torch64":
+                if kind == "exact":  # the oracle's own check: rank-1 compression in float64 is exact
+                    assert max(res["errs"]) < 1e-8, (case, res["errs"])
+                continue
+            if kind == "lossy":
                 assert max(res["errs"][START:]) > 1e-3, (case, "rank-1 compression of a rank-2 average is lossy")
-            if name == "torch":
-                continue
             ref = by_case[("torch", kind, ws, steps)]
             assert res["stats"] == ref["stats"], case
             if name == "torch_on_ours":  # PyTorch's hook computes the same on both states
                 assert all(torch.equal(a, b) for g, h in zip(res["grads"], ref["grads"]) for a, b in zip(g, h)), case
+            if name != "ours":
                 continue
-            worst = max(rel_err64(a, b) for g, h in zip(res["grads"], ref["grads"]) for a, b in zip(g, h))
-            print(f"rank {rank} {case}: ours vs PyTorch's hook, worst relative error {worst:.2e}")
-            assert worst < 1e-5, (case, worst)
+            # ours against PyTorch's hook: the first 5 compressed steps within fp32 (tests/test_hooks_equivalence.py)
+            first = _step_errs(res["grads"], ref["grads"])[: START + 5]
+            assert max(first) < 1e-5, (case, first)
+            # over all steps: no farther from the oracle than PyTorch's hook
+            if kind == "exact":
+                mine, theirs = res["errs"], ref["errs"]
+            else:
+                oracle = by_case[("torch64", kind, ws, steps)]["grads"]
+                mine, theirs = _step_errs(res["grads"], oracle), _step_errs(ref["grads"], oracle)
+            print(f"rank {rank} {case}: worst error, ours {max(mine):.2e}, PyTorch's hook {max(theirs):.2e}")
+            assert max(mine) <= max(DRIFT * max(theirs), FLOOR[kind]), (case, mine, theirs)
 
 
 # --------------------------------------------------------- test_c10d_common: test_invalid_powerSGD_state
