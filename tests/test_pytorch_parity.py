@@ -8,8 +8,8 @@ iteration is 1000 (the default) or later than the run's end, or every gradient i
 is and adds cases with ``start_powerSGD_iter=2`` and matrices that are compressed, run for enough steps, checked
 per step against an oracle: the exact average where the gradients make rank-1 compression lossless (fp32
 rounding), PyTorch's hook on its own state with the same seed where it is lossy (bitwise for PyTorch's hook on our
-state; ours within 1e-5 for the first 5 compressed steps, as tests/test_hooks_equivalence.py, then no farther from
-a float64 run of PyTorch's hook than PyTorch's own float32 run, see ``DRIFT``).
+state; ours within 1e-5 at the first compressed step, then no farther from the exact average or a float64 run of
+PyTorch's hook than PyTorch's own float32 run, see ``DRIFT``).
 
 Ported (upstream file: test):
 
@@ -138,9 +138,10 @@ class _ModuleForHook(nn.Module):
     """test_c10d's ``ModuleForDdpCommHook``: ``forward(x, rank) = task(x + rank)``, whose output's mean has the
     gradient 1/n² everywhere on every rank. ``scaled`` (ours): ``task(x * (rank + 1))`` with ``x`` an n x n matrix of
     rank 1, the same on every rank: the gradient of the mean is ``(rank + 1) x / n²``, its average over the ranks of
-    rank 1 too, so rank-1 PowerSGD gives it exactly up to fp32 rounding. ``x = s · a·bᵀ``: a new random scale ``s``
-    (sign and size) every step, ``a`` and ``b`` drawn once (with a new direction every step, one power iteration from the warm-start
-    Q is no longer exact: PyTorch's hook then drifts from the average too, 1e-4 after 8 steps, by design)."""
+    rank 1 too, so rank-1 PowerSGD gives it exactly up to fp32 rounding (see TOL). ``x = s · a·bᵀ``: a new random
+    scale ``s`` (sign and size) every step, ``a`` and ``b`` drawn once (with a new direction every step, one power
+    iteration from the warm-start Q amplifies the error memory's rounding: PyTorch's hook then drifts from the
+    average too, 1e-4 after 8 steps, by design)."""
 
     def __init__(self, n: int, scaled: bool):
         super().__init__()
@@ -281,10 +282,10 @@ def _step_errs(grads, ref):
 # Over a whole run, the float32 runs' error against the exact average (kind "exact") or the float64 run (kind
 # "lossy") grows for both hooks alike: one power iteration from a Q (warm-start or random) nearly orthogonal to the
 # new gradient amplifies the last step's rounding, and the trajectories part. Ours may be at most DRIFT times
-# PyTorch's hook's, or FLOOR[kind]. Measured over 24 seeds (30 steps, both warm-start settings): ours / PyTorch's
+# PyTorch's hook's, or FLOOR[kind]. Measured over 64 seeds (30 steps, both warm-start settings): ours / PyTorch's
 # at most 1.9 (exact), errors at most 2.7e-4 for either hook (lossy, where the ratio of two chaotic drifts reached
-# 4.7; with directions new at every step PyTorch's own hook drifts by up to 9e-2 from float64, so the lossy
-# inputs keep a direction per rank). A wrong memory (misplaced, not added) is off by O(1) (see
+# 4.7). With directions new at every step, PyTorch's own hook drifts by up to 9e-2 from float64 (the lossy inputs
+# keep a direction per rank). A wrong memory (misplaced, not added) is off by O(1) (see
 # tests/test_pytorch_parity_ddp.py::test_hook_pickling, PyTorch's hook after a resume).
 FLOOR = {"exact": 1e-5, "lossy": 1e-3}
 
@@ -320,8 +321,9 @@ def test_hook_parity_with_plain_ddp(tmp_path, backend):
                 assert all(torch.equal(a, b) for g, h in zip(res["grads"], ref["grads"]) for a, b in zip(g, h)), case
             if name != "ours":
                 continue
-            # ours against PyTorch's hook: the first 5 compressed steps within fp32 (tests/test_hooks_equivalence.py)
-            first = _step_errs(res["grads"], ref["grads"])[: START + 5]
+            # ours against PyTorch's hook: the first compressed step within fp32 (tests/test_hooks_equivalence.py:
+            # no error memory yet to amplify; later steps can differ by 1.5e-5 where PyTorch's own error is as large)
+            first = _step_errs(res["grads"], ref["grads"])[: START + 1]
             assert max(first) < 1e-5, (case, first)
             # over all steps: no farther from the oracle than PyTorch's hook
             if kind == "exact":

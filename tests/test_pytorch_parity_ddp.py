@@ -135,18 +135,20 @@ def test_hook_pickling(tmp_path, backend):
     if backend == "triton":
         cases = [("ours", "compressed"), ("ours_batched", "compressed")]
     else:
-        cases = [(h, kind) for kind in ("upstream", "compressed") for h in ("ours", "ours_batched", "torch_on_ours", "torch")]
+        hooks = ("ours", "ours_batched", "torch_on_ours", "torch")
+        cases = [(h, kind) for kind in ("upstream", "compressed") for h in hooks]
     results = run_ranks(_pickling_worker, 2, tmp_path, backend, fresh_seed(), str(tmp_path), cases, timeout=150)
     for r in results:
         by_case = dict(zip(cases, r))
         for (name, kind), res in by_case.items():
             case = (name, kind)
             print(case, "steps after the load, relative error to the uninterrupted run", res["steps_err"])
-            # one NOTE each (PyTorch logs them to torch.distributed at WARNING, ours to powersgd_triton.state)
-            assert [n for _, n in res["saved_notes"]] == \
-                ["NOTE: Process group is not serializable and excluded from a saved state."], (case, res)
-            assert len(res["loaded_notes"]) == 1 and "NOTE: Process group will be set to" in res["loaded_notes"][0][1], \
-                (case, res)
+            # one NOTE each (PyTorch logs them to torch.distributed at WARNING, ours to powersgd_triton.state; the
+            # same message to both loggers counts once)
+            assert {n for _, n in res["saved_notes"]} == \
+                {"NOTE: Process group is not serializable and excluded from a saved state."}, (case, res)
+            loaded = {n for _, n in res["loaded_notes"]}
+            assert len(loaded) == 1 and loaded.pop().startswith("NOTE: Process group will be set to"), (case, res)
             assert res["qualname"][0] == res["qualname"][1], case
             assert res["unequal"] == [], case
             assert res["group_is_default"] and res["rng_equal"], (case, res)
