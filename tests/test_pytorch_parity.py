@@ -16,9 +16,10 @@ Ported (upstream file: test):
 - test/distributed/test_c10d_nccl.py: ``_test_powerSGD_ddp_comm_hook_nccl`` (``test_powerSGD_ddp_comm_hook_nccl``,
   ``..._grad_is_view``): both hooks, rank 1, error feedback x warm start, one step of ``ModuleForDdpCommHook``
   (``p + x + rank``, p a 2 x 2 parameter of ones), gradient 0.25 everywhere. NCCL upstream, gloo here.
-  Ours: :func:`test_c10d_module_hooks` adds a 16 x 16 parameter compressed for 4 of 6 steps, with and without
-  ``gradient_as_bucket_view``, on 4 hooks (ours, our batched, PyTorch's on our state, PyTorch's on its own): the
-  mean's gradient is rank 1, so every compressed step must give the exact average (1/256) within fp32 rounding.
+  Ours: :func:`test_c10d_module_hooks` keeps those cases and adds a 16 x 16 parameter (``p * x * (rank + 1)``, x of
+  rank 1, new every step) compressed for 4 of 6 steps, with and without ``gradient_as_bucket_view``, on 4 hooks
+  (ours, our batched, PyTorch's on our state, PyTorch's on its own): the average gradient is of rank 1, so every
+  compressed step must give it within fp32 rounding, or as close as PyTorch's hook does (``TOL``, ``DRIFT``).
 - test/distributed/test_c10d_nccl.py: ``_test_fp16_compress_wrapper`` (PowerSGD under ``fp16_compress_wrapper``,
   default state, one step): same module, fp16 buckets, also compressed (in :func:`test_c10d_module_hooks`, within
   fp16's tolerance). Its bf16 twin is not portable: DDP refuses ``bf16_compress_wrapper`` off CUDA/NCCL.
@@ -42,8 +43,10 @@ PowerSGD case of ``test_ddp_uneven_inputs`` (DDP's join), both from distributed_
 Not ported: PyTorch's ``batched_powerSGD_hook`` (an AssertionError in current releases: our batched hook is
 checked against the exact average here and a float64 oracle in tests/test_hooks_equivalence.py); PyTorch's hook
 with several DDP buckets on gloo (it issues collectives from gloo's callbacks: out of order, it aborts), so every
-model here fits one bucket; test/distributed/algorithms/ddp_comm_hooks/test_ddp_hooks.py has no PowerSGD case
-(allreduce, fp16, quantization, noop).
+model here fits one bucket. Nothing to port from test/distributed/algorithms/ddp_comm_hooks/test_ddp_hooks.py (no
+PowerSGD case: allreduce, fp16, quantization, noop) nor test/distributed/test_c10d_gloo.py (no PowerSGD case of its
+own: the common DDP tests of test_c10d_common.py run on gloo); ``DDPCommHookType.POWER_SGD`` builds PyTorch's
+state itself.
 
 The Triton backend (``backend="triton"``: Triton's interpreter on CPU) runs a subset of the compressed cases.
 """
