@@ -17,19 +17,12 @@ import torch.distributed as dist
 from _dist import FakeBucket, bucket_numel, run_ranks, triton_backend_skip_reason
 from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook, verify
 from powersgd_triton.kernels import triton_ops
+from test_verify import _fresh  # noqa: F401 - autouse: a verdict cache of the test's own, forgotten around it
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(triton_backend_skip_reason() is not None, reason=str(triton_backend_skip_reason()))]
 
 HOOKS = {"layerwise": powerSGD_hook, "batched": batched_powerSGD_hook}
-
-
-@pytest.fixture(autouse=True)
-def _fresh(tmp_path, monkeypatch):
-    monkeypatch.setenv("POWERSGD_TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    verify.forget()
-    yield
-    verify.forget()
 
 
 def _seed() -> int:
