@@ -9,11 +9,12 @@ GPU heuristic's config for that rank, dtype and view (the batched view for proje
 variants), one compile per distinct binary: 520 under triton 3.9.
 
 Targets: spill bytes at most :data:`SPILL_BUDGET` (none) in every binary; <= 128 registers per thread at ranks <= 8
-in each kernel's largest variant; every compile < 15 s (CPU seconds of the compiling process and its ptxas, so a
-loaded machine does not fail it). The quick tier compiles a representative subset (:func:`_quick`: each kernel's
-largest variant in bf16 at the binding ranks 8 and 32, and the cases that spilled under triton 3.6 before their
-tiles were keyed: orthogonalize at 8 and 16, project_t's batched variants at 1-4); the whole table is the slow tier's
-(``.ci/run`` under triton 3.9) and the compat tier's (``.ci/compat``: under 3.4, 3.6 and 3.8).
+in each streaming kernel's (project, project_t, reconstruct) largest variant; every compile < 15 s (CPU seconds of
+the compiling process and its ptxas, so a loaded machine does not fail it). The quick tier compiles a representative
+subset (the script's ``quick``: each kernel function's largest variant in bf16 at the binding ranks 8 and 32,
+orthogonalize and its Gram launch at 8 and 16, where triton 3.6 spilled before its configs were keyed, and project_t's
+batched padding-error variant at 1-4 in fp32); the whole table is the slow tier's (``.ci/run``, triton 3.9) and the
+compat tier's (``.ci/compat``: triton 3.4, 3.6 and 3.8).
 """
 
 import json
@@ -35,12 +36,14 @@ SCRIPT = textwrap.dedent(
     import torch
     from powersgd_triton.kernels import aot_compile as A
     from powersgd_triton.autotune import aot
+    from powersgd_triton.kernels.launch_common import STREAMING_KERNELS
 
     def job(args):
         kernel, cfg, dtype, rank, variant = args
+        # the register target is the streaming kernels' (each one's largest variant, the most code)
         row = dict(kernel=kernel, rank=rank, dtype=str(dtype)[6:], config=cfg, variant=variant,
-                   largest=variant == {k: v for k, v in A.variants(kernel)[0].items() if k != "split"}
-                   or (kernel == "orthogonalize"))
+                   largest=kernel in STREAMING_KERNELS
+                   and variant == {k: v for k, v in A.variants(kernel)[0].items() if k != "split"})
 
         def cpu():  # this worker's CPU seconds and its finished children's (ptxas): load-independent
             own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
