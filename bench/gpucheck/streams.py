@@ -79,22 +79,23 @@ def _run(hook, backend, dtype, buckets, inject):
     outs = []
     for step in range(STEPS):
         futs = []
-        for index, shapes in enumerate(buckets):
-            data = _data(shapes, dtype, step, index).to(DEVICE)
-            bucket = B.FakeGradBucket(data, shapes, index=index, num_buckets=len(buckets), parameters=params[index])
-            if inject is None:
-                futs.append(hook(state, bucket))
-            else:
+        with contextlib.ExitStack() as injected:
+            if inject is not None:  # the whole step, waits included: a callback that runs late is delayed too
                 sleep, on_side = inject
-                with sleep_in_callbacks(sleep, counts), sleep_on_side_stream(sleep, counts, on_side):
-                    futs.append(hook(state, bucket))
-            if DEVICE.type != "cuda":  # gloo runs the then() callbacks on its worker thread, which a callback's
-                futs[-1].wait()  # own all-reduce needs: one bucket at a time (as tests/test_hooks_steps.py)
-            del data, bucket
-            for _ in range(3):  # the next bucket's and backward's allocations, written at once
-                torch.empty(sum(int(torch.Size(s).numel()) for s in shapes), dtype=dtype,
-                            device=DEVICE).fill_(float("nan"))
-        outs += [f.wait().detach().to("cpu", copy=True) for f in futs]
+                injected.enter_context(sleep_in_callbacks(sleep, counts))
+                injected.enter_context(sleep_on_side_stream(sleep, counts, on_side))
+            for index, shapes in enumerate(buckets):
+                data = _data(shapes, dtype, step, index).to(DEVICE)
+                bucket = B.FakeGradBucket(data, shapes, index=index, num_buckets=len(buckets),
+                                          parameters=params[index])
+                futs.append(hook(state, bucket))
+                if DEVICE.type != "cuda":  # gloo runs the then() callbacks on its worker thread, which a callback's
+                    futs[-1].wait()  # own all-reduce needs: one bucket at a time (as tests/test_hooks_steps.py)
+                del data, bucket
+                for _ in range(3):  # the next bucket's and backward's allocations, written at once
+                    torch.empty(sum(int(torch.Size(s).numel()) for s in shapes), dtype=dtype,
+                                device=DEVICE).fill_(float("nan"))
+            outs += [f.wait().detach().to("cpu", copy=True) for f in futs]
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     return outs, counts
