@@ -27,14 +27,12 @@ pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 @pytest.fixture
 def chain_world(monkeypatch):
-    import torch.distributed as dist
-
-    mine = not dist.is_initialized()
+    """A world of 1 gloo, kept for the process (destroyed and made again per test, with the Triton backend's
+    callbacks on gloo's worker thread, the interpreter aborted at exit in 2 of 4 runs: std::system_error "Resource
+    deadlock avoided"), the then() chain forced."""
     B.ensure_process_group("gloo")
     monkeypatch.setattr(_step, "FORCE_CALLBACK_CHAIN", True)
     yield
-    if mine and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _run(hook, events=None, inject=None, seed=0, backend="torch"):
