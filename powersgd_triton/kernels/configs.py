@@ -40,7 +40,7 @@ from .lowrank_configs import (
     _BROADCAST_TILES, _DEPTHS, _DOT_TILES, _SPLIT_DOT_TILES, BROADCAST_ELEMENTS_PER_THREAD, PROJECT_T_BATCHED_TILE,
     PROJECT_T_FP32_DOT_CONFIG, PROJECT_T_SPLIT_CONFIG, PROJECT_T_SPLIT_MIN_RANK, PROJECT_T_TILES, PROJECT_TILES,
     RECONSTRUCT_TILES, TILE_ELEMENTS_PER_THREAD, _broadcast_config, _project_t_broadcast_configs, broadcast_tile,
-    DOT_CONFIG, dot_config,
+    DOT_CONFIG, dot_config, project_t_batched_tile,
 )
 from .ortho_configs import _ortho_configs, _ortho_heuristic
 
@@ -148,7 +148,7 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
         return dot_config(kernel, r, es, DOT_CONFIG)
     if kernel == "project_t":
         if getattr(layout, "batched", False):
-            return _broadcast_config("project_t", *PROJECT_T_BATCHED_TILE)
+            return _broadcast_config("project_t", *project_t_batched_tile(r, es))
         return _broadcast_config("project_t", *broadcast_tile("project_t", PROJECT_T_TILES, r, es))
     if kernel == "project":
         return _broadcast_config("project", *broadcast_tile("project", PROJECT_TILES, r, es))
