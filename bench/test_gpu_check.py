@@ -2,7 +2,8 @@
 
 The GPU run has one try in a short device lease; this catches typos, API slips and broken sections here. Not a
 benchmark (skipped under ``--benchmark-only``); part of the ``--quick`` CI smoke set. The second test runs the GPU
-run's compile-phase workers (in the interpreter, where they compile nothing) to check their plumbing.
+run's branches that need no CUDA: the compile-phase workers (in the interpreter, where they compile nothing), the
+verify and streams sections as on a GPU but for the sleep, the side-stream test and NCCL.
 """
 
 import json
@@ -55,10 +56,12 @@ def test_gpu_check_dry_run(tmp_path):
     assert {"SPLIT_BF16", "USE_DOT"} <= taken, taken
     # the performance model's compiles are a section of their own (none in the dry run), never inside a timed one
     assert not sections["model"].get("missed"), sections["model"]
-    # sleep injection: the GPU check is skipped with the reason; its plumbing ran (callbacks delayed, values equal)
+    # sleep injection: the GPU check is skipped with the reason; its plumbing ran on the Triton backend (callbacks
+    # and the next-Q orthogonalizations delayed, values equal)
     assert any(s.startswith("streams: sleep injection on a world of 1 NCCL (dry run") for s in data["skipped"])
     st = sections["streams"]
-    assert st["failed"] == 0 and st["rows"] and all(r["callbacks_delayed"] > 0 for r in st["rows"]), st
+    assert st["failed"] == 0 and st["rows"] and all(r["callbacks_delayed"] > 0 and r["side_stream_delayed"] > 0
+                                                    for r in st["rows"]), st
     # the first-use check ran, or is listed as skipped with the reason
     assert "verify" in sections and (sections["verify"].get("cases") or any(
         s.startswith("verify: the first-use check (") for s in data["skipped"]))
@@ -91,12 +94,23 @@ def test_gpu_check_dry_run(tmp_path):
 
 
 def test_gpu_check_compile_workers_plumbing(tmp_path):
-    """The GPU run's compile phase: worker processes run the later sections' items once (here one kernels item)."""
-    proc, data, md = _run(tmp_path, "--sections", "env,compile,kernels", "--compile-mode", "workers", "--jobs", "2",
-                          "--compile-budget", "90", timeout=200)
+    """The GPU run's branches that run without CUDA, in the interpreter: the compile phase's worker processes run the
+    later sections' items once (one kernels item, the verify section's steps, the streams section's four rows), then
+    the verify and streams sections run what they run on a GPU (the streams rows: both hooks, fp32 and bf16, the
+    Triton backend against the torch backend, every row with delayed callbacks and next-Q orthogonalizations; only
+    the sleep, the side-stream test and NCCL are the CPU stand-ins)."""
+    proc, data, md = _run(tmp_path, "--sections", "env,compile,verify,streams,kernels", "--compile-mode", "workers",
+                          "--jobs", "2", "--compile-budget", "150", timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     comp = data["sections"]["compile"]
-    assert comp["mode"].startswith("JIT warm-up") and comp["items"] == comp["items_warmed"] == 1
+    assert comp["mode"].startswith("JIT warm-up") and comp["items"] == comp["items_warmed"] == 6, comp
     assert comp["item_errors"] == [] and data["errors"] == {}
     assert data["sections"]["kernels"]["rows"]
     assert any("section hooks: not asked for" in s for s in data["skipped"])
+    rows = data["sections"]["streams"]["rows"]
+    assert {(r["hook"], r["dtype"]) for r in rows} == {(h, d) for h in ("powerSGD", "batched")
+                                                      for d in ("float32", "bfloat16")}
+    assert all(r["ok"] and r["callbacks_delayed"] > 0 and r["side_stream_delayed"] > 0 for r in rows), rows
+    verify = data["sections"]["verify"]
+    assert verify.get("failed") == 0 and verify.get("passed") == 2 or any(
+        s.startswith("verify: the first-use check (") for s in data["skipped"]), verify

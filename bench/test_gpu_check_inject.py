@@ -1,6 +1,8 @@
 """The sleep injection of bench/gpu_check.py's ``streams`` section (``bench/gpucheck/inject.py``), on CPU: a world of 1
 gloo with the ``then()`` chain forced (NCCL's schedule) and test doubles for ``torch.cuda._sleep`` and for "the current
-stream is a side stream". The GPU check itself needs CUDA and NCCL (run by ``gpu_check.py``)."""
+stream is a side stream", on both backends (the Triton backend in the interpreter: its hooks reach orthogonalize
+through ``powersgd_triton._hook_ops``, not ``ops``). The GPU check itself needs CUDA and NCCL (run by
+``gpu_check.py``)."""
 
 import sys
 from pathlib import Path
@@ -10,9 +12,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpucheck.inject import Injected, sleep_in_callbacks, sleep_on_side_stream  # noqa: E402
+from gpucheck.inject import (Injected, next_q_orthogonalizations, sleep_in_callbacks,  # noqa: E402
+                             sleep_on_side_stream)
 
 from powersgd_triton import PowerSGDState, _step, batched_powerSGD_hook, ops, powerSGD_hook  # noqa: E402
+from powersgd_triton.kernels import reference  # noqa: E402
 from powersgd_triton import benchmarking as B  # noqa: E402
 
 BUCKETS = [[(24, 32), (32,), (8, 4, 3, 3), (8,)], [(40, 30), (30,), (7,)]]  # packed 1-D gradients in both
@@ -23,18 +27,16 @@ pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 @pytest.fixture
 def chain_world(monkeypatch):
-    import torch.distributed as dist
-
-    mine = not dist.is_initialized()
+    """A world of 1 gloo, kept for the process (destroyed and made again per test, with the Triton backend's
+    callbacks on gloo's worker thread, the interpreter aborted at exit in 2 of 4 runs: std::system_error "Resource
+    deadlock avoided"), the then() chain forced."""
     B.ensure_process_group("gloo")
     monkeypatch.setattr(_step, "FORCE_CALLBACK_CHAIN", True)
     yield
-    if mine and dist.is_initialized():
-        dist.destroy_process_group()
 
 
-def _run(hook, events=None, inject=None, seed=0):
-    state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, backend="torch")
+def _run(hook, events=None, inject=None, seed=0, backend="torch"):
+    state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, backend=backend, verify="off")
     params = [[torch.empty(s, device="meta") for s in shapes] for shapes in BUCKETS]  # the same model every step
     outs, counts = [], Injected()
     for step in range(STEPS):
@@ -86,24 +88,74 @@ def test_futures_keep_their_interface(chain_world):
     assert counts.callbacks == 1
 
 
-def test_side_stream_orthogonalizations_sleep_first(chain_world, monkeypatch):
-    """Every ``ops.orthogonalize`` call made while ``on_side()`` holds sleeps right before it; with the default
-    predicate on CPU (no side streams) none does."""
-    events = []
-    original = ops.orthogonalize
+def _kernel_layer(backend, monkeypatch, events):
+    """Record every orthogonalization where it computes, below both ways the hooks reach it: the torch backend's
+    ``reference.orthogonalize``, the Triton backend's launcher ``triton_ops.orthogonalize``."""
+    if backend == "torch":
+        module = reference
+    else:
+        from powersgd_triton.kernels import triton_ops as module
+    original = module.orthogonalize
 
     def orthogonalize(*args, **kwargs):
         events.append("orthogonalize")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "orthogonalize", orthogonalize)
+    monkeypatch.setattr(module, "orthogonalize", orthogonalize)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_side_stream_orthogonalizations_sleep_first(backend, chain_world, monkeypatch):
+    """Every orthogonalization the hooks make while ``on_side()`` holds sleeps right before it computes, on both
+    backends (the Triton backend's hooks call ``_hook_ops.orthogonalize``, the torch backend's ``ops.orthogonalize``);
+    both functions are restored after the block; with the default predicate on CPU (no side streams) none sleeps."""
+    from powersgd_triton import _hook_ops
+
+    events = []
+    _kernel_layer(backend, monkeypatch, events)
+    before = (ops.orthogonalize, _hook_ops.orthogonalize)
     with sleep_on_side_stream(lambda: events.append("sleep"), on_side=lambda: True) as counts:
-        _run(powerSGD_hook)
+        _run(powerSGD_hook, backend=backend)
     calls = [i for i, e in enumerate(events) if e == "orthogonalize"]
-    assert calls and counts.side == len(calls) == events.count("sleep")
-    assert all(events[i - 1] == "sleep" for i in calls)
-    assert ops.orthogonalize is orthogonalize  # restored
+    sleeps = [i for i, e in enumerate(events) if e == "sleep"]
+    assert sleeps and counts.side == len(sleeps)
+    assert all(events[i + 1] == "orthogonalize" for i in sleeps), events  # each sleep right before a computation
+    if backend == "triton":  # every launch goes through one of the two wrapped functions
+        assert len(calls) == len(sleeps), events
+    assert (ops.orthogonalize, _hook_ops.orthogonalize) == before  # restored
     events.clear()
     with sleep_on_side_stream(lambda: events.append("sleep")) as counts:
-        _run(powerSGD_hook)
+        _run(powerSGD_hook, backend=backend)
     assert counts.side == 0 and "sleep" not in events and "orthogonalize" in events
+
+
+@pytest.mark.parametrize("hook", [powerSGD_hook, batched_powerSGD_hook], ids=["powerSGD", "batched"])
+def test_next_q_stand_in_delays_the_side_stream_call(hook, chain_world, monkeypatch):
+    """The CPU stand-in for "on a side stream" (the dry run's): true exactly inside
+    ``_step.orthogonalize_next_q``, so the calls that run on the side stream on CUDA sleep first, on the Triton
+    backend (the one the streams section injects; on CPU the torch backend makes the next Q inside ``reconstruct``)
+    for both hooks: one per bucket and compressed step, none outside it, the outputs bitwise those without
+    injection."""
+    backend = "triton"
+    seed = int(torch.randint(0, 2**20, (1,)))
+    want, _ = _run(hook, seed=seed, backend=backend)
+    events = []
+    original = _step.orthogonalize_next_q
+
+    def next_q(*args, **kwargs):
+        events.append("next_q")
+        original(*args, **kwargs)
+        events.append("next_q done")
+
+    monkeypatch.setattr(_step, "orthogonalize_next_q", next_q)
+    with next_q_orthogonalizations() as on_side:
+        assert not on_side()
+        with sleep_on_side_stream(lambda: events.append("sleep"), on_side=on_side) as counts:
+            got, _ = _run(hook, seed=seed, backend=backend)
+    assert _step.orthogonalize_next_q is next_q  # restored
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert counts.side == events.count("sleep") == (STEPS - 2) * len(BUCKETS), events  # one per bucket and step
+    depth = 0
+    for e in events:  # every sleep inside an orthogonalize_next_q call
+        depth += {"next_q": 1, "next_q done": -1}.get(e, 0)
+        assert e != "sleep" or depth == 1, events

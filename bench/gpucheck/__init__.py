@@ -1,6 +1,6 @@
 """ONE command for a GPU run of powersgd_triton: compiles, correctness, non-finite inputs, bandwidth, hook step.
 
-    PYTHONPATH=. python bench/gpu_check.py --quick      # on the GPU machine, from a bare checkout: < 3.5 min on an H200
+    PYTHONPATH=. python bench/gpu_check.py --quick      # on the GPU machine, from a bare checkout: <= 245 s
     PYTHONPATH=. python bench/gpu_check.py              # the full run, < 6 min
     PYTHONPATH=. python bench/gpu_check.py --dry-run    # CPU + Triton interpreter, tiny shapes (the CI smoke test)
 
@@ -10,7 +10,8 @@ Sections (each one catches and records its own failures, then the run goes on; e
 1. ``env``: versions, GPU name, SMs, L2, driver and clocks.
 2. ``compile``: every kernel variant the later sections launch is compiled first, under its own budget, so the timed
    sections start warm. On a GPU: worker processes (one per CPU core, up to 16) each run a share of the later
-   sections' items once (same shapes, dtypes, ranks and configs), which fills Triton's on-disk cache; then per
+   sections' items once (same shapes, dtypes, ranks and configs; the ``verify`` and ``streams`` sections' hook steps
+   included), which fills Triton's on-disk cache; then per
    compiled binary its compile seconds, registers, spills, shared memory, warps/stages and blocks per SM
    (``autotune.aot.resource_usage``: ``ptxas -v``) beside the loaded kernel's ``n_regs``/``n_spills``. In the dry
    run: the same kernels are compiled ahead of time for sm_90 (``python -m powersgd_triton.autotune.aot --plan``) for
@@ -41,10 +42,13 @@ Sections (each one catches and records its own failures, then the run goes on; e
 10. ``verify``: the first-use check (``PowerSGDState(..., verify="first")``): no warning on correct kernels, a
     warning and the torch backend's outputs when a kernel computes wrong numbers; skipped, with the reason, where
     ``PowerSGDState`` takes no ``verify``.
-11. ``streams`` (after ``verify``, with the checks): ``torch.cuda._sleep`` injected at the top of every NCCL ``then()`` callback and on
-    the next-Q side stream, NaN scribbled on the default stream meanwhile; the hook's outputs (3 buckets, 4
-    compressed steps, fp32 and bf16) must match the torch backend's by value and the uninjected run bitwise. On CPU
-    (dry run) the plumbing runs on gloo; the GPU check is listed as skipped.
+11. ``streams`` (after ``verify``, with the checks): ``torch.cuda._sleep`` injected at the top of every NCCL ``then()``
+    callback and before every orthogonalization on the next-Q side stream (``ops.orthogonalize`` and the Triton
+    backend's ``_hook_ops.orthogonalize``), NaN scribbled on the default stream meanwhile; the hook's outputs (3
+    buckets, 4 compressed steps, both hooks, fp32 and bf16) must match the torch backend's by value and the
+    uninjected run bitwise, and each row must have delayed callbacks and side-stream orthogonalizations. On CPU (dry
+    run) the same rows run on gloo on tiny buckets with a counting sleep and the next-Q orthogonalization standing in
+    for the side stream; the GPU check is listed as skipped.
 
 The sections live one per room in ``bench/gpucheck/`` (``common``: arguments, budgets, results, timing; ``main``: the
 order); ``bench/gpu_check.py`` is the entry point.
@@ -53,7 +57,8 @@ order); ``bench/gpu_check.py`` is the entry point.
 the sleep injection, ResNet-50 25 MB bucket bandwidth at rank 4 fp32, the ResNet-50 hook step at rank 4 fp32 and
 bf16). Prints progress as it goes and a markdown summary at
 the end; writes ``gpu_check.json`` and ``gpu_check.md`` into ``$OUT`` (or ``--out``) after every section, so a run cut
-short still leaves its results; every skipped item is listed with its reason. Targets (not asserted): hook step >= 5x
+short still leaves its results; every skipped item is listed with its reason. Budget of ``--quick``: 215 s of sections
+(80 s of them compiling), stopped 30 s after that whatever hangs: within 5 minutes with Python's and CUDA's start. Targets (not asserted): hook step >= 5x
 faster than PyTorch's on an H100/H200; each kernel >= 60 % of the copy bandwidth on 25 MB buckets. Exit status 1 when
 a check failed (correctness, paths, verify, nonfinite, streams) or a section raised.
 """

@@ -12,6 +12,8 @@ import torch
 from powersgd_triton import benchmarking as B
 from powersgd_triton.shapes import numel
 
+from . import streams as S
+from . import verify as V
 from .common import (ARGS, BUCKET_MB, COMPILE_BUDGET, DRY, ENTRY, FIRST_BUCKET_MB, MAX_HOOK_BUCKETS, QUICK, RESERVE,
                      RESULTS, ROOT, SHRINK, _dn, _dt, _fmt, _fmt_consts, generator, left, log, sync)
 from .correctness import _ragged_shapes, check_kernel, correctness_plan
@@ -34,6 +36,10 @@ def warm_items():
         items += [["nonfinite", v, _dn(dt), r] for v, dt, r in special_plan()]
     if "paths" in chosen:
         items += [["paths", case, _dn(dt), r] for case, dt, r in PATH_CASES]
+    if "verify" in chosen and V.available():
+        items += [["verify", "powerSGD", "float32", V.RANK]]
+    if "streams" in chosen:
+        items += [["streams", name, _dn(dt), S.RANK] for name, dt in S.plan()]
     for sec, extra in (("kernels", False), ("kernels-extra", True)):
         if sec in chosen:
             items += [["kernels", m, _dn(dt), r] for m, dt, r, _ in kernel_plan(extra)]
@@ -59,6 +65,17 @@ def run_item(item, gen):
     if kind == "paths":
         _, case, dt, r = item
         return check_path(case, _dt(dt), r, gen)
+    if kind == "verify":  # the Triton backend's steps of the section's buckets (the check's replays are torch's)
+        _pg_backend()
+        V.warm(gen)
+        sync()
+        return None
+    if kind == "streams":  # the hook's steps on the section's buckets, uninjected (the same launches)
+        _, name, dt, _ = item
+        _pg_backend()
+        S.warm(name, _dt(dt))
+        sync()
+        return None
     if kind == "kernels":
         _, model, dt, r = item
         for d in _kernel_buckets(model, _dt(dt)):
@@ -225,6 +242,13 @@ def _aot_cases(items):
             add(f"nonfinite {it[2]} r{it[3]}", it[2], it[3], SPECIAL_SHAPES, rate=1.0)
         elif it[0] == "paths":
             add(f"paths {it[1]} {it[2]} r{it[3]}", it[2], it[3], case_shapes(it[1], it[3]), rate=1.0)
+        elif it[0] in ("verify", "streams"):  # PowerSGDState's default min_compression_rate (2)
+            _, hook, dt, r = it
+            for bi, shapes in enumerate(V.BUCKETS if it[0] == "verify" else S.buckets()):
+                if hook == "batched":
+                    add(f"{it[0]} batched b{bi} {dt} r{r}", dt, r, numel_=sum(numel(x) for x in shapes))
+                else:
+                    add(f"{it[0]} b{bi} {dt} r{r}", dt, r, shapes)
         elif it[0] == "kernels":
             _, model, dt, r = it
             for d in _kernel_buckets(model, _dt(dt)):

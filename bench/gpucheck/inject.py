@@ -6,8 +6,14 @@ alive (or a wait that is missing) shows as wrong numbers instead of passing by l
   ``sleep()`` first. On NCCL the hooks run the rest of a step in such callbacks, on a stream of PyTorch's pool:
   ``torch.cuda._sleep`` there delays everything the callback enqueues while the caller goes on allocating and
   writing on the default stream.
-* :func:`sleep_on_side_stream`: every ``ops.orthogonalize`` call made while the current stream is one of the hooks'
-  side streams (the next step's Q, ``powersgd_triton._step``) calls ``sleep()`` first, on that stream.
+* :func:`sleep_on_side_stream`: every orthogonalization the hooks make while the current stream is one of their
+  side streams (the next step's Q, ``powersgd_triton._step``) calls ``sleep()`` first, on that stream. Both ways the
+  hooks reach it are wrapped: ``powersgd_triton.ops.orthogonalize`` (the torch backend, and any memory not on the
+  Triton backend) and ``powersgd_triton._hook_ops.orthogonalize`` (the Triton backend's unchecked launchers, which
+  never call ``ops``).
+* :func:`next_q_orthogonalizations`: a predicate for ``sleep_on_side_stream`` where there are no side streams (CPU):
+  true while ``powersgd_triton._step.orthogonalize_next_q`` runs, the call that runs on the side stream on CUDA (and
+  inline on CPU), so the injection's plumbing runs on CPU through the same calls as on a GPU.
 
 Both count what they injected (:class:`Injected`), so a check can tell the injection happened. Only torch and
 powersgd_triton are needed (no GPU for the mechanism itself: ``sleep`` and ``on_side`` can be test doubles).
@@ -107,22 +113,60 @@ def _on_a_side_stream() -> bool:
 @contextlib.contextmanager
 def sleep_on_side_stream(sleep: Callable[[], None], counts: Optional[Injected] = None,
                          on_side: Callable[[], bool] = _on_a_side_stream):
-    """Within the block, ``powersgd_triton.ops.orthogonalize`` calls ``sleep()`` first whenever ``on_side()`` (default:
-    the current CUDA stream is one of ``powersgd_triton._step``'s side streams). Yields the :class:`Injected`
-    counts."""
-    from powersgd_triton import ops
+    """Within the block, every orthogonalization the hooks make, through ``powersgd_triton.ops.orthogonalize`` (torch
+    backend) or ``powersgd_triton._hook_ops.orthogonalize`` (Triton backend), calls ``sleep()`` first whenever
+    ``on_side()`` (default: the current CUDA stream is one of ``powersgd_triton._step``'s side streams; on CPU
+    :func:`next_q_orthogonalizations`' predicate stands in for it). Yields the :class:`Injected` counts (``side``: the
+    calls that slept). Both functions are restored on exit."""
+    from powersgd_triton import _hook_ops, ops
 
     counts = counts if counts is not None else Injected()
-    original = ops.orthogonalize
+    originals = [(module, module.orthogonalize) for module in (ops, _hook_ops)]
 
-    def orthogonalize(*args, **kwargs):
-        if on_side():
-            counts.side += 1
-            sleep()
-        return original(*args, **kwargs)
+    def delayed(original):
+        def orthogonalize(*args, **kwargs):
+            if on_side():
+                counts.side += 1
+                sleep()
+            return original(*args, **kwargs)
 
-    ops.orthogonalize = orthogonalize
+        return orthogonalize
+
+    for module, original in originals:
+        module.orthogonalize = delayed(original)
     try:
         yield counts
     finally:
-        ops.orthogonalize = original
+        for module, original in originals:
+            module.orthogonalize = original
+
+
+@contextlib.contextmanager
+def next_q_orthogonalizations():
+    """Within the block, yields a predicate that is true while ``powersgd_triton._step.orthogonalize_next_q`` runs
+    (in this thread): the next step's Q orthogonalized ahead, which runs on a side stream on CUDA and inline on CPU.
+    The ``on_side`` of :func:`sleep_on_side_stream` where no side stream exists (the dry run, the CPU tests).
+    ``orthogonalize_next_q`` is restored on exit."""
+    import threading
+
+    from powersgd_triton import _step
+
+    inside = threading.local()
+    original = getattr(_step, "orthogonalize_next_q", None)
+    if original is None:
+        raise RuntimeError("powersgd_triton._step has no orthogonalize_next_q (the next-Q orthogonalization moved): "
+                           "update bench/gpucheck/inject.py")
+
+    def orthogonalize_next_q(*args, **kwargs):
+        depth = getattr(inside, "depth", 0)
+        inside.depth = depth + 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            inside.depth = depth
+
+    _step.orthogonalize_next_q = orthogonalize_next_q
+    try:
+        yield lambda: getattr(inside, "depth", 0) > 0
+    finally:
+        _step.orthogonalize_next_q = original

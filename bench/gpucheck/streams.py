@@ -6,10 +6,18 @@ bucket and backward do). Outputs of every step of every bucket must equal, by va
 inputs (relative error per bucket at most :data:`TOL`), and bitwise the same hook without injection. It runs with the
 checks, before the timed sections.
 
-In the dry run (CPU: no streams, no NCCL) the same comparison runs on gloo with the ``then()`` chain forced and a
-``sleep`` that only counts (the plumbing); the GPU check itself is listed as skipped.
+The delay reaches the side stream's orthogonalization on both backends (``ops.orthogonalize`` for the torch
+backend, ``_hook_ops.orthogonalize`` for the Triton backend's launchers); every row must have delayed at least one
+callback and one side-stream orthogonalization.
+
+In the dry run (CPU: no streams, no NCCL) the same rows (both hooks, fp32 and bf16, the Triton backend against the
+torch backend) run on tiny buckets on gloo with the ``then()`` chain forced, a ``sleep`` that only counts, and "inside
+``_step.orthogonalize_next_q``" standing in for "on a side stream" (:func:`gpucheck.inject.next_q_orthogonalizations`:
+the call that runs on the side stream on CUDA runs inline on CPU); the GPU check itself is listed as skipped.
 """
 
+import contextlib
+import inspect
 import time
 
 import torch
@@ -19,8 +27,10 @@ from powersgd_triton import benchmarking as B
 
 from .common import CAP, DEVICE, DRY, RESERVE, left, log, section_open, skip
 from .hooks import _pg_backend
-from .inject import Injected, cuda_sleep, sleep_in_callbacks, sleep_on_side_stream
+from .inject import (Injected, _on_a_side_stream, cuda_sleep, next_q_orthogonalizations, sleep_in_callbacks,
+                     sleep_on_side_stream)
 
+RANK = 4  # PowerSGD's matrix approximation rank of every row
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # Triton against the torch backend, per bucket, 4 compressed steps
 SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: far longer than any kernel of these buckets
 STEPS = 4 if DRY else 6  # 2 uncompressed, then compressed steps (error feedback, warm start)
@@ -28,7 +38,31 @@ STEPS = 4 if DRY else 6  # 2 uncompressed, then compressed steps (error feedback
 BUCKETS = [[(256, 512), (512,), (128, 64, 3, 3), (128,)], [(1024, 256), (256,), (64,), (300, 40)],
            [(64, 1000), (1000,)]]
 DRY_BUCKETS = [[(24, 32), (32,), (8, 4, 3, 3), (8,)], [(40, 30), (30,), (7,)]]
-HOOKS = {"powerSGD": powerSGD_hook} if DRY else {"powerSGD": powerSGD_hook, "batched": batched_powerSGD_hook}
+HOOKS = {"powerSGD": powerSGD_hook, "batched": batched_powerSGD_hook}
+DTYPES = (torch.float32, torch.bfloat16)
+# the first-use check off: it is the verify section's; here it would replay steps on the torch backend inside the
+# injection and could move a bucket to the torch backend (and write a verdict file)
+VERIFY_OFF = {"verify": "off"} if "verify" in inspect.signature(PowerSGDState.__init__).parameters else {}
+
+
+def warm(name, dtype):
+    """The section's Triton-backend run of one row, uninjected (the compile phase's workers: the same launches)."""
+    saved = _step.FORCE_CALLBACK_CHAIN
+    _step.FORCE_CALLBACK_CHAIN = True if DEVICE.type != "cuda" else None
+    try:
+        _run(HOOKS[name], "triton", dtype, buckets(), None)
+    finally:
+        _step.FORCE_CALLBACK_CHAIN = saved
+
+
+def plan():
+    """(hook name, dtype) of the section's rows, in order (the compile phase warms the same)."""
+    return [(name, dtype) for dtype in DTYPES for name in HOOKS]
+
+
+def buckets():
+    """The bucket shapes of the section (tiny in the dry run)."""
+    return DRY_BUCKETS if DRY else BUCKETS
 
 
 def _data(shapes, dtype, step, index):
@@ -39,29 +73,29 @@ def _data(shapes, dtype, step, index):
 
 def _run(hook, backend, dtype, buckets, inject):
     """Outputs (host copies) of every bucket of every step; ``inject``: (sleep, on_side) or None."""
-    state = PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2, backend=backend)
+    state = PowerSGDState(None, matrix_approximation_rank=RANK, start_powerSGD_iter=2, backend=backend, **VERIFY_OFF)
     params = [[torch.empty(s, device="meta") for s in shapes] for shapes in buckets]  # one model: memory kept
     counts = Injected()
     outs = []
     for step in range(STEPS):
         futs = []
-        for index, shapes in enumerate(buckets):
-            data = _data(shapes, dtype, step, index).to(DEVICE)
-            bucket = B.FakeGradBucket(data, shapes, index=index, num_buckets=len(buckets), parameters=params[index])
-            if inject is None:
-                futs.append(hook(state, bucket))
-            else:
+        with contextlib.ExitStack() as injected:
+            if inject is not None:  # the whole step, waits included: a callback that runs late is delayed too
                 sleep, on_side = inject
-                kw = {} if on_side is None else {"on_side": on_side}
-                with sleep_in_callbacks(sleep, counts), sleep_on_side_stream(sleep, counts, **kw):
-                    futs.append(hook(state, bucket))
-            if DEVICE.type != "cuda":  # gloo runs the then() callbacks on its worker thread, which a callback's
-                futs[-1].wait()  # own all-reduce needs: one bucket at a time (as tests/test_hooks_steps.py)
-            del data, bucket
-            for _ in range(3):  # the next bucket's and backward's allocations, written at once
-                torch.empty(sum(int(torch.Size(s).numel()) for s in shapes), dtype=dtype,
-                            device=DEVICE).fill_(float("nan"))
-        outs += [f.wait().detach().to("cpu", copy=True) for f in futs]
+                injected.enter_context(sleep_in_callbacks(sleep, counts))
+                injected.enter_context(sleep_on_side_stream(sleep, counts, on_side))
+            for index, shapes in enumerate(buckets):
+                data = _data(shapes, dtype, step, index).to(DEVICE)
+                bucket = B.FakeGradBucket(data, shapes, index=index, num_buckets=len(buckets),
+                                          parameters=params[index])
+                futs.append(hook(state, bucket))
+                if DEVICE.type != "cuda":  # gloo runs the then() callbacks on its worker thread, which a callback's
+                    futs[-1].wait()  # own all-reduce needs: one bucket at a time (as tests/test_hooks_steps.py)
+                del data, bucket
+                for _ in range(3):  # the next bucket's and backward's allocations, written at once
+                    torch.empty(sum(int(torch.Size(s).numel()) for s in shapes), dtype=dtype,
+                                device=DEVICE).fill_(float("nan"))
+            outs += [f.wait().detach().to("cpu", copy=True) for f in futs]
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     return outs, counts
@@ -75,49 +109,54 @@ def _rel(a, b):
 def section_streams():
     sec = section_open("streams")
     rows = sec.setdefault("rows", [])
+    stand_in = contextlib.nullcontext(None)
     if DRY or DEVICE.type != "cuda":
         skip("streams: sleep injection on a world of 1 NCCL", "dry run: no CUDA streams and no NCCL; the plumbing "
-             "runs on gloo with the then() chain forced and a counting sleep")
-        pg, buckets, dtypes = _pg_backend(), DRY_BUCKETS, (torch.float32,)
+             "runs on gloo with the then() chain forced, a counting sleep, and the next-Q orthogonalization standing "
+             "in for the side stream")
+        pg = _pg_backend()
         sleep_calls = [0]
 
         def sleep():
             sleep_calls[0] += 1
 
-        inject = (sleep, None)
+        stand_in = next_q_orthogonalizations()
         forced = True
     else:
         pg = _pg_backend()
         if pg != "nccl":
             skip("streams: sleep injection", f"process group is {pg}, not NCCL: the then() chain does not run")
             return
-        buckets, dtypes, forced = BUCKETS, (torch.float32, torch.bfloat16), None
-        inject = (cuda_sleep(SLEEP_CYCLES), None)
-    sec.update(process_group=pg, buckets=len(buckets), steps=STEPS, sleep_cycles=None if DRY else SLEEP_CYCLES,
+        forced = None
+        sleep = cuda_sleep(SLEEP_CYCLES)
+    shapes = buckets()
+    sec.update(process_group=pg, buckets=len(shapes), steps=STEPS, sleep_cycles=None if DRY else SLEEP_CYCLES,
                tolerance={str(k)[6:]: v for k, v in TOL.items()})
     cap = time.time() + CAP["streams"]
     saved = _step.FORCE_CALLBACK_CHAIN
     _step.FORCE_CALLBACK_CHAIN = forced
     try:
-        for dtype in dtypes:
-            for name, hook in HOOKS.items():
+        with stand_in as on_side:
+            inject = (sleep, on_side) if on_side is not None else (sleep, _on_a_side_stream)
+            for name, dtype in plan():
+                hook = HOOKS[name]
                 if time.time() > cap or left() < RESERVE["streams"]:
                     skip(f"streams: {name} {str(dtype)[6:]}", "time")
                     continue
                 t0 = time.time()
-                want, _ = _run(hook, "torch", dtype, buckets, None)
-                plain, _ = _run(hook, "triton", dtype, buckets, None)
-                got, counts = _run(hook, "triton", dtype, buckets, inject)
+                want, _ = _run(hook, "torch", dtype, shapes, None)
+                plain, _ = _run(hook, "triton", dtype, shapes, None)
+                got, counts = _run(hook, "triton", dtype, shapes, inject)
                 worst = max(_rel(g, w) for g, w in zip(got, want))
                 bitwise = all(torch.equal(g, p) for g, p in zip(got, plain))
                 finite = all(bool(torch.isfinite(g).all()) for g in got)
-                injected = counts.callbacks > 0 and (DRY or counts.side > 0)
+                injected = counts.callbacks > 0 and counts.side > 0
                 ok = finite and worst <= TOL[dtype] and bitwise and injected
                 rows.append(dict(hook=name, dtype=str(dtype)[6:], callbacks_delayed=counts.callbacks,
                                  side_stream_delayed=counts.side, worst_rel_vs_torch=worst,
                                  bitwise_vs_no_injection=bitwise, finite=finite, ok=ok,
                                  seconds=round(time.time() - t0, 1)))
-                log(f"  {'ok  ' if ok else 'FAIL'} {name} {str(dtype)[6:]}: {len(buckets)} buckets x {STEPS} steps, "
+                log(f"  {'ok  ' if ok else 'FAIL'} {name} {str(dtype)[6:]}: {len(shapes)} buckets x {STEPS} steps, "
                     f"{counts.callbacks} callbacks and {counts.side} side-stream orthogonalizations delayed; worst "
                     f"rel. error vs torch backend {worst:.2e} (tol {TOL[dtype]:.0e}); bitwise vs no injection "
                     f"{bitwise}")

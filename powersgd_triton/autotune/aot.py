@@ -276,7 +276,8 @@ def plan_jobs(cases: Sequence[dict], archs: Sequence[int] = (90,)) -> List[dict]
     A case is ``{"label", "dtype" (e.g. "bf16"), "rank", "shapes": [[...], ...], "min_compression_rate"}`` or
     ``{"label", "dtype", "rank", "batched": true, "numel"}``. Per case and kernel of ``triton_ops.KERNEL_FUNCTIONS``:
     the config the launcher uses by default (``heuristic_config`` on the case's real layout) and the one the tuner
-    would pick (shipped files / heuristic; no user cache), every feature variant of ``triton_ops.variants``. Helper
+    would pick (shipped files / heuristic; no user cache), every feature variant of ``triton_ops.variants`` the
+    layout launches (the batched view's ``PADDED``/``PAD_ERROR`` variants on batched cases only). Helper
     kernels outside the tuner's list get ``{}``, or, if they need block sizes, those of the first tuned kernel whose
     config compiles them (``reduce_splits`` takes ``project_t``'s). Order: every kernel's first variant on the first
     case, then the other variants, then the other cases; duplicates (same kernel, config, padded rank, dtype, variant,
@@ -309,7 +310,10 @@ def plan_jobs(cases: Sequence[dict], archs: Sequence[int] = (90,)) -> List[dict]
                 cfgs = configs["orthogonalize"]
             else:  # a helper: no block sizes, or those of a tuned kernel (tried in order when compiling)
                 cfgs = [{}]
-            for vi, variant in enumerate(ops.variants(kernel)):
+            batched = bool(getattr(layout, "batched", False))
+            # the batched view's variants (PADDED, PAD_ERROR: its padding) are never launched on another layout
+            launched = [v for v in ops.variants(kernel) if batched or not (v.get("PADDED") or v.get("PAD_ERROR"))]
+            for vi, variant in enumerate(launched):
                 for cfg in cfgs:
                     try:
                         R = ops.padded_rank(layout.max_rank, bool(cfg.get("USE_DOT", False)))

@@ -109,6 +109,69 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
     return c
 
 
+def _compile_args(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: int, variant=None):
+    """(argument types with the constexprs marked, constexprs, launch options) of a launch: what one compile is."""
+    if kernel == "project_t":  # what project_t() launches for this variant
+        config = padding_error_config(config, (variant or {}).get("PAD_ERROR", False))
+    constexprs = _constexprs(kernel, config, max_rank, variant or {})
+    signature = dict(_signature(kernel, grad_dtype, bool((variant or {}).get("wire", False))))
+    if kernel == "copy_segments" and not (variant or {}).get("to_packed", True):
+        signature["src_ptr"], signature["dst_ptr"] = signature["dst_ptr"], signature["src_ptr"]
+    for name in constexprs:
+        signature[name] = "constexpr"
+    if kernel == "reduce_splits":  # launched with its own options, whatever project_t's config
+        options = {"num_warps": 4, "num_stages": 1}
+    else:
+        options = _launch_options(config)
+    return signature, constexprs, options
+
+
+# The compile table (tests/test_compile_table.py): the padded ranks a bucket's kernels compile for (padded_rank of
+# every matrix approximation rank 1..32, which the autotuner's keys and the heuristics are sized by) and the
+# gradient dtypes.
+TABLE_RANKS = (1, 2, 4, 8, 16, 32)
+TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _TableLayout:
+    """What the heuristics read of a layout: its largest rank and whether it is the batched view."""
+
+    def __init__(self, max_rank: int, batched: bool):
+        self.max_rank, self.batched = max_rank, batched
+
+
+def table_jobs(ranks=TABLE_RANKS, dtypes=TABLE_DTYPES, num_sms: int = 132) -> list:
+    """Every distinct compile of the launches the hooks make: each kernel function x its :func:`variants` x
+    ``dtypes`` x padded ``ranks``, with the GPU heuristic's config for that rank, dtype and view (the batched view for
+    ``PADDED``/``PAD_ERROR`` variants: project_t takes another tile there; reduce_splits and orthogonalize_gram
+    project_t's and orthogonalize's configs), one job per distinct (argument types, constexprs, launch options).
+    Returns ``[(kernel, config, dtype, rank, variant)]`` for :func:`compile_aot` (``split`` dropped and
+    ``WITH_GRAM=False``: the reducer and the Gram launch are jobs of their own). Needs ``TRITON_INTERPRET`` unset
+    (the heuristic, not the interpreter's config)."""
+    from ..layout import KERNELS
+    from .configs import heuristic_config
+
+    tuned_as = {"reduce_splits": "project_t", "orthogonalize_gram": "orthogonalize"}
+    seen, jobs = set(), []
+    for kernel in KERNEL_FUNCTIONS:
+        tuned = tuned_as.get(kernel, kernel)
+        for variant in variants(kernel):
+            v = {k: x for k, x in variant.items() if k != "split"}
+            if kernel == "orthogonalize":
+                v["WITH_GRAM"] = False
+            batched = bool(v.get("PADDED") or v.get("PAD_ERROR"))
+            for dtype in dtypes:
+                for r in ranks:
+                    cfg = heuristic_config(tuned, _TableLayout(r, batched), dtype, num_sms) if tuned in KERNELS else {}
+                    sig, const, opts = _compile_args(kernel, cfg, dtype, r, v)
+                    key = (kernel, tuple(sorted(sig.items())), tuple(sorted((k, str(x)) for k, x in const.items())),
+                           tuple(sorted(opts.items())))
+                    if key not in seen:
+                        seen.add(key)
+                        jobs.append((kernel, cfg, dtype, r, v))
+    return jobs
+
+
 def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: int, arch: int, variant=None):
     """Compile ``kernel`` with ``config`` for ``sm_<arch>`` (e.g. 80, 90) without a GPU; returns the compiled kernel.
 
@@ -123,19 +186,10 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
     fn = KERNEL_FUNCTIONS[kernel]
     if not hasattr(fn, "arg_names") or _env.interpreter_enabled():
         raise RuntimeError("compile_aot needs TRITON_INTERPRET unset (kernels are interpreted functions here)")
+    signature, constexprs, options = _compile_args(kernel, config, grad_dtype, max_rank, variant)
     if kernel == "project_t":  # what project_t() launches for this variant
         config = padding_error_config(config, (variant or {}).get("PAD_ERROR", False))
-    constexprs = _constexprs(kernel, config, max_rank, variant or {})
-    signature = dict(_signature(kernel, grad_dtype, bool((variant or {}).get("wire", False))))
-    if kernel == "copy_segments" and not (variant or {}).get("to_packed", True):
-        signature["src_ptr"], signature["dst_ptr"] = signature["dst_ptr"], signature["src_ptr"]
-    for name in constexprs:
-        signature[name] = "constexpr"
     src = ast_source(fn, signature, constexprs)
-    if kernel == "reduce_splits":  # launched with its own options, whatever project_t's config
-        options = {"num_warps": 4, "num_stages": 1}
-    else:
-        options = _launch_options(config)
     compiled = triton.compile(src, target=gpu_target(arch), options=options)
     if kernel == "project_t" and variant is not None and variant.get("split"):  # the split path's reducer too
         compile_aot("reduce_splits", config, grad_dtype, max_rank, arch, dict(HAS_Q2=variant.get("HAS_Q2", False),

@@ -40,6 +40,7 @@ from .lowrank_configs import (
     _BROADCAST_TILES, _DEPTHS, _DOT_TILES, _SPLIT_DOT_TILES, BROADCAST_ELEMENTS_PER_THREAD, PROJECT_T_BATCHED_TILE,
     PROJECT_T_FP32_DOT_CONFIG, PROJECT_T_SPLIT_CONFIG, PROJECT_T_SPLIT_MIN_RANK, PROJECT_T_TILES, PROJECT_TILES,
     RECONSTRUCT_TILES, TILE_ELEMENTS_PER_THREAD, _broadcast_config, _project_t_broadcast_configs, broadcast_tile,
+    DOT_CONFIG, dot_config, project_t_batched_tile,
 )
 from .ortho_configs import _ortho_configs, _ortho_heuristic
 
@@ -91,6 +92,11 @@ def config_space(kernel: str, max_rank: int, dtype: torch.dtype) -> List[dict]:
             if kernel == "project_t":
                 bt, bk = bk, bt  # BLOCK_M columns x BLOCK_K rows; tl.dot needs both >= 16
             out.append({tile: bt, "BLOCK_K": bk, "USE_DOT": True, "num_warps": 4, "num_stages": stages})
+        if kernel == "reconstruct" and r >= MIN_DOT_RANK:  # this Triton's heuristic (OLDER_TRITON_DOT)
+            for es in (4, 2):
+                cfg = dot_config(kernel, r, es, DOT_CONFIG)
+                if cfg not in out:
+                    out.append(cfg)
         if kernel == "project_t" and dtype.itemsize == 2:  # the split bfloat16 tensor-core dots
             for (bm, bk), pps in itertools.product(_SPLIT_DOT_TILES, (3, 6)):
                 out.append({"BLOCK_M": bm, "BLOCK_K": bk, "USE_DOT": True, "SPLIT_BF16": True, "PROGRAMS_PER_SM": pps,
@@ -132,16 +138,17 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
     if (kernel == "project_t" and r >= PROJECT_T_SPLIT_MIN_RANK and dtype.itemsize == 2
             and not getattr(layout, "batched", False)):  # split_bf16_dot's tensor cores (R padded to 16)
         return dict(PROJECT_T_SPLIT_CONFIG)
+    es = 4 if dtype.itemsize >= 4 else 2  # the tile tables' element-size column (runs at every launch: no tensor)
     if r >= MIN_DOT_RANK:
         if kernel == "project_t":  # (2-byte gradients took the split path above)
             return dict(PROJECT_T_FP32_DOT_CONFIG)
         if kernel == "project" and r <= 16:  # 64 columns per step: 188 registers, no spills (sm_90); 128 spill
             return {"BLOCK_N": 16, "BLOCK_K": 64, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
-        return {"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": True, "num_warps": 4, "num_stages": 2}
-    es = 4 if dtype.itemsize >= 4 else 2  # the tile tables' element-size column (runs at every launch: no tensor)
+        # (OLDER_TRITON_DOT: triton <= 3.6 takes reconstruct's R 32 fp32 at 16 columns per step)
+        return dot_config(kernel, r, es, DOT_CONFIG)
     if kernel == "project_t":
         if getattr(layout, "batched", False):
-            return _broadcast_config("project_t", *PROJECT_T_BATCHED_TILE)
+            return _broadcast_config("project_t", *project_t_batched_tile(r, es))
         return _broadcast_config("project_t", *broadcast_tile("project_t", PROJECT_T_TILES, r, es))
     if kernel == "project":
         return _broadcast_config("project", *broadcast_tile("project", PROJECT_TILES, r, es))

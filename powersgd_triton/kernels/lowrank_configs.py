@@ -106,17 +106,35 @@ RECONSTRUCT_TILES = {
 # bf16: 72 -> 80; R 4 fp32: 96 -> 112), or where the cap is already 128 takes half the rows per step (R 4 bf16:
 # 512 x 2 PREFETCH 1; R 8 fp32: 256 x 4 PREFETCH 0). triton 3.4 takes those and also spills project_t's R 2 fp32
 # tile (512 x 2 PREFETCH 2 at 72: 24 bytes), so 80 there, and reconstruct's R 4 tile (8 x 64 PREFETCH 2 at 128:
-# 40-168 bytes in fp32, 152-160 in bf16, in the commit variants), so half the rows (4 x 64: none). The first entry (the oldest) holding a key wins. Not tuned
-# against the model.
+# 40-168 bytes in fp32, 152-160 in bf16, in the commit variants), so half the rows (4 x 64: none). The whole compile
+# table (tests/test_compile_table.py: every variant x fp32/bf16/fp16, triton 3.6) found two more under 3.6, in 2-byte
+# gradients at R 4: project_t's 512 x 2 PREFETCH 1 spills 16 bytes in fp16's wire variant (512 x 1: 111-128
+# registers, none in the wire, second-Q and plain variants, bf16 and fp16), reconstruct's 8 x 64 PREFETCH 2 8-16
+# bytes in fp16's padding-error commit variants (4 x 64, triton 3.4's tile: 120-123 registers, none). Under triton
+# 3.8 (the same table): project_t's R 1 bf16 tile spills 16 bytes (maxnreg 72 -> 96, as 3.6: none), reconstruct's
+# R 1 fp32 and R 2 fp16 16 x 32 tiles 16-24 bytes in the padding-error commit variants (half the rows, 8 x 32: none
+# in all 12 variants, also under 3.6 for R 1 fp32), project_t's batched tile at R 8 in bf16 88 bytes in the
+# padding-error, loss-scale, wire variant (half the rows per step, 512 x 2 PREFETCH 0: none in the 4 batched
+# variants, under 3.6 too); "project_t_batched" keys project_t_batched_tile. The first entry (the oldest) holding
+# a key wins. Not tuned against the model.
 OLDER_TRITON_TILES = {
-    (3, 4): {("project_t", 2, 4): (512, 2, 2, 80),
-             ("reconstruct", 4, 4): (4, 64, 2, 128), ("reconstruct", 4, 2): (4, 64, 2, 128)},
+    (3, 4): {("project_t", 2, 4): (512, 2, 2, 80), ("reconstruct", 4, 4): (4, 64, 2, 128)},
     (3, 6): {("reconstruct", 8, 4): (8, 32, 2, 128), ("reconstruct", 8, 2): (8, 32, 2, 128),
-             ("reconstruct", 2, 2): (8, 32, 2, 128),
+             ("reconstruct", 2, 2): (8, 32, 2, 128), ("reconstruct", 4, 2): (4, 64, 2, 128),
              ("project_t", 1, 4): (512, 4, 1, 96), ("project_t", 1, 2): (256, 8, 1, 96),
              ("project_t", 2, 2): (512, 2, 2, 80), ("project_t", 4, 4): (512, 2, 2, 112),
-             ("project_t", 4, 2): (512, 2, 1, 128), ("project_t", 8, 4): (256, 4, 0, 128)},
+             ("project_t", 4, 2): (512, 1, 1, 128), ("project_t", 8, 4): (256, 4, 0, 128)},
+    (3, 8): {("project_t", 1, 2): (256, 8, 1, 96), ("reconstruct", 1, 4): (8, 32, 2, 128),
+             ("reconstruct", 2, 2): (8, 32, 2, 128), ("project_t_batched", 8, 2): (512, 2, 0, 128)},
 }
+# The tl.dot heuristics (R >= 16) changed for an older Triton: {newest triton (major, minor): {(kernel, padded rank,
+# element size): the keys replaced}}, first (oldest) entry wins (dot_config). Seen under triton 3.6 (sm_90, ptxas -v,
+# the whole compile table): reconstruct at R 32 in fp32 (16 x 32, 2 stages) spills 16 bytes in the padding-error
+# commit variant with the loss scale (168 registers); half the columns per step (16 x 16, 2 stages) spill nothing
+# (128-132 registers), one stage less neither (166-176). Not tuned against the model.
+OLDER_TRITON_DOT = {(3, 6): {("reconstruct", 32, 4): dict(BLOCK_K=16)}}
+# The tl.dot heuristic of reconstruct (R >= 16) and of project at R 32 (configs.heuristic_config)
+DOT_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": True, "num_warps": 4, "num_stages": 2}
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,10 +156,28 @@ def broadcast_tile(kernel: str, table: dict, r: int, es: int) -> tuple:
     return table[(r, es)]
 
 
+def dot_config(kernel: str, r: int, es: int, cfg: dict) -> dict:
+    """The tl.dot heuristic ``cfg`` of ``kernel`` at padded rank ``r`` and gradient element size ``es`` for this
+    Triton: with :data:`OLDER_TRITON_DOT`'s keys for an installed triton at or below an entry's version. A new
+    dict."""
+    v = _triton_minor()
+    if v is not None:
+        for newest, entries in sorted(OLDER_TRITON_DOT.items()):
+            if v <= newest and (kernel, r, es) in entries:
+                return dict(cfg, **entries[(kernel, r, es)])
+    return dict(cfg)
+
+
 # project_t on the batched view (one padded s x s matrix: the PADDED and PAD_ERROR variants, whose masks and
 # padding-error loads take more registers): one tile for every R <= 8, no unrolling (one step in flight), chosen
 # like PROJECT_T_TILES for both variants (no spills, one latency per step at R 1-8, fp32 and bf16).
 PROJECT_T_BATCHED_TILE = (512, 4, 0, 128)
+
+
+def project_t_batched_tile(r: int, es: int) -> tuple:
+    """:data:`PROJECT_T_BATCHED_TILE` for this Triton at padded rank ``r`` and gradient element size ``es``
+    (:data:`OLDER_TRITON_TILES`' ``"project_t_batched"`` entries)."""
+    return broadcast_tile("project_t_batched", {(r, es): PROJECT_T_BATCHED_TILE}, r, es)
 # reduce_splits (project_t's second launch for split matrices): each program sums REDUCE_TILE_ELEMENTS float32 of
 # the partial sums (BLOCK_M columns x R, at most project_t's BLOCK_M columns) over the splits, loading up to
 # REDUCE_MAX_SPLITS splits per step, all in flight at once (32 float32 per thread of 4 warps): a tall matrix split
@@ -217,8 +253,9 @@ def _project_t_broadcast_configs(R: int) -> List[dict]:
     if R > 8:
         return []
     out = [_broadcast_config("project_t", *broadcast_tile("project_t", PROJECT_T_TILES, R, es)) for es in (4, 2)]
-    if _broadcast_config("project_t", *PROJECT_T_BATCHED_TILE) not in out:
-        out.append(_broadcast_config("project_t", *PROJECT_T_BATCHED_TILE))
+    for es in (4, 2):  # the batched view's tile (this Triton's)
+        if _broadcast_config("project_t", *project_t_batched_tile(R, es)) not in out:
+            out.append(_broadcast_config("project_t", *project_t_batched_tile(R, es)))
     for (bm, bk), prefetch, maxnreg in itertools.product(_PROJECT_T_TILES, (0, 1, 2), _PROJECT_T_MAXNREG):
         held = (1 + prefetch) * bk * (bm // 128 + R) + R * bm // 128
         cfg = _broadcast_config("project_t", bm, bk, prefetch, maxnreg)

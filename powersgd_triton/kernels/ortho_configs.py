@@ -4,7 +4,8 @@ Read by :mod:`.configs` (config space, heuristic), :mod:`.ortho_launch` (plans, 
 No kernel is imported here.
 """
 
-from typing import List
+import functools
+from typing import List, Optional
 
 # Orthogonalize: a factor of at most SHORT_ROWS rows is done by one program (one launch for the bucket); the heuristic
 # allows ORTHO_SHORT_BYTES of float32 factor per program (two passes over it by one SM, the second from L2: a few
@@ -34,6 +35,14 @@ ORTHO_APPLY_ROWS = {8: 2048, 16: 1024}
 # orthogonalization's share of the step at R 1-4 goes from 14-22 % to 9-13 %, at R 16 from 19-24 % to 14-19 %.
 ORTHO_BLOCKS = {1: 2048, 2: 1024, 4: 1024, 8: 512, 16: 256}
 ORTHO_WARPS = {1: 16, 2: 16, 4: 16, 8: 16, 16: 16}
+# (BLOCK, num_warps) by padded rank for an older Triton whose register allocation spills the entries above: {the
+# newest triton (major, minor) the entry applies to: {R: (BLOCK, num_warps)}}; the first entry (the oldest) holding
+# R wins. Seen on the sm_90 compile under triton 3.6 (ptxas -v, tests/test_compile_table.py): at 16 warps (at most
+# 128 registers per thread) orthogonalize spills 976 bytes at R 8 (512 rows) and 244 at R 16 (256 rows), its Gram
+# launch 100 at R 8; half the rows at 16 warps still spill (364, 188), so do 1-2 stages (976 at R 8, 60-116 at
+# R 16). Half the rows at 8 warps, the same 8 float64 of the tile per thread with up to 255 registers, spill nothing
+# (194 and 182 registers; Gram 99 and 106). Not tuned against the model.
+OLDER_TRITON_ORTHO = {(3, 6): {8: (256, 8), 16: (128, 8)}}
 # Rows per tile of the Gram launch of split factors (orthogonalize_gram): at most this many, whatever BLOCK (its
 # [BLOCK, R]ᵀ·[BLOCK, R] float64 dot at 1024-2048 rows spills 0.1-2.8 KiB at R <= 4; it has many programs anyway).
 ORTHO_GRAM_BLOCK = 256
@@ -48,7 +57,8 @@ def _ortho_heuristic(R: int) -> dict:
     * ``BLOCK`` rows per tile and warps: :data:`ORTHO_BLOCKS` and :data:`ORTHO_WARPS` (2048 rows at R 1, 1024 at
       R 2-4, 512 at R 8, 256 at R 16, 16 warps; R 32: 32 rows, 8 warps), held in float64 in registers. Chosen from
       the sm_90 compile (ptxas -v, triton 3.9): no spills at any R <= 32, at most 128 registers per thread up to
-      R 16; the Gram launch reads at most :data:`ORTHO_GRAM_BLOCK` rows per tile;
+      R 16 (triton <= 3.6: half the rows at 8 warps at R 8 and 16, :data:`OLDER_TRITON_ORTHO`); the Gram launch
+      reads at most :data:`ORTHO_GRAM_BLOCK` rows per tile;
     * ``SHORT_ROWS``: up to R 4, ``ORTHO_SHORT_BYTES`` of factor per program, at most 32 tiles (8192 rows at R 4,
       16384 at R 2, 32768 at R 1: ResNet-50's, BERT's and GPT-2's layers other than the embeddings are one launch);
       at R 8 and 16 :data:`ORTHO_WIDE_SHORT_ROWS` (4096), their apply pass split into ``APPLY_ROWS``
@@ -63,7 +73,10 @@ def _ortho_heuristic(R: int) -> dict:
       above (the slots every program sums grow as R²: half the programs, half the L2 traffic); 3 stages (the row
       loops are software-pipelined, several tiles in flight per SM).
     """
-    block = ORTHO_BLOCKS.get(R, max(16, 1024 // R))
+    block, warps = ORTHO_BLOCKS.get(R, max(16, 1024 // R)), ORTHO_WARPS.get(R, 8)
+    older = _older_triton_ortho(R)
+    if older is not None:  # this Triton spills the entry (OLDER_TRITON_ORTHO)
+        block, warps = older
     extra = {}
     if R <= 4:
         short = max(block, min(ORTHO_SHORT_BYTES // (4 * R), 32 * block))
@@ -73,8 +86,22 @@ def _ortho_heuristic(R: int) -> dict:
         if R in ORTHO_WIDE_SHORT_ROWS:
             short, extra = ORTHO_WIDE_SHORT_ROWS[R], dict(APPLY_ROWS=ORTHO_APPLY_ROWS[R])
     split = ORTHO_SPLIT_ROWS if R <= 8 else 2 * ORTHO_SPLIT_ROWS
-    return dict(BLOCK=block, SHORT_ROWS=short, GRAM_ROWS=gram, SPLIT_ROWS=split, num_warps=ORTHO_WARPS.get(R, 8),
-                num_stages=3, **extra)
+    return dict(BLOCK=block, SHORT_ROWS=short, GRAM_ROWS=gram, SPLIT_ROWS=split, num_warps=warps, num_stages=3,
+                **extra)
+
+
+@functools.lru_cache(maxsize=None)
+def _older_triton_ortho(R: int) -> Optional[tuple]:
+    """(BLOCK, num_warps) of :data:`OLDER_TRITON_ORTHO` for the installed Triton at padded rank R, or None."""
+    from .. import _compat
+
+    v = _compat.triton_version()
+    if v is None:
+        return None
+    for newest, entries in sorted(OLDER_TRITON_ORTHO.items()):
+        if tuple(v[:2]) <= newest and R in entries:
+            return entries[R]
+    return None
 
 
 def _ortho_configs(R: int) -> List[dict]:
