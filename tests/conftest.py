@@ -63,12 +63,11 @@ def world1():
 # module-scoped fixture (one multi-rank launch for many tests) stay on one worker (``--dist loadgroup``).
 _GROUPED_MODULES = ("test_hooks_ddp.py", "test_integrations_torchrun.py", "test_comm_dtype_ddp.py")
 
-# Per-test time limits (``@pytest.mark.timeout``) and the multi-rank harness's deadline are hang detectors, sized
-# for a quiet machine. Next to another worker they take up to twice as long: scale them (``POWERSGD_TEST_TIMEOUT_SCALE``,
-# default 2 under xdist, 1 otherwise).
-TIMEOUT_SCALE = float(os.environ.get("POWERSGD_TEST_TIMEOUT_SCALE") or (2 if os.environ.get("PYTEST_XDIST_WORKER")
-                                                                         else 1))
-os.environ.setdefault("POWERSGD_TEST_TIMEOUT_SCALE", str(TIMEOUT_SCALE))  # read by tests/_dist.py (and forked ranks)
+# Hang detectors (``@pytest.mark.timeout`` and the ``timeout`` ini value, the multi-rank harness's deadline, the
+# subprocess timeouts) are sized for one test on a quiet machine and scale with the load, in each process that sets
+# one (tests/_deadline.py: load / cores, xdist workers / cores; ``POWERSGD_TEST_TIMEOUT_SCALE`` overrides,
+# ``POWERSGD_TEST_TIMEOUT_FACTOR`` multiplies). Nothing is exported here: an xdist worker or a rank reads its own.
+from _deadline import pytest_timeout_set_timer  # noqa: E402,F401 - pytest-timeout's timer, load-scaled
 
 
 # ------------------------------------------------------------------------------------------------- test tiers
@@ -91,6 +90,3 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(item.fspath.basename))
         if f"{item.fspath.basename}::{item.name}" in _SLOW_CASES:
             item.add_marker(pytest.mark.slow)
-        marker = item.get_closest_marker("timeout")
-        if marker is not None and TIMEOUT_SCALE != 1 and marker.args:
-            item.add_marker(pytest.mark.timeout(float(marker.args[0]) * TIMEOUT_SCALE))
