@@ -14,6 +14,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py on main; 
 import pytest
 import torch
 
+from _deadline import scaled
+
 import powersgd_triton
 
 from powersgd_triton import autotune
@@ -251,7 +253,7 @@ def test_reload_across_processes(tmp_path):
     mine = {k: c.config for k, c in tuner.select(lay, torch.bfloat16, autotune=True).items()}
     env = dict(os.environ, PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, "-c", READER, folder], env=env, capture_output=True, text=True,
-                         timeout=120, cwd=REPO)
+                         timeout=scaled(120), cwd=REPO)
     assert out.returncode == 0, out.stderr
     theirs = json.loads(out.stdout.strip().splitlines()[-1])
     assert {k: v[1] for k, v in theirs.items()} == mine

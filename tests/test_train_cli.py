@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from _deadline import scaled
+
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["--steps", "4", "--start-iter", "2", "--no-progress"]
 
@@ -22,7 +24,7 @@ def run_cli(*args, timeout=120, module=("-m", "powersgd_triton")):
     env["OMP_NUM_THREADS"] = "1"
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, *module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(timeout)
     )
     proc.seconds = time.monotonic() - t0
     return proc
