@@ -80,6 +80,18 @@ _SLOW_CASES = {
     # the register prefetch at rank 4 and the small tiles at rank 1: the other rank of each stays in the quick tier
     "test_kernels.py::test_full_step_with_other_configs[4-prefetch_split]",
     "test_kernels.py::test_full_step_with_other_configs[1-small_tiles_split]",
+    # issue 34 (the quick tier's time): repeats of a Triton-backend path for another hook or world size, 6-16 s each
+    # in the interpreter; kept in the quick tier: the same test on the other hook (or world sizes) on the Triton
+    # backend and this hook on the torch backend (.ci/compat leaves the same cases out for its older Tritons)
+    "test_kernels.py::test_full_step_with_other_configs[1-carry_split]",  # [4-carry_split] stays
+    "test_hooks_equivalence.py::test_batched_matches_float64_oracle[2-triton]",  # [1-triton], [4-triton] stay
+    "test_orthogonalize.py::test_huge_and_tiny_gradients_scale_exactly[alternating-triton]",  # [powerSGD-triton],
+    "test_orthogonalize.py::test_huge_and_tiny_gradients_scale_exactly[batched-triton]",  # [*-torch] stay
+    "test_hooks_steps.py::test_resume_is_bitwise[batched-triton]",  # [layerwise-triton], [batched-torch] stay
+    "test_hooks_steps.py::test_next_q_orthogonalized_ahead_is_bitwise_the_same[batched-triton]",  # the same
+    "test_hooks_steps.py::test_callback_chain_schedule_gives_the_same_numbers[batched-triton]",  # the same
+    # [True-layerwise-compressed-triton] and [True-layerwise-uncompressed-torch] stay
+    "test_hooks_steps.py::test_nonfinite_step_does_not_poison_state[True-layerwise-uncompressed-triton]",
 }
 
 
