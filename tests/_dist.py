@@ -41,7 +41,10 @@ import _poison
 from powersgd_triton.train.launch import adopt_environment, forkserver_context
 
 # Imported once by the fork server, before it forks any rank (missing ones are skipped by multiprocessing).
-_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "triton", "powersgd_triton", "_dist"]
+# torch._dynamo too: DDP and the dispatch-mode tests import it on first use (~470 modules, 2-4 s of every such
+# rank's time on 2 loaded cores, issue 34); numpy.random and schema_check_mode: every rank imported them.
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch._subclasses.schema_check_mode",
+            "numpy.random", "triton", "powersgd_triton", "_dist"]
 
 _STACK_FILE = None  # a rank's open stack file (faulthandler keeps only its descriptor)
 _STACK_WAIT_S = 10.0  # how long the parent waits for the ranks' stacks on a timeout
