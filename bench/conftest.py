@@ -17,6 +17,7 @@ medians measured in this same run, plus the counts).
 """
 
 import os
+import sys
 
 import torch
 
@@ -30,6 +31,11 @@ if os.environ.get("POWERSGD_BENCH_THREADS"):
 import pytest  # noqa: E402
 
 from powersgd_triton import benchmarking as B  # noqa: E402
+
+# The hang detectors scale with the machine's load, as the tests' do (tests/_deadline.py; tests/conftest.py registers
+# the same timer when both folders run: the first answer wins).
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from _deadline import pytest_timeout_set_timer  # noqa: E402,F401 - pytest-timeout's timer, load-scaled
 
 FULL = dict(models=("resnet50", "bert-base", "gpt2", "vit-b16"), ranks=(1, 4, 16), dtypes=("fp32", "bf16"))
 QUICK = dict(models=("resnet50",), ranks=(4,), dtypes=("fp32", "bf16"))

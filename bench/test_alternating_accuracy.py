@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from _deadline import scaled
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -15,7 +17,7 @@ def _run(*args):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("TRITON_INTERPRET", None)  # as a user runs it: torch kernels on CPU
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "alternating_accuracy.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout
 

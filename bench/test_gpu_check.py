@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from _deadline import scaled
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,7 +23,7 @@ def _run(tmp_path, *args, timeout=360):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OUT=str(tmp_path), PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)  # the script sets it itself for --dry-run
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(timeout))
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     return proc, data, (tmp_path / "gpu_check.md").read_text()
 

@@ -8,17 +8,21 @@ intermittently in CI (3 runs out of ~10). Each child takes the parent's environm
 poisoned allocations (``_poison``), sets ``torch.set_num_threads(1)``, joins a gloo group through a FileStore in
 ``tmp_path``, runs
 ``fn(rank, world_size, *args, **kwargs)``, sends its (picklable) result back, then barriers and destroys the group
-(ending without that intermittently aborts a rank). The parent joins with a timeout and kills the children on
-expiry or as soon as one rank fails, and re-raises the child's traceback. pytest-timeout is the backstop.
+(ending without that intermittently aborts a rank). The parent waits on a load-scaled deadline (``_deadline``: it
+extends while the machine is loaded) and kills the children on expiry or as soon as one rank fails, and re-raises the
+child's traceback. On expiry it first has every living rank write its Python stack (``faulthandler`` on ``SIGUSR1``,
+into a file next to the store) and puts those stacks in the ``TimeoutError``. pytest-timeout is the backstop.
 
 Also :class:`FakeBucket`, a duck-typed ``dist.GradBucket`` (``GradBucket`` cannot be built from Python), and the
 small convnet and training loop of the real-DDP tests (:class:`SmallConvNet`, :func:`train_ddp_steps`).
 """
 
 import datetime
+import faulthandler
 import os
 import pickle
 import queue
+import signal
 import sys
 import time
 import traceback
@@ -32,11 +36,22 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import _deadline
 import _poison
 from powersgd_triton.train.launch import adopt_environment, forkserver_context
 
 # Imported once by the fork server, before it forks any rank (missing ones are skipped by multiprocessing).
-_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "triton", "powersgd_triton", "_dist"]
+# torch._dynamo too: DDP and the dispatch-mode tests import it on first use (~470 modules, 2-4 s of every such
+# rank's time on 2 loaded cores, issue 34); numpy.random and schema_check_mode: every rank imported them.
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch._subclasses.schema_check_mode",
+            "numpy.random", "triton", "powersgd_triton", "_dist"]
+
+_STACK_FILE = None  # a rank's open stack file (faulthandler keeps only its descriptor)
+_STACK_WAIT_S = 10.0  # how long the parent waits for the ranks' stacks on a timeout
+
+
+def _stack_path(store_path: str, rank: int) -> str:
+    return f"{store_path}.rank{rank}.stack"
 
 
 def start_context():
@@ -46,8 +61,12 @@ def start_context():
 
 
 def _child(fn, rank, world_size, store_path, timeout, q, args, kwargs, env, poison):
+    global _STACK_FILE
     code = 0
     try:
+        # first: SIGUSR1 writes every thread's Python stack to this rank's file (run_ranks' timeout message)
+        _STACK_FILE = open(_stack_path(store_path, rank), "w")
+        faulthandler.register(signal.SIGUSR1, file=_STACK_FILE, all_threads=True)
         adopt_environment(env)
         if poison:
             _poison.install()
@@ -82,27 +101,32 @@ def run_ranks(fn: Callable, world_size: int, tmp_path, *args, timeout: float = 9
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; results by rank. ``fn`` and the
     arguments are pickled (``fn`` a module-level function).
 
-    ``timeout`` (seconds, a hang detector sized for a quiet machine) is multiplied by ``POWERSGD_TEST_TIMEOUT_SCALE``
-    (tests/conftest.py: 2 under pytest-xdist)."""
-    timeout = timeout * float(os.environ.get("POWERSGD_TEST_TIMEOUT_SCALE") or 1)
+    ``timeout`` (seconds, a hang detector sized for a quiet machine) is a :class:`_deadline.Deadline`: times the
+    machine's load scale, re-read while waiting. Raises ``TimeoutError`` on expiry (its message: the ranks missing, the
+    deadline and every living rank's Python stack), ``RuntimeError`` when a rank fails (its traceback), dies or does
+    not exit after returning its result."""
+    deadline = _deadline.Deadline(timeout)
     ctx = start_context()
     q = ctx.Queue()
     store_path = os.path.join(str(tmp_path), f"store-{uuid.uuid4().hex}")
     env, poison = dict(os.environ), _poison.is_poisoned()
+    # gloo's own timeout (per collective) well past the parent's deadline: the parent is the hang detector
+    pg_timeout = 3 * deadline.limit
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, store_path, timeout, q, args, kwargs, env, poison),
+        ctx.Process(target=_child, args=(fn, r, world_size, store_path, pg_timeout, q, args, kwargs, env, poison),
                     daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
     results = {}
-    deadline = time.monotonic() + timeout
     try:
         while len(results) < world_size:
-            left = deadline - time.monotonic()
+            left = deadline.left()
             if left <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} timed out after {timeout}s")
+                missing = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(f"ranks {missing} timed out after {deadline.describe()}\n"
+                                   + rank_stacks(procs, store_path))
             try:
                 rank, ok, payload = q.get(timeout=min(left, 1.0))
             except queue.Empty:
@@ -114,10 +138,11 @@ def run_ranks(fn: Callable, world_size: int, tmp_path, *args, timeout: float = 9
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             results[rank] = pickle.loads(payload)
         for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
+            p.join(max(1.0, deadline.left()))
         bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
         if bad:
-            raise RuntimeError(f"ranks exited abnormally after returning their results: {bad}")
+            stacks = rank_stacks(procs, store_path) if any(p.is_alive() for p in procs) else ""
+            raise RuntimeError(f"ranks exited abnormally after returning their results: {bad}\n{stacks}")
     finally:
         for p in procs:
             if p.is_alive():
@@ -126,6 +151,41 @@ def run_ranks(fn: Callable, world_size: int, tmp_path, *args, timeout: float = 9
             p.join(5)
         q.close()
     return [results[r] for r in range(world_size)]
+
+
+def rank_stacks(procs, store_path: str, wait_s: float = _STACK_WAIT_S) -> str:
+    """Every living rank's Python stack, all threads (``faulthandler``): SIGUSR1 to each rank that registered its
+    stack file, then its file read back (waits up to ``wait_s`` seconds for the files to be written). One section a
+    rank: "--- rank R (pid P): ..." then the stack, most recent call first."""
+    signalled = {}
+    for rank, p in enumerate(procs):
+        path = _stack_path(store_path, rank)
+        if p.is_alive() and os.path.exists(path):
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+                signalled[rank] = path
+            except OSError:
+                pass
+    stop = time.monotonic() + wait_s
+    sizes = {}
+    while signalled and time.monotonic() < stop:  # until every file is written and has stopped growing
+        now = {rank: os.path.getsize(path) for rank, path in signalled.items()}
+        if all(now.values()) and now == sizes:
+            break
+        sizes = now
+        time.sleep(0.2)
+    sections = []
+    for rank, p in enumerate(procs):
+        head = f"--- rank {rank} (pid {p.pid})"
+        if rank in signalled:
+            with open(signalled[rank]) as f:
+                text = f.read().rstrip()
+            sections.append(f"{head}: Python stack, most recent call first\n{text or '(nothing written in time)'}")
+        elif p.is_alive():
+            sections.append(f"{head}: alive, no stack (it had not reached the harness)")
+        else:
+            sections.append(f"{head}: exited with code {p.exitcode}")
+    return "\n".join(sections)
 
 
 class FakeBucket:

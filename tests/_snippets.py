@@ -26,6 +26,8 @@ import traceback
 from dataclasses import dataclass
 from typing import List, Optional
 
+from _deadline import scaled
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 SKIP = re.compile(r"^\s*<!--\s*snippet:\s*skip\s*(?:\((.*)\))?\s*-->\s*$")
@@ -97,7 +99,7 @@ def run_page(path: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env.pop("TRITON_INTERPRET", None)  # as a user's CPU run: our hooks take their torch backend
     with tempfile.TemporaryDirectory() as scratch:
         return subprocess.run([sys.executable, os.path.abspath(__file__), "--exec"], input=json.dumps(todo),
-                              cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout)
+                              cwd=scratch, env=env, capture_output=True, text=True, timeout=scaled(timeout))
 
 
 def _exec_blocks(todo) -> int:

@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from _deadline import scaled
+
 from powersgd_triton import analysis
 from powersgd_triton.layout import BucketLayout
 
@@ -59,7 +61,7 @@ def test_real_gradients_two_ranks(mode, kernels):
     equals PyTorch's hook, nothing beats the SVD optimum, and warm start on a fixed gradient closes in on it."""
     steps = 3
     res = analysis.approximation_errors(workload="digits", mode=mode, ranks=(2,), steps=steps, world_size=2,
-                                        kernels=kernels, timeout=240)
+                                        kernels=kernels, timeout=scaled(240))
     assert res["kernel_backend"] == ("triton" if kernels == "auto" else "torch")
     recs = res["records"]
     layers = res["compressed_layers"][2]
@@ -91,7 +93,7 @@ def test_alternating_takes_two_steps_per_power_iteration_on_a_fixed_gradient():
     equal; its step 1 (M·Q'·Q'ᵀ, with M·Q' in the span the standard hook projects onto) can only be worse."""
     steps = 4
     res = analysis.approximation_errors(workload="digits", mode="fixed", ranks=(2,), steps=steps, world_size=2,
-                                        impls=("ours", "alternating"), kernels="torch", timeout=240)
+                                        impls=("ours", "alternating"), kernels="torch", timeout=scaled(240))
     err = {(r["impl"], r["layer"], r["step"]): r["error"] for r in res["records"]}
     layers = res["compressed_layers"][2]
     assert len(analysis.select(res["records"], impl="alternating")) == steps * len(layers)

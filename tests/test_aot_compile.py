@@ -21,6 +21,8 @@ import textwrap
 
 import pytest
 
+from _deadline import scaled
+
 pytest.importorskip("triton")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +82,7 @@ def _compile(tmp_path, which):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # every kernel really compiles
-    out = subprocess.run([sys.executable, str(script), which], capture_output=True, text=True, env=env, timeout=880)
+    out = subprocess.run([sys.executable, str(script), which], capture_output=True, text=True, env=env, timeout=scaled(880))
     assert out.returncode == 0, out.stderr[-4000:]
     results = json.loads(out.stdout)
     failures = [r for r in results if not r["ok"]]

@@ -14,6 +14,8 @@ import textwrap
 
 import pytest
 
+from _deadline import scaled
+
 from powersgd_triton.autotune.aot import SM_LIMITS, blocks_per_sm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,7 +94,7 @@ def test_resource_usage_heuristic_vs_register_heavy_config(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=REPO, TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run([sys.executable, str(script)], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=280)
+                          timeout=scaled(280))
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout)
     light, heavy = res["light"], res["heavy"]

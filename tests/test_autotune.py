@@ -14,11 +14,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py on main; 
 import pytest
 import torch
 
+from _deadline import scaled
+
 import powersgd_triton
 
 from powersgd_triton import autotune
 from powersgd_triton.autotune import cache as cache_mod
 from powersgd_triton.autotune import cli as at_cli
+from powersgd_triton.autotune import tuner as tuner_mod
 from powersgd_triton.autotune.cache import CacheWarning, ConfigCache, export_device_file
 from powersgd_triton.autotune.keys import DeviceKey, ShapeClass, device_key, normalize_gpu_name, shape_class
 from powersgd_triton.autotune.tuner import KERNELS, AutotuneWarning, Tuner, candidates
@@ -251,7 +254,7 @@ def test_reload_across_processes(tmp_path):
     mine = {k: c.config for k, c in tuner.select(lay, torch.bfloat16, autotune=True).items()}
     env = dict(os.environ, PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, "-c", READER, folder], env=env, capture_output=True, text=True,
-                         timeout=120, cwd=REPO)
+                         timeout=scaled(120), cwd=REPO)
     assert out.returncode == 0, out.stderr
     theirs = json.loads(out.stdout.strip().splitlines()[-1])
     assert {k: v[1] for k, v in theirs.items()} == mine
@@ -475,9 +478,21 @@ def _kernels_interpreted():
 
 
 @pytest.mark.skipif(not _kernels_interpreted(), reason="needs TRITON_INTERPRET=1 set before triton is imported")
-def test_measurement_runs_kernels_on_rotating_scratch(monkeypatch):
-    """The real measurement path minus do_bench: candidates run (interpreted) on scratch copies, never the bucket."""
+@pytest.mark.parametrize("every_candidate", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["first-candidates", "every-candidate"])
+def test_measurement_runs_kernels_on_rotating_scratch(monkeypatch, every_candidate):
+    """The real measurement path minus do_bench: candidates run (interpreted) on scratch copies, never the bucket.
+    The slow tier runs every candidate (92 of reconstruct, each checked against the torch backend: ~50 s); the quick
+    tier the first three of each kernel and the heuristic."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not every_candidate:
+        every = tuner_mod.candidates
+
+        def first_candidates(kernel, layout, dtype):
+            space, heuristic = every(kernel, layout, dtype)
+            return space[:3] + ([heuristic] if heuristic not in space[:3] else []), heuristic
+
+        monkeypatch.setattr(tuner_mod, "candidates", first_candidates)
     shapes = ((8, 16), (16, 8))
     total = 8 * 16 * 2
     buf = torch.randn(total)
@@ -498,7 +513,7 @@ def test_measurement_runs_kernels_on_rotating_scratch(monkeypatch):
         workload = tuner._scratch[1]
         tuner.choose("project", lay, torch.float32, autotune=True, force=True)
         assert tuner._scratch[1] is workload  # one set of scratch buffers per layout
-    cands = candidates("reconstruct", lay, torch.float32)[0]
+    cands = tuner_mod.candidates("reconstruct", lay, torch.float32)[0]
     assert choice.source == "tuned" and choice.config == cands[0]
     print(f"{len(cands)} reconstruct candidates, {workload.calls} scratch runs")
     assert len(workload.sets) == 3 and workload.calls >= 2 * len(cands)

@@ -17,6 +17,8 @@ import sys
 import pytest
 import torch
 
+from _deadline import scaled
+
 from powersgd_triton.layout import KERNELS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +31,7 @@ def _run_aot(tmp_path, *args):
     proc = subprocess.run(
         [sys.executable, "-m", "powersgd_triton.autotune.aot", "--jobs", "2", "--dtypes", "bf16", "--archs", "80", "90",
          "--json", str(out_json), *args],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=870,
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=scaled(870),
     )
     assert out_json.exists(), proc.stdout + proc.stderr
     return proc, json.loads(out_json.read_text())

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from _deadline import scaled
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = ("train", "autotune", "bench")
 
@@ -18,7 +20,7 @@ def _python(code: str, *args: str):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="400")
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=scaled(120))
     proc.seconds = time.monotonic() - t0
     return proc
 

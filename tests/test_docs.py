@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from _deadline import scaled
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _snippets as S  # noqa: E402
 
@@ -144,6 +146,6 @@ def test_mkdocs_build_strict(tmp_path):
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(600))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "index.html").exists() and (tmp_path / "site" / "reference" / "api" / "index.html").exists()

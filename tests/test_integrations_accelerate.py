@@ -15,6 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch.nn as nn
 
+from _deadline import scaled
+
 pytest.importorskip("accelerate")
 
 from powersgd_triton import PowerSGDState  # noqa: E402
@@ -32,7 +34,7 @@ def test_multi_cpu_registers_our_hook_and_resumes_exactly(tmp_path):
     proc = subprocess.Popen([sys.executable, SCRIPT, str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        log, _ = proc.communicate(timeout=120)
+        log, _ = proc.communicate(timeout=scaled(120))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()

@@ -13,6 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_wrapper as torch_bf16_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from _deadline import scaled
 from _dist import params_agree, run_ranks
 from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
 from powersgd_triton.integrations import check_ddp_model, register
@@ -202,7 +203,7 @@ def test_package_imports_no_framework():
         "assert not bad, bad\n"
     )
     env = dict(os.environ, PYTHONPATH=ROOT)
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60, cwd=ROOT)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=scaled(60), cwd=ROOT)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (PyTorch's bf16 wrapper is CUDA-only)")
@@ -211,7 +212,7 @@ def test_pytorch_wrappers_compose_with_our_hook_on_cuda():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_wrappers_world1.py"), "cuda"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     import json
 

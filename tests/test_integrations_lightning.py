@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from _deadline import scaled
+
 pl = pytest.importorskip("pytorch_lightning")
 
 from powersgd_triton import PowerSGDState, powerSGD_hook  # noqa: E402
@@ -34,7 +36,7 @@ def _fit(out, *extra, timeout=150):
     proc = subprocess.Popen([sys.executable, SCRIPT, str(out), *extra], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        log, _ = proc.communicate(timeout=timeout)
+        log, _ = proc.communicate(timeout=scaled(timeout))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # rank 1 was started by rank 0, in the same session
         log, _ = proc.communicate()
@@ -81,7 +83,7 @@ def test_lightning_ddpstrategy_registers_our_hook_on_gpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, SCRIPT, str(out), "--gpu"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=240)
+                          text=True, timeout=scaled(240))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for rank in range(devices):
         r = json.loads((out / f"rank{rank}.json").read_text())

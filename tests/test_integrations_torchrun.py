@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 
+from _deadline import scaled
+
 pytestmark = pytest.mark.timeout(240)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +50,7 @@ def _torchrun(*args, torchrun_args=(), timeout=150):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, _ = proc.communicate(timeout=scaled(timeout))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the agent and its workers
         out, _ = proc.communicate()

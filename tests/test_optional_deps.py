@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from _deadline import scaled
+
 REPO = Path(__file__).resolve().parents[1]
 CORE = {"torch", "triton", "numpy", "powersgd_triton"}
 ALWAYS_BLOCKED = {"platformdirs", "filelock", "tqdm"}
@@ -157,7 +159,7 @@ def test_compressed_steps_tuner_and_cache_without_optional_modules(tmp_path, rng
     env.update(PYTHONPATH=str(REPO), XDG_CACHE_HOME=str(tmp_path / "xdg"), HOME=str(tmp_path / "home"),
                TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(script), json.dumps(blocked), str(seed)], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=280)
+                          capture_output=True, text=True, timeout=scaled(280))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")][-1]
     r = json.loads(line[len("REPORT "):])

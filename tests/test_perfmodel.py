@@ -12,6 +12,8 @@ import textwrap
 import pytest
 import torch
 
+from _deadline import scaled
+
 from powersgd_triton import perfmodel as M
 from powersgd_triton.kernels import triton_ops as T
 from powersgd_triton.layout import BucketLayout
@@ -273,7 +275,7 @@ def _predicted(tmp_path, cases):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, str(script), ";".join(cases)], capture_output=True, text=True, env=env,
-                         timeout=900)
+                         timeout=scaled(900))
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 

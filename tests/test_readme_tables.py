@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from _deadline import scaled
+
 from powersgd_triton import readme_tables as RT
 from powersgd_triton.cli import text_table
 
@@ -220,7 +222,7 @@ def test_readme_digits_table_reproduces():
     assert files[0] == README and len(files) >= 2, files
     cache, logged, diffs = {}, [], []
     for path in files:
-        diffs += RT.check(path, only=only, timeout=600, log=logged.append, cache=cache)
+        diffs += RT.check(path, only=only, timeout=scaled(600), log=logged.append, cache=cache)
     assert len(cache) == 1 and diffs == [], "\n".join(logged + diffs)
     verdicts = [line for line in logged if line.startswith(("agrees", "DIFFERS"))]
     assert len(verdicts) == len(files) and all(v.startswith("agrees") for v in verdicts), logged

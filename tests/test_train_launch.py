@@ -8,6 +8,8 @@ import time
 import pytest
 import torch
 
+from _deadline import scaled
+
 from powersgd_triton.train import launch
 from powersgd_triton.train.loop import AllReduceCounter
 
@@ -55,7 +57,7 @@ def _count_allreduce(rank, world_size, init_method):
 
 
 def test_returns_rank0_value():
-    out = launch.launch(_ok, 2, ("x",), timeout=60)
+    out = launch.launch(_ok, 2, ("x",), timeout=scaled(60))
     assert out["rank"] == 0 and out["world"] == 2 and out["value"] == "x"
     assert out["init"].startswith("tcp://127.0.0.1:")
 
@@ -63,7 +65,7 @@ def test_returns_rank0_value():
 def test_rank_error_is_reported_promptly():
     t0 = time.monotonic()
     with pytest.raises(launch.RankFailed) as info:
-        launch.launch(_raise_on_1, 2, timeout=60)
+        launch.launch(_raise_on_1, 2, timeout=scaled(60))
     assert time.monotonic() - t0 < 20
     assert info.value.rank == 1
     assert "ValueError: boom from rank one" in str(info.value)
@@ -72,7 +74,7 @@ def test_rank_error_is_reported_promptly():
 def test_silent_death_is_reported():
     t0 = time.monotonic()
     with pytest.raises(launch.RankFailed, match="rank 1 failed") as info:
-        launch.launch(_die_on_1, 2, timeout=60)
+        launch.launch(_die_on_1, 2, timeout=scaled(60))
     assert "exited with code 7" in str(info.value)
     assert time.monotonic() - t0 < 20
 
@@ -103,7 +105,7 @@ def test_torchrun_env():
 
 
 def test_counter_counts_what_goes_through_all_reduce():
-    out = launch.launch(_count_allreduce, 2, timeout=60)
+    out = launch.launch(_count_allreduce, 2, timeout=scaled(60))
     assert out["bytes"] == 10 * 4 + 3 * 2
     assert out["calls"] == 2
     assert out["after"] == (0, 0)
