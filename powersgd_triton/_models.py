@@ -133,7 +133,8 @@ def _ranks(group) -> list:
 def _describe_group(group, world) -> str:
     ranks = _ranks(group)
     shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
-    return f"{'the default group (WORLD)' if group is world else 'a group'} of {len(ranks)} ranks [{shown}]"
+    count = f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''}"
+    return f"{'the default group (WORLD)' if group is world else 'a group'} of {count} [{shown}]"
 
 
 def check_group(state, ddp, group) -> None:
