@@ -99,6 +99,25 @@ def _older_triton_exception(row):
             and (version <= (3, 4) or (version <= (3, 6) and row["dtype"] == "float16" and row["registers"] <= 147)))
 
 
+# Triton 3.4's orthogonalize at padded rank 32 (float64 Gram products broadcast and summed: 3.4's tl.dot takes no
+# float64): spills at every tile tried on the sm_90 compile (16-64 rows, 4-16 warps, 1-3 stages: 1740-7524 bytes;
+# the heuristic's 32 rows at 8 warps: 1868). Allowed up to this many bytes there, nowhere else.
+TRITON_34_ORTHO_R32_SPILL = 2048
+
+
+def _spill_allowed(row):
+    """The spill bytes a binary may have: :data:`SPILL_BUDGET`, or under triton <= 3.4 orthogonalize's (not its Gram
+    launch's) at R 32, :data:`TRITON_34_ORTHO_R32_SPILL`."""
+    import triton
+
+    from powersgd_triton import _compat
+
+    if (_compat.version_tuple(triton.__version__)[:2] <= (3, 4) and row["kernel"] == "orthogonalize"
+            and row["rank"] == 32):
+        return TRITON_34_ORTHO_R32_SPILL
+    return SPILL_BUDGET
+
+
 def _table(tmp_path, which):
     script = tmp_path / "table.py"
     script.write_text(SCRIPT)
@@ -120,7 +139,7 @@ def _table(tmp_path, which):
 def _check(rows):
     failed = [r for r in rows if not r["ok"]]
     assert not failed, failed
-    spilled = [r for r in rows if r["spill_bytes"] > SPILL_BUDGET]
+    spilled = [r for r in rows if r["spill_bytes"] > _spill_allowed(r)]
     assert not spilled, "spills above the budget of %d bytes:\n" % SPILL_BUDGET + "\n".join(
         f"{r['kernel']} R {r['rank']} {r['dtype']} {r['variant']}: {r['spill_bytes']} B, {r['registers']} registers, "
         f"config {r['config']}" for r in spilled)

@@ -41,8 +41,14 @@ ORTHO_WARPS = {1: 16, 2: 16, 4: 16, 8: 16, 16: 16}
 # 128 registers per thread) orthogonalize spills 976 bytes at R 8 (512 rows) and 244 at R 16 (256 rows), its Gram
 # launch 100 at R 8; half the rows at 16 warps still spill (364, 188), so do 1-2 stages (976 at R 8, 60-116 at
 # R 16). Half the rows at 8 warps, the same 8 float64 of the tile per thread with up to 255 registers, spill nothing
-# (194 and 182 registers; Gram 99 and 106). Not tuned against the model.
-OLDER_TRITON_ORTHO = {(3, 6): {8: (256, 8), 16: (128, 8)}}
+# (194 and 182 registers; Gram 99 and 106). Under triton 3.4 (no float64 tl.dot: the products are broadcast and
+# summed) R 4's 1024 rows at 16 warps spill 296 bytes (512 rows: 64): 512 rows at 8 warps spill nothing (164
+# registers); and the R 16 entry above still spills 248 bytes (255 registers;
+# 64 rows: 152 at 8 warps, 16 at 4; 128 rows at 16 warps 1408): 32 rows at 8 warps spill nothing (173 registers,
+# Gram 75), with an optional third element, GRAM_ROWS, kept at 256 rows per Gram slot (8 tiles: two tiles' worth
+# would make a 50257-row factor 785 slots, each summed by every program of its apply pass). Not tuned against the
+# model.
+OLDER_TRITON_ORTHO = {(3, 4): {4: (512, 8), 16: (32, 8, 256)}, (3, 6): {8: (256, 8), 16: (128, 8)}}
 # Rows per tile of the Gram launch of split factors (orthogonalize_gram): at most this many, whatever BLOCK (its
 # [BLOCK, R]ᵀ·[BLOCK, R] float64 dot at 1024-2048 rows spills 0.1-2.8 KiB at R <= 4; it has many programs anyway).
 ORTHO_GRAM_BLOCK = 256
@@ -57,7 +63,8 @@ def _ortho_heuristic(R: int) -> dict:
     * ``BLOCK`` rows per tile and warps: :data:`ORTHO_BLOCKS` and :data:`ORTHO_WARPS` (2048 rows at R 1, 1024 at
       R 2-4, 512 at R 8, 256 at R 16, 16 warps; R 32: 32 rows, 8 warps), held in float64 in registers. Chosen from
       the sm_90 compile (ptxas -v, triton 3.9): no spills at any R <= 32, at most 128 registers per thread up to
-      R 16 (triton <= 3.6: half the rows at 8 warps at R 8 and 16, :data:`OLDER_TRITON_ORTHO`); the Gram launch
+      R 16 (triton <= 3.6: half the rows at 8 warps at R 8 and 16; triton 3.4 also at R 4, and 32 rows at R 16:
+      :data:`OLDER_TRITON_ORTHO`; at R 32 triton 3.4 spills at every tile tried); the Gram launch
       reads at most :data:`ORTHO_GRAM_BLOCK` rows per tile;
     * ``SHORT_ROWS``: up to R 4, ``ORTHO_SHORT_BYTES`` of factor per program, at most 32 tiles (8192 rows at R 4,
       16384 at R 2, 32768 at R 1: ResNet-50's, BERT's and GPT-2's layers other than the embeddings are one launch);
@@ -76,13 +83,15 @@ def _ortho_heuristic(R: int) -> dict:
     block, warps = ORTHO_BLOCKS.get(R, max(16, 1024 // R)), ORTHO_WARPS.get(R, 8)
     older = _older_triton_ortho(R)
     if older is not None:  # this Triton spills the entry (OLDER_TRITON_ORTHO)
-        block, warps = older
+        block, warps = older[:2]
     extra = {}
     if R <= 4:
         short = max(block, min(ORTHO_SHORT_BYTES // (4 * R), 32 * block))
         gram = max(block, 512)
     else:
         short = gram = ORTHO_WIDE_TILES.get(R, 4) * block
+        if older is not None and len(older) > 2:
+            gram = older[2]
         if R in ORTHO_WIDE_SHORT_ROWS:
             short, extra = ORTHO_WIDE_SHORT_ROWS[R], dict(APPLY_ROWS=ORTHO_APPLY_ROWS[R])
     split = ORTHO_SPLIT_ROWS if R <= 8 else 2 * ORTHO_SPLIT_ROWS
@@ -92,7 +101,8 @@ def _ortho_heuristic(R: int) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _older_triton_ortho(R: int) -> Optional[tuple]:
-    """(BLOCK, num_warps) of :data:`OLDER_TRITON_ORTHO` for the installed Triton at padded rank R, or None."""
+    """(BLOCK, num_warps[, GRAM_ROWS]) of :data:`OLDER_TRITON_ORTHO` for the installed Triton at padded rank R, or
+    None."""
     from .. import _compat
 
     v = _compat.triton_version()
