@@ -54,7 +54,8 @@ def _mesh_text(fsdp_group) -> str:
 
 def several_groups_error(module_name: str, fsdp_groups: List, names: Dict[int, str]) -> ValueError:
     """The error for an FSDP2 module whose ``fully_shard(..., shard_placement_fn=...)`` gave its parameters different
-    meshes, so that FSDP made several parameter groups for it (``FSDPState._fsdp_param_groups``, torch > 2.11).
+    meshes, so that FSDP made several parameter groups for it (torch > 2.11; ``fsdp_groups``: what
+    :func:`powersgd_triton._compat.fsdp_param_groups` returns).
 
     ``names``: ``id(parameter) -> name`` in the model. The message names the module, each group's mesh and
     parameters, why PowerSGD does not compress them, and what works instead."""

@@ -86,8 +86,8 @@ def _read_group(index: int, name: str, module, fsdp_group, names: Dict[int, str]
         pname = names.get(id(p), f"{name}.<parameter {len(params)}>")
         if p.device_mesh.ndim != 1 or tuple(p.placements) != (Replicate(),):
             raise ValueError(f"{label}: parameter {pname!r} is placed as {tuple(p.placements)} on a "
-                             f"{p.device_mesh.ndim}-D mesh; register_replicate takes replicate(module, mesh=<1-D mesh>) "
-                             "parameters (Replicate() only; tensor parallelism is not supported)")
+                             f"{p.device_mesh.ndim}-D mesh; register_replicate takes the parameters of "
+                             "replicate(module, mesh=<1-D mesh>) (Replicate() only; no tensor parallelism)")
         shape = tuple(int(d) for d in p.shape)
         numel = math.prod(shape)
         f_size = getattr(fp, "sharded_size", None)
