@@ -15,6 +15,7 @@ on a world of one.
 """
 
 import os
+import re
 import warnings
 
 import pytest
@@ -122,14 +123,28 @@ def _compare(a, b):
 
 
 def _replicate_worker(rank, world_size, seed, cases):
+    warnings.simplefilter("ignore")
+    out = {}
+    if "ddp_replicate" in cases:
+        # --- the DDP-based torch.distributed._composable.replicate: our DDP hook through its register_comm_hook
+        from torch.distributed._composable import replicate as ddp_replicate
+
+        d_grads, _, _ = _ddp_run(powerSGD_hook, 2, 4, rank, seed)
+        torch.manual_seed(0)
+        model = ddp_replicate(Net())
+        model.register_comm_hook(_state(2), powerSGD_hook)
+        r_grads, _ = _run(model, 4, rank, seed)
+        out["ddp_replicate"] = _compare(d_grads, r_grads)
+        out["ddp_replicate_ranks"] = [int(torch.linalg.matrix_rank(g["c.weight"])) for g in r_grads[2:]]
+
+    if REPLICATE_MISSING:
+        return out
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     from powersgd_triton import _compat
     from powersgd_triton.fsdp_replicate import register_replicate
     from powersgd_triton.train.counting import AllReduceCounter
 
-    warnings.simplefilter("ignore")
-    out = {}
     steps = 6
     # --- one replicate() group against DDP's one bucket, lossy (rank 2), both hooks
     for hook in (powerSGD_hook, alternating_powerSGD_hook):
@@ -179,18 +194,6 @@ def _replicate_worker(rank, world_size, seed, cases):
         everyone = [torch.empty_like(mine) for _ in range(world_size)]
         dist.all_gather(everyone, mine)
         out["multi"]["replicas_equal"] = all(torch.equal(everyone[0], t) for t in everyone[1:])
-
-    if "ddp_replicate" in cases:
-        # --- the DDP-based torch.distributed._composable.replicate: our DDP hook through its register_comm_hook
-        from torch.distributed._composable import replicate as ddp_replicate
-
-        d_grads, _, _ = _ddp_run(powerSGD_hook, 2, 4, rank, seed)
-        torch.manual_seed(0)
-        model = ddp_replicate(Net())
-        model.register_comm_hook(_state(2), powerSGD_hook)
-        r_grads, _ = _run(model, 4, rank, seed)
-        out["ddp_replicate"] = _compare(d_grads, r_grads)
-        out["ddp_replicate_ranks"] = [int(torch.linalg.matrix_rank(g["c.weight"])) for g in r_grads[2:]]
 
     # --- a group that is not the modules' replicate group: refused on every rank, nothing changed
     singles = [dist.new_group([r]) for r in range(world_size)]
@@ -303,8 +306,8 @@ def test_replicate_on_submodules_and_root(launched):
         assert m["compressed"] == [(0, 2), (1, 2), (2, 2)], m  # weight and bias (min_compression_rate 1e-9)
 
 
-@needs_replicate
 def test_ddp_based_replicate_takes_our_ddp_hook(launched):
+    """torch.distributed._composable.replicate (DDP-based, every torch): its register_comm_hook takes our DDP hook."""
     for out in launched(2):
         assert max(out["ddp_replicate"]) <= 1e-5, out["ddp_replicate"]
         assert out["ddp_replicate_ranks"] == [2, 2], out["ddp_replicate_ranks"]  # lossy steps 2 and 3
@@ -333,8 +336,10 @@ def world(world1):
 def test_torch_without_fsdp_replicate_is_refused(world):
     from powersgd_triton.fsdp_replicate import register_replicate
 
-    with pytest.raises(RuntimeError, match=f"torch {torch.__version__}.*no FSDP2-based replicate.*register_comm_hook"):
+    expected = re.escape(f"torch {torch.__version__} has no FSDP2-based replicate()")
+    with pytest.raises(RuntimeError, match=expected) as exc:
         register_replicate(nn.Linear(3, 3), PowerSGDState(None, start_powerSGD_iter=2))
+    assert "model.register_comm_hook(state, powerSGD_hook)" in str(exc.value)
 
 
 @pytest.mark.skipif(bool(REPLICATE_MISSING), reason=REPLICATE_MISSING or "")
