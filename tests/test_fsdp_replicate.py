@@ -96,6 +96,28 @@ def _run(model, steps, rank, seed, lr=0.05):
     return grads, {n.removeprefix("module."): _local(p).detach().clone() for n, p in model.named_parameters()}
 
 
+def _run_accumulating(model, steps, rank, seed, ddp):
+    """``steps`` SGD steps of two micro-batches each, the first without gradient sync (DDP: ``no_sync()``;
+    replicate(): ``set_requires_all_reduce(False)``); the gradients of each step."""
+    import contextlib
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    grads = []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = _batch(step, rank, seed)
+        with model.no_sync() if ddp else contextlib.nullcontext():
+            if not ddp:
+                model.set_requires_all_reduce(False)
+            nn.functional.mse_loss(model(x[:8]), y[:8]).backward()
+        if not ddp:
+            model.set_requires_all_reduce(True)
+        nn.functional.mse_loss(model(x[8:]), y[8:]).backward()
+        grads.append(_grads(model))
+        opt.step()
+    return grads
+
+
 def _layout(state):
     return {i: ([(s.n, s.m, s.rank) for s in m.layout.matrices], m.layout.uncompressed_numel)
             for i, m in sorted(state.buckets.items()) if m.layout is not None}
@@ -194,6 +216,22 @@ def _replicate_worker(rank, world_size, seed, cases):
         everyone = [torch.empty_like(mine) for _ in range(world_size)]
         dist.all_gather(everyone, mine)
         out["multi"]["replicas_equal"] = all(torch.equal(everyone[0], t) for t in everyone[1:])
+
+    # --- gradient accumulation: set_requires_all_reduce(False) against DDP's no_sync(), lossy rank 2
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Net())
+    d_state = _state(2)
+    ddp.register_comm_hook(d_state, powerSGD_hook)
+    d_grads = _run_accumulating(ddp, 4, rank, seed, ddp=True)
+    torch.manual_seed(0)
+    model = replicate(Net())
+    state = _state(2)
+    register_replicate(model, state)
+    r_grads = _run_accumulating(model, 4, rank, seed, ddp=False)
+    out["accumulate"] = (_compare(d_grads, r_grads), d_state.iter, state.iter,
+                         int(torch.linalg.matrix_rank(r_grads[2]["c.weight"])))
 
     # --- a group that is not the modules' replicate group: refused on every rank, nothing changed
     singles = [dist.new_group([r]) for r in range(world_size)]
@@ -295,6 +333,14 @@ needs_replicate = pytest.mark.skipif(bool(REPLICATE_MISSING), reason=REPLICATE_M
 def test_replicate_matches_ddp_hook(launched, world_size):
     for out in launched(world_size):
         _check_common(out)
+
+
+@needs_replicate
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_replicate_gradient_accumulation_matches_ddp_no_sync(launched, world_size):
+    for out in launched(world_size):
+        errs, ddp_iter, our_iter, rank_ = out["accumulate"]
+        assert max(errs) <= 1e-5 and ddp_iter == our_iter == 4 and rank_ == 2, out["accumulate"]
 
 
 @needs_replicate
