@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from . import _compat, _step
-from ._fsdp_checks import HOOKS, check_hook, several_groups_error
+from ._fsdp_checks import HOOKS, check_hook, several_groups_error  # noqa: F401 - HOOKS: importable here as before
 from .hooks import powerSGD_hook
 from .layout import check_gradient_dtype
 from .state import PowerSGDState
