@@ -19,6 +19,7 @@ floors in ``pyproject.toml`` (``torch>=2.8``, ``triton>=3.4``) are the tested mi
 | FSDP2's parameter groups per module: ``FSDPState._fsdp_param_groups`` (a list) | after torch 2.11 (2.8-2.11: one ``_fsdp_param_group``) | :func:`fsdp_param_groups` |
 | a custom gradient divide factor: ``FSDPParamGroup.gradient_divide_factor`` | torch 2.8 (2.7: ``reduce_scatter_reduce_op``) | :func:`fsdp_divide_factor_set` |
 | ``FSDPModule.set_reduce_scatter_unused_params`` (zero gradients for unused parameters) | after torch 2.11 | :func:`fsdp_unused_params_option` |
+| FSDP2-based ``replicate()`` (``torch.distributed._composable.replicate_with_fsdp``: a ``DDPMeshInfo`` parameter group whose native all-reduce runs over ``mesh_info.replicate_process_group``, read through ``FSDPParamGroup._all_reduce_process_group``, before the all-reduce hook) | after torch 2.8 (read in 2.11, 2.13 and 2.14) | :func:`replicate_with_fsdp_missing`, :func:`fsdp_replicate_group_unknown` |
 """
 
 import inspect
@@ -351,3 +352,40 @@ def fsdp_unused_params_option(module) -> bool:
     """Whether this torch's FSDP2 module has ``set_reduce_scatter_unused_params`` (zero gradients for parameters
     unused in the forward; after torch 2.11)."""
     return callable(getattr(module, "set_reduce_scatter_unused_params", None))
+
+
+def replicate_with_fsdp_missing() -> Optional[str]:
+    """Why FSDP2-based ``replicate()`` cannot be used with this torch (torch 2.8 has only the DDP-based
+    ``torch.distributed._composable.replicate``), or None when it can."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate  # noqa: F401
+        from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo  # noqa: F401
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError as exc:
+        return (f"torch {torch.__version__} has no FSDP2-based replicate() "
+                f"(torch.distributed._composable.replicate_with_fsdp, after torch 2.8: {exc}); for the DDP-based "
+                "torch.distributed._composable.replicate, register the DDP hook: model.register_comm_hook(state, "
+                "powerSGD_hook)")
+    prop = getattr(FSDPParamGroup, "_all_reduce_process_group", None)
+    if not isinstance(prop, property):
+        return (f"torch {torch.__version__}: FSDPParamGroup has no _all_reduce_process_group property (read in torch "
+                "2.11-2.14); powersgd_triton.fsdp_replicate does not know this FSDP2")
+    return None
+
+
+def fsdp_replicate_group_unknown(fsdp_group) -> Optional[str]:
+    """What differs from the replicate() parameter group that torch 2.11-2.14 build (``mesh_info`` exactly a
+    ``DDPMeshInfo`` with a ``replicate_process_group``, the group FSDP all-reduces over), or None."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+
+    info = getattr(fsdp_group, "mesh_info", None)
+    if type(info) is not DDPMeshInfo:
+        return f"FSDPParamGroup.mesh_info is a {type(info).__name__}, not a DDPMeshInfo"
+    if getattr(info, "replicate_process_group", None) is None:
+        return "DDPMeshInfo.replicate_process_group is missing"
+    try:
+        if fsdp_group._all_reduce_process_group is not info.replicate_process_group:
+            return "FSDPParamGroup._all_reduce_process_group is not mesh_info.replicate_process_group"
+    except Exception as exc:  # noqa: BLE001 - any failure: unknown internals
+        return f"FSDPParamGroup._all_reduce_process_group raised {type(exc).__name__}: {exc}"
+    return None

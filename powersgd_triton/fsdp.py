@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from . import _compat, _step
-from .alternating import alternating_powerSGD_hook
+from ._fsdp_checks import HOOKS, check_hook, several_groups_error  # noqa: F401 - HOOKS: importable here as before
 from .hooks import powerSGD_hook
 from .layout import check_gradient_dtype
 from .state import PowerSGDState
@@ -70,7 +70,6 @@ __all__ = ["register_fsdp", "FSDPPowerSGD", "ShardParam", "ShardGroup", "FORMAT"
 
 FORMAT = "powersgd_triton.fsdp_hook_state"
 _VERSION = 1
-HOOKS = {"powerSGD_hook": powerSGD_hook, "alternating_powerSGD_hook": alternating_powerSGD_hook}
 
 
 def _fsdp_api():
@@ -489,11 +488,12 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
 
     Raises:
         TypeError: ``state`` is not our state; a reduce dtype PowerSGD cannot compress; ``model`` has no FSDP2 module
-            with parameters.
+            with parameters; a ``replicate()`` module (use :func:`~powersgd_triton.fsdp_replicate.register_replicate`).
         ValueError: another hook; ``alternating_powerSGD_hook`` without warm start; no replicate group (``None``: the
             default group holds this rank's shard peers), a group of one rank, or a group that is not the replicas;
             a 2-D mesh given to ``fully_shard`` (native HSDP), tensor-parallel parameters, a custom
-            ``shard_placement_fn``, a gradient divide factor, an all-reduce hook already set.
+            ``shard_placement_fn`` (a module with several parameter groups: one error naming each group's mesh and
+            parameters, and what works), a gradient divide factor, an all-reduce hook already set.
         RuntimeError: a torch whose FSDP2 has no ``set_all_reduce_hook`` or lays shards out differently.
 
     Example::
@@ -506,17 +506,7 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
         powersgd = register_fsdp(model, state)   # then train as usual
     """
     FSDPModule, Shard = _fsdp_api()
-    name = next((k for k, v in HOOKS.items() if v is hook), None)
-    if name is None:
-        raise ValueError(
-            f"register_fsdp runs powersgd_triton's powerSGD_hook or alternating_powerSGD_hook, got "
-            f"{getattr(hook, '__qualname__', hook)!r} (batched_powerSGD_hook would mix the shards and their padding; "
-            "for low-precision messages use MixedPrecisionPolicy(reduce_dtype=...))"
-        )
-    _step.check_state(state, name)
-    if hook is alternating_powerSGD_hook and not state.warm_start:
-        raise ValueError("alternating_powerSGD_hook needs warm_start=True: the factors kept between steps carry its "
-                         "power iteration")
+    check_hook(hook, state, "register_fsdp")
     if state.process_group is None:
         raise ValueError(
             "PowerSGDState.process_group is None (the default group): with FSDP it must be the replicate group, the "
@@ -542,8 +532,10 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
         except AttributeError:
             raise _unknown("FSDPModule._get_fsdp_state()'s parameter groups") from None
         if len(fsdp_groups) > 1:
-            raise ValueError(f"FSDP module {mname or '<root>'!r} has {len(fsdp_groups)} parameter groups (a "
-                             "per-parameter mesh from shard_placement_fn); PowerSGD needs one group per module")
+            raise several_groups_error(mname, fsdp_groups, names)
+        if any(type(getattr(fg, "mesh_info", None)).__name__ == "DDPMeshInfo" for fg in fsdp_groups):
+            raise TypeError(f"module {mname or '<root>'!r} is replicated with replicate(), not sharded: use "
+                            "powersgd_triton.fsdp_replicate.register_replicate")
         for fg in fsdp_groups:
             if not getattr(fg, "fsdp_params", None):
                 continue

@@ -118,6 +118,29 @@ def test_fsdp_gates_read_either_torchs_internals():
     assert not _compat.fsdp_unused_params_option(NS())
 
 
+def test_replicate_gates():
+    """FSDP2-based replicate(): absent (torch 2.8) -> a message naming the version and the DDP-based way; present ->
+    None. A parameter group whose mesh_info is not exactly a DDPMeshInfo, or lacks the group, is unknown."""
+    from types import SimpleNamespace as NS
+
+    missing = _compat.replicate_with_fsdp_missing()
+    has = _compat.torch_version()[:2] > (2, 8)
+    assert (missing is None) == has, missing
+    if missing:
+        assert torch.__version__ in missing and "register_comm_hook" in missing
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+
+    assert "not a DDPMeshInfo" in _compat.fsdp_replicate_group_unknown(NS(mesh_info=NS(replicate_process_group=1)))
+    info = DDPMeshInfo.__new__(DDPMeshInfo)  # no mesh needed: only the type and the attribute are read
+    info.replicate_process_group = None
+    assert "missing" in _compat.fsdp_replicate_group_unknown(NS(mesh_info=info))
+    group = object()
+    info.replicate_process_group = group
+    assert _compat.fsdp_replicate_group_unknown(NS(mesh_info=info, _all_reduce_process_group=group)) is None
+    assert "is not mesh_info" in _compat.fsdp_replicate_group_unknown(
+        NS(mesh_info=info, _all_reduce_process_group=object()))
+
+
 def test_version_dependent_apis_are_reached_through_compat_only():
     """``ASTSource``/``GPUTarget`` are built in ``_compat.py`` alone; FSDP2's hook and its version-dependent internals
     (parameter groups, divide factor, unused-parameter option) are probed there alone."""

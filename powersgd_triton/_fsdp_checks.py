@@ -1,0 +1,75 @@
+"""Checks shared by :func:`powersgd_triton.fsdp.register_fsdp` (HSDP) and
+:func:`powersgd_triton.fsdp_replicate.register_replicate` (FSDP2-based ``replicate()``): which hooks may run on an
+FSDP2 parameter group's flat gradient buffer, and the one error for an FSDP2 module with several parameter groups.
+
+Nothing here reads FSDP's shard layout (that stays in the two registering modules); this module imports neither of
+them, so both import it without a cycle.
+"""
+
+from typing import Callable, Dict, List
+
+from . import _step
+from .alternating import alternating_powerSGD_hook
+from .hooks import powerSGD_hook
+
+__all__ = ["HOOKS", "check_hook", "several_groups_error"]
+
+HOOKS = {"powerSGD_hook": powerSGD_hook, "alternating_powerSGD_hook": alternating_powerSGD_hook}
+
+
+def check_hook(hook: Callable, state, caller: str) -> str:
+    """The name of ``hook`` after checking that ``caller`` (``"register_fsdp"`` / ``"register_replicate"``) can run
+    it with ``state``; raises ``ValueError`` (another hook, the alternating hook without warm start) or ``TypeError``
+    (``state`` is not a :class:`~powersgd_triton.PowerSGDState`)."""
+    name = next((k for k, v in HOOKS.items() if v is hook), None)
+    if name is None:
+        raise ValueError(
+            f"{caller} runs powersgd_triton's powerSGD_hook or alternating_powerSGD_hook, got "
+            f"{getattr(hook, '__qualname__', hook)!r} (batched_powerSGD_hook would mix the parameters of a group and "
+            "FSDP's padding; for low-precision messages use MixedPrecisionPolicy(reduce_dtype=...))"
+        )
+    _step.check_state(state, name)
+    if hook is alternating_powerSGD_hook and not state.warm_start:
+        raise ValueError("alternating_powerSGD_hook needs warm_start=True: the factors kept between steps carry its "
+                         "power iteration")
+    return name
+
+
+def _mesh_text(fsdp_group) -> str:
+    """``"mesh ('dp',) of shape (2,) over ranks [0, 2]"`` for an FSDP parameter group (its parameters' mesh)."""
+    mesh = None
+    params = getattr(fsdp_group, "fsdp_params", None) or []
+    if params:
+        mesh = getattr(getattr(params[0], "sharded_param", None), "device_mesh", None)
+    if mesh is None:
+        mesh = getattr(getattr(fsdp_group, "mesh_info", None), "mesh", None)
+    if mesh is None:
+        return "an unknown mesh"
+    try:
+        ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+        return f"mesh {mesh.mesh_dim_names} of shape {tuple(mesh.mesh.shape)} over ranks {ranks}"
+    except Exception:  # noqa: BLE001 - a mesh of another layout: its repr
+        return f"mesh {mesh!r}"
+
+
+def several_groups_error(module_name: str, fsdp_groups: List, names: Dict[int, str]) -> ValueError:
+    """The error for an FSDP2 module whose ``fully_shard(..., shard_placement_fn=...)`` gave its parameters different
+    meshes, so that FSDP made several parameter groups for it (torch > 2.11; ``fsdp_groups``: what
+    :func:`powersgd_triton._compat.fsdp_param_groups` returns).
+
+    ``names``: ``id(parameter) -> name`` in the model. The message names the module, each group's mesh and
+    parameters, why PowerSGD does not compress them, and what works instead."""
+    label = f"FSDP module {module_name or '<root>'!r}"
+    parts = []
+    for i, fg in enumerate(fsdp_groups):
+        params = [names.get(id(getattr(fp, "sharded_param", None)), "<unnamed>")
+                  for fp in (getattr(fg, "fsdp_params", None) or [])]
+        parts.append(f"group {i} on {_mesh_text(fg)}: {params}")
+    return ValueError(
+        f"{label} has {len(fsdp_groups)} FSDP parameter groups (shard_placement_fn put its parameters on different "
+        f"meshes): {'; '.join(parts)}. Each group would have its own replicate group, and FSDP2 takes no all-reduce "
+        "hook for such a module (set_all_reduce_hook raises), so PowerSGD cannot be registered on it. What works: "
+        "shard every parameter of the model on the one shard mesh (a shard_placement_fn returning Shard(dim) or None, "
+        "not a ShardPlacementResult with another mesh) and register PowerSGD; or keep the per-parameter meshes and "
+        "train that model with native HSDP (a 2-D mesh given to fully_shard), without PowerSGD"
+    )
