@@ -165,3 +165,19 @@ def add_per_gradient(worst: Worst, got: torch.Tensor, want: torch.Tensor, shapes
         worst.add(rel_err64(got[off : off + k], want[off : off + k]), **where, gradient=i, shape=tuple(s),
                   dtype=f"{got.dtype} vs {want.dtype}")
         off += k
+
+
+def product_scale(layout, left, left_which, right, right_which, factor=1.0):
+    """{id(spec): ‖left_i‖·‖right_i‖·factor} for :func:`bucket_utils.assert_per_matrix`."""
+    return {
+        id(s): left[matrix_slice(s, left_which)].double().norm().item()
+        * right[matrix_slice(s, right_which)].double().norm().item()
+        * factor
+        for s in layout.matrices
+    }
+
+
+def factor(layout, which, gen, scale=1.0):
+    """A random float32 P (``which="p"``) or Q factor of ``layout``, N(0, scale²) from ``gen``."""
+    numel = layout.p_numel if which == "p" else layout.q_numel
+    return torch.randn(numel, generator=gen) * scale
