@@ -31,7 +31,8 @@ def check_ddp_model(model) -> None:
 
     Refused with a message naming the mode: FSDP (``FullyShardedDataParallel`` / ``fully_shard``), compiled DDP's
     python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``, which calls comm hooks per parameter),
-    compiled autograd (``torch._dynamo.config.compiled_autograd``: it needs that reducer), and anything that is not
+    compiled autograd (``torch._dynamo.config.compiled_autograd``, or called inside
+    ``torch._dynamo.compiled_autograd._enable``: it needs that reducer), and anything that is not
     DDP; the message says what works (``optimize_ddp="ddp_optimizer"``, the default, without compiled autograd).
     """
     from torch.nn.parallel import DistributedDataParallel
@@ -61,6 +62,13 @@ def check_ddp_model(model) -> None:
         raise TypeError(
             "torch._dynamo.config.compiled_autograd is on: DDP's C++ reducer then refuses the backward and asks for "
             "the python reducer, which calls comm hooks per parameter. " + COMPILED_AUTOGRAD_WAY_OUT
+        )
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    if compiled_autograd is not None and getattr(compiled_autograd, "compiled_autograd_enabled", False):
+        raise TypeError(
+            "compiled autograd is enabled here (torch._dynamo.compiled_autograd._enable): DDP's C++ reducer then "
+            "refuses the backward and asks for the python reducer, which calls comm hooks per parameter. "
+            + COMPILED_AUTOGRAD_WAY_OUT
         )
 
 
