@@ -4,8 +4,8 @@ This package imports neither framework: each submodule imports its framework whe
 ``import powersgd_triton`` imports none of them. What lives here is framework-free:
 
 * :func:`register` -- ``ddp_model.register_comm_hook(state, hook)`` with the checks the frameworks skip: it refuses
-  FSDP-wrapped modules and compiled DDP's python reducer with an error naming the unsupported mode, and it tells the
-  state the names of the model's parameters, so that ``state.state_dict()`` and
+  FSDP-wrapped modules, compiled DDP's python reducer and compiled autograd with an error naming the unsupported
+  mode, and it tells the state the names of the model's parameters, so that ``state.state_dict()`` and
   :func:`powersgd_triton.checkpoint.save_hook_state` record which parameter each saved matrix belongs to (the memory
   then follows its parameters when a resumed DDP orders its buckets differently).
 """
@@ -110,7 +110,9 @@ def register(model, state, hook=None):
     :class:`powersgd_triton.PowerSGDState`, the parameter names used by its checkpoints. Returns ``model``.
 
     Raises:
-        TypeError: FSDP, compiled DDP's python reducer, not a DDP model, or a state that is not ours with our hook.
+        TypeError: FSDP, compiled DDP's python reducer, compiled autograd (on in ``torch._dynamo.config`` or entered
+            with ``torch._dynamo.compiled_autograd._enable``), not a DDP model, or a state that is not ours with our
+            hook.
         ValueError: our state's process group (None: WORLD) holds other ranks than the one DDP all-reduces in.
     """
     from .. import _step
