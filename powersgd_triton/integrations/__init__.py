@@ -4,8 +4,8 @@ This package imports neither framework: each submodule imports its framework whe
 ``import powersgd_triton`` imports none of them. What lives here is framework-free:
 
 * :func:`register` -- ``ddp_model.register_comm_hook(state, hook)`` with the checks the frameworks skip: it refuses
-  FSDP-wrapped modules and compiled DDP's python reducer with an error naming the unsupported mode, and it tells the
-  state the names of the model's parameters, so that ``state.state_dict()`` and
+  FSDP-wrapped modules, compiled DDP's python reducer and compiled autograd with an error naming the unsupported
+  mode, and it tells the state the names of the model's parameters, so that ``state.state_dict()`` and
   :func:`powersgd_triton.checkpoint.save_hook_state` record which parameter each saved matrix belongs to (the memory
   then follows its parameters when a resumed DDP orders its buckets differently).
 """
@@ -31,7 +31,8 @@ def check_ddp_model(model) -> None:
 
     Refused with a message naming the mode: FSDP (``FullyShardedDataParallel`` / ``fully_shard``), compiled DDP's
     python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``, which calls comm hooks per parameter),
-    compiled autograd (``torch._dynamo.config.compiled_autograd``: it needs that reducer), and anything that is not
+    compiled autograd (``torch._dynamo.config.compiled_autograd``, or called inside
+    ``torch._dynamo.compiled_autograd._enable``: it needs that reducer), and anything that is not
     DDP; the message says what works (``optimize_ddp="ddp_optimizer"``, the default, without compiled autograd).
     """
     from torch.nn.parallel import DistributedDataParallel
@@ -61,6 +62,13 @@ def check_ddp_model(model) -> None:
         raise TypeError(
             "torch._dynamo.config.compiled_autograd is on: DDP's C++ reducer then refuses the backward and asks for "
             "the python reducer, which calls comm hooks per parameter. " + COMPILED_AUTOGRAD_WAY_OUT
+        )
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    if compiled_autograd is not None and getattr(compiled_autograd, "compiled_autograd_enabled", False):
+        raise TypeError(
+            "compiled autograd is enabled here (torch._dynamo.compiled_autograd._enable): DDP's C++ reducer then "
+            "refuses the backward and asks for the python reducer, which calls comm hooks per parameter. "
+            + COMPILED_AUTOGRAD_WAY_OUT
         )
 
 
@@ -102,7 +110,9 @@ def register(model, state, hook=None):
     :class:`powersgd_triton.PowerSGDState`, the parameter names used by its checkpoints. Returns ``model``.
 
     Raises:
-        TypeError: FSDP, compiled DDP's python reducer, not a DDP model, or a state that is not ours with our hook.
+        TypeError: FSDP, compiled DDP's python reducer, compiled autograd (on in ``torch._dynamo.config`` or entered
+            with ``torch._dynamo.compiled_autograd._enable``), not a DDP model, or a state that is not ours with our
+            hook.
         ValueError: our state's process group (None: WORLD) holds other ranks than the one DDP all-reduces in.
     """
     from .. import _step
