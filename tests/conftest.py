@@ -45,6 +45,20 @@ def rng():
 
 
 @pytest.fixture
+def isolated_autotune(tmp_path, monkeypatch):
+    """The autotuner's tests: a cache folder of the test's own (``POWERSGD_TRITON_CACHE_DIR``), no shipped-config
+    folder or GPU name from the environment, no process-wide tuner before or after."""
+    from powersgd_triton import autotune
+
+    monkeypatch.setenv("POWERSGD_TRITON_CACHE_DIR", str(tmp_path / "user-cache"))
+    monkeypatch.delenv("POWERSGD_TRITON_CONFIG_DIR", raising=False)
+    monkeypatch.delenv("POWERSGD_TRITON_GPU_NAME", raising=False)
+    autotune.set_tuner(None)
+    yield
+    autotune.set_tuner(None)
+
+
+@pytest.fixture
 def world1():
     """An in-process gloo world of size 1, torn down afterwards unless someone else made it."""
     import torch.distributed as dist
