@@ -30,8 +30,10 @@ caller's thread; on CUDA the autograd device thread, inside FSDP's all-reduce st
 the same order on every rank of a replicate group, and the hook returns only when ``reduce_output`` holds the result:
 all collectives are issued from the hook body (on gloo each is waited for there; on NCCL the hook's ``then()`` chain
 runs inline, and waiting on its future orders FSDP's stream after it). A backward's iteration is counted once, at
-its end (a final autograd callback queued by the first hook call of that backward), which is when PowerSGD's DDP
-hooks count it too (``start_powerSGD_iter``).
+its end, which is when PowerSGD's DDP hooks count it too (``start_powerSGD_iter``): the first hook call of a backward
+queues a final autograd callback that queues the count behind every other final callback, since FSDP reduces some
+groups in its own (each FSDP root's, queued during the backward; several roots when only submodules are wrapped).
+A hook call after the count (an FSDP that queues its callback later) raises rather than count a backward twice.
 
 Checked when registering (``ValueError`` / ``TypeError`` / ``RuntimeError`` before the first backward, nothing
 registered): the model has FSDP2 modules; every parameter is a ``Shard(0)`` DTensor on one 1-D mesh (a 2-D HSDP mesh
@@ -312,6 +314,7 @@ class FSDPPowerSGD:
         self.shard_rank = groups[0].shard_rank
         self.shard_size = groups[0].shard_size
         self._graph_task: Optional[int] = None
+        self._counted: Optional[int] = None  # the graph task (backward) whose end was counted last
         self._lock = threading.Lock()
         self.calls = 0
 
@@ -360,8 +363,12 @@ class FSDPPowerSGD:
             raise RuntimeError(f"{group.label}: the PowerSGD all-reduce hook ran outside a backward pass; it counts "
                                "iterations per backward and must be called by FSDP's post-backward")
         with self._lock:
-            if gid != self._graph_task:
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            if gid == self._counted:
+                raise RuntimeError(f"{group.label}: FSDP reduced it after this backward's end was counted; PowerSGD "
+                                   "would count one backward twice (start_powerSGD_iter, warm-up); refusing")
+            if gid != self._graph_task:  # the count runs after FSDP's final callbacks (its roots reduce there)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward))
                 self._graph_task = gid
         views, params, offset = [], [], 0
         base = output.storage_offset()
@@ -385,7 +392,7 @@ class FSDPPowerSGD:
         ``iter += 1`` (as DDP's last bucket does)."""
         state = self.state
         with self._lock:
-            self._graph_task = None
+            self._counted, self._graph_task = self._graph_task, None
         if state.iter >= state.start_powerSGD_iter:
             _step.report_compression_stats(state, _EndOfBackward)
         _step.end_of_iteration(state)
