@@ -10,6 +10,10 @@ compressed: the same average up to float32 rounding); DDP + our DDP hook (same b
   queued. The state's iteration must still count once per backward: warm-up steps are plain averages, the state
   counts 4 after 4 steps (it counted 8 and compressed the second warm-up step). Both hooks; the HSDP path
   (``register_fsdp``, ``fully_shard`` on submodules only, a 2 x 1 mesh) shares the counting and is checked too.
+* one state registered on two live models (a GAN's generator and discriminator): refused with a clear error, nothing
+  changed (shared, the second model's bucket 0 took the first's error memory and each model's backward counted an
+  iteration: the generator's gradients differed from those with its own state from its second step on); free again
+  once the first model is dropped.
 * frozen parameters (``requires_grad=False``): lossy steps equal DDP + our hook (DDP leaves them out of its bucket,
   the replicate() group too).
 * ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: lossless PowerSGD equals native replicate().
@@ -98,6 +102,14 @@ def _state(rank_=2, group=None, **kw):
                          random_seed=7, **kw)
 
 
+def _error(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def _matrix_ranks(grads, name):
     return [int(torch.linalg.matrix_rank(g[name])) for g in grads]
 
@@ -108,6 +120,7 @@ def _edges_worker(rank, world_size, seed):
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.nn.parallel import DistributedDataParallel
 
+    from powersgd_triton import _compat
     from powersgd_triton.fsdp_replicate import register_replicate
 
     out = {}
@@ -152,6 +165,24 @@ def _edges_worker(rank, world_size, seed):
     grads, _, _ = _run(model, 4, rank, seed)
     out["fsdp_submodules"] = {"iter": state.iter, "warmup_vs_native": _diff(native[:2], grads[:2]),
                               "ranks": _matrix_ranks(grads, "b.weight")}
+
+    # --- one state registered on two live models (a GAN's generator and discriminator): refused, nothing changed
+    state = _state()
+    gen = fresh(lambda: replicate(Net()))
+    register_replicate(gen, state)
+    disc = fresh(lambda: replicate(Net()))
+    fg = _compat.fsdp_param_groups(disc._get_fsdp_state())[0]
+    info = fg.mesh_info
+    second = {"replicate": _error(lambda: register_replicate(disc, state)),
+              "untouched": fg._all_reduce_hook is None and fg.mesh_info is info}
+    hsdp_state = _state(group=mesh["replicate"].get_group())  # the same refusal across register_fsdp
+    sharded = fresh(sharded_submodules)
+    register_fsdp(sharded, hsdp_state)
+    second["fsdp"] = _error(lambda: register_replicate(fresh(lambda: replicate(Net())), hsdp_state))
+    second["own_state"] = _error(lambda: register_replicate(disc, _state()))  # its own state: fine
+    del gen  # the first model dropped (a fresh model replacing it, e.g. after a restart): the state is free again
+    second["after_drop"] = _error(lambda: register_replicate(fresh(lambda: replicate(Net())), state))
+    out["shared_state"] = second
 
     # --- frozen parameters, lossy: DDP + our hook
     def frozen():
@@ -244,6 +275,15 @@ def test_fsdp_submodules_only_count_one_iteration_per_backward(edges):
         r = out["fsdp_submodules"]
         assert r["iter"] == 4 and max(r["warmup_vs_native"]) <= 1e-6, r
         assert r["ranks"][:2] == [24, 24] and r["ranks"][2:] == [2, 2], r
+
+
+def test_state_on_two_live_models_is_refused(edges):
+    for out in edges:
+        r = out["shared_state"]
+        for key in ("replicate", "fsdp"):
+            assert r[key] and r[key].startswith("ValueError") and "already registered on another model" in r[key], r
+            assert "give each model its own PowerSGDState" in r[key], r
+        assert r["untouched"] and r["own_state"] is None and r["after_drop"] is None, r
 
 
 def test_frozen_parameters_match_ddp(edges):
