@@ -1,18 +1,21 @@
 """Checks shared by :func:`powersgd_triton.fsdp.register_fsdp` (HSDP) and
 :func:`powersgd_triton.fsdp_replicate.register_replicate` (FSDP2-based ``replicate()``): which hooks may run on an
-FSDP2 parameter group's flat gradient buffer, and the one error for an FSDP2 module with several parameter groups.
+FSDP2 parameter group's flat gradient buffer, the one error for an FSDP2 module with several parameter groups, and one
+state per live model (:func:`check_state_free`, :func:`claim_state`).
 
 Nothing here reads FSDP's shard layout (that stays in the two registering modules); this module imports neither of
 them, so both import it without a cycle.
 """
 
+import gc
+import weakref
 from typing import Callable, Dict, List
 
 from . import _step
 from .alternating import alternating_powerSGD_hook
 from .hooks import powerSGD_hook
 
-__all__ = ["HOOKS", "check_hook", "several_groups_error"]
+__all__ = ["HOOKS", "check_hook", "several_groups_error", "check_state_free", "claim_state"]
 
 HOOKS = {"powerSGD_hook": powerSGD_hook, "alternating_powerSGD_hook": alternating_powerSGD_hook}
 
@@ -73,3 +76,31 @@ def several_groups_error(module_name: str, fsdp_groups: List, names: Dict[int, s
         "not a ShardPlacementResult with another mesh) and register PowerSGD; or keep the per-parameter meshes and "
         "train that model with native HSDP (a 2-D mesh given to fully_shard), without PowerSGD"
     )
+
+
+def check_state_free(state, model, caller: str) -> None:
+    """``ValueError`` when ``state`` is already registered (:func:`claim_state`) on another model that is still alive.
+
+    A state's iteration count, error-feedback and warm-start memory belong to one model: shared by two (a GAN's
+    generator and discriminator), their parameter groups share bucket indices (the second model's bucket 0 takes the
+    first's memory) and each model's backward counts an iteration, silently changing both models' gradients; DDP's
+    hooks refuse the same at their first call. A model that was dropped (garbage) frees the state. Changes nothing."""
+    ref = getattr(state.buckets, "fsdp_model", None)
+    other = ref() if ref is not None else None
+    if other is None or other is model:
+        return
+    del other
+    gc.collect()  # a dropped model held only by reference cycles (its hooks hold our handle) does not count
+    other = ref()
+    if other is not None and other is not model:
+        raise ValueError(
+            f"{caller}: this PowerSGDState is already registered on another model (a {type(other).__name__} at "
+            f"0x{id(other):x}, still alive): its iteration count and its error-feedback and warm-start memory belong to "
+            "one model (shared, both models' parameter groups would use bucket 0 on and each backward of either would "
+            "count an iteration); give each model its own PowerSGDState"
+        )
+
+
+def claim_state(state, model) -> None:
+    """Record that ``state`` is registered on ``model`` (weakly; :func:`check_state_free` reads it)."""
+    state.buckets.fsdp_model = weakref.ref(model)

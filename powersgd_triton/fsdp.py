@@ -30,10 +30,9 @@ caller's thread; on CUDA the autograd device thread, inside FSDP's all-reduce st
 the same order on every rank of a replicate group, and the hook returns only when ``reduce_output`` holds the result:
 all collectives are issued from the hook body (on gloo each is waited for there; on NCCL the hook's ``then()`` chain
 runs inline, and waiting on its future orders FSDP's stream after it). A backward's iteration is counted once, at
-its end, which is when PowerSGD's DDP hooks count it too (``start_powerSGD_iter``): the first hook call of a backward
-queues a final autograd callback that queues the count behind every other final callback, since FSDP reduces some
-groups in its own (each FSDP root's, queued during the backward; several roots when only submodules are wrapped).
-A hook call after the count (an FSDP that queues its callback later) raises rather than count a backward twice.
+its end, as PowerSGD's DDP hooks count it (``start_powerSGD_iter``): queued behind every final autograd callback, as
+FSDP reduces some groups in its own (one per FSDP root; several when only submodules are wrapped); a hook call after
+the count raises rather than count a backward twice.
 
 Checked when registering (``ValueError`` / ``TypeError`` / ``RuntimeError`` before the first backward, nothing
 registered): the model has FSDP2 modules; every parameter is a ``Shard(0)`` DTensor on one 1-D mesh (a 2-D HSDP mesh
@@ -63,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from . import _compat, _step
-from ._fsdp_checks import HOOKS, check_hook, several_groups_error  # noqa: F401 - HOOKS: importable here as before
+from ._fsdp_checks import HOOKS, check_hook, check_state_free, claim_state, several_groups_error  # noqa: F401 - HOOKS
 from .hooks import powerSGD_hook
 from .layout import check_gradient_dtype
 from .state import PowerSGDState
@@ -363,9 +362,8 @@ class FSDPPowerSGD:
             raise RuntimeError(f"{group.label}: the PowerSGD all-reduce hook ran outside a backward pass; it counts "
                                "iterations per backward and must be called by FSDP's post-backward")
         with self._lock:
-            if gid == self._counted:
-                raise RuntimeError(f"{group.label}: FSDP reduced it after this backward's end was counted; PowerSGD "
-                                   "would count one backward twice (start_powerSGD_iter, warm-up); refusing")
+            if gid == self._counted:  # one backward counted twice would shift start_powerSGD_iter
+                raise RuntimeError(f"{group.label}: FSDP reduced it after this backward was counted; refusing")
             if gid != self._graph_task:  # the count runs after FSDP's final callbacks (its roots reduce there)
                 torch.autograd.Variable._execution_engine.queue_callback(
                     lambda: torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward))
@@ -500,7 +498,8 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
             default group holds this rank's shard peers), a group of one rank, or a group that is not the replicas;
             a 2-D mesh given to ``fully_shard`` (native HSDP), tensor-parallel parameters, a custom
             ``shard_placement_fn`` (a module with several parameter groups: one error naming each group's mesh and
-            parameters, and what works), a gradient divide factor, an all-reduce hook already set.
+            parameters, and what works), a gradient divide factor, an all-reduce hook already set, ``state`` already
+            registered on another live model.
         RuntimeError: a torch whose FSDP2 has no ``set_all_reduce_hook`` or lays shards out differently.
 
     Example::
@@ -514,6 +513,7 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
     """
     FSDPModule, Shard = _fsdp_api()
     check_hook(hook, state, "register_fsdp")
+    check_state_free(state, model, "register_fsdp")
     if state.process_group is None:
         raise ValueError(
             "PowerSGDState.process_group is None (the default group): with FSDP it must be the replicate group, the "
@@ -594,6 +594,7 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
 
     handle = FSDPPowerSGD(model, state, hook, groups, shard_ranks)
     _step.bind_model(state, model)
+    claim_state(state, model)
     for g in groups:
         g.module.set_all_reduce_hook(handle._make_hook(g))
     return handle

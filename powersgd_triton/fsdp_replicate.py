@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from . import _compat, _step
-from ._fsdp_checks import check_hook, several_groups_error
+from ._fsdp_checks import check_hook, check_state_free, claim_state, several_groups_error
 from .fsdp import FSDPPowerSGD, ShardGroup, ShardParam, _exchange, _group_ranks, _reduce_dtype
 from .hooks import powerSGD_hook
 from .layout import check_gradient_dtype
@@ -173,7 +173,8 @@ def register_replicate(model, state: PowerSGDState, hook: Callable = powerSGD_ho
             compress.
         ValueError: another hook; ``alternating_powerSGD_hook`` without warm start; ``state.process_group`` is not
             the modules' replicate group, holds one rank, or the replicas' layouts differ (every member raises);
-            a module with several parameter groups; a gradient divide factor; an all-reduce hook already set.
+            a module with several parameter groups; a gradient divide factor; an all-reduce hook already set;
+            ``state`` already registered on another live model (by this function or ``register_fsdp``).
 
     Example::
 
@@ -190,6 +191,7 @@ def register_replicate(model, state: PowerSGDState, hook: Callable = powerSGD_ho
     from torch.distributed.fsdp import FSDPModule
 
     check_hook(hook, state, "register_replicate")
+    check_state_free(state, model, "register_replicate")
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized")
     group = state.process_group if state.process_group is not None else dist.group.WORLD
@@ -252,6 +254,7 @@ def register_replicate(model, state: PowerSGDState, hook: Callable = powerSGD_ho
             fg.mesh_info = info
         raise
     _step.bind_model(state, model)
+    claim_state(state, model)
     for g in groups:
         g.module.set_all_reduce_hook(handle._make_hook(g))
     return handle
