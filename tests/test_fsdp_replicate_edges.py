@@ -20,6 +20,9 @@ compressed: the same average up to float32 rounding); DDP + our DDP hook (same b
 * a parameter unused in some steps: refused naming the remedy; with ``set_reduce_scatter_unused_params(True)`` (after
   torch 2.11) lossless PowerSGD equals native replicate() (error feedback carries float32 rounding into the unused
   parameter's zero gradient: compared against the step's gradient norm).
+* moving from DDP: the ``PowerSGDState.state_dict()`` of DDP + our hook at step 3 loaded into the replicate() model's
+  state before ``register_replicate``: the next steps are bitwise DDP's (the memory follows the parameter names into
+  FSDP's order, the reverse of DDP's bucket here).
 * a checkpoint (model, optimizer, ``handle.state_dict()``) at step 3 loaded into a fresh model: the next steps are
   bitwise those of the uninterrupted run (both hooks).
 """
@@ -59,6 +62,19 @@ class Net(nn.Module):
         if use_extra:
             h = h + torch.tanh(self.extra(h))
         return self.c(torch.tanh(self.b(h)))
+
+
+class Forward(nn.Module):
+    """:class:`Net`'s layers registered in the order of use (DDP's rebuilt bucket holds them reversed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 40)
+        self.b = nn.Linear(40, 24)
+        self.c = nn.Linear(24, 12)
+
+    def forward(self, x, use_extra=False):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
 def _local(t):
@@ -234,6 +250,27 @@ def _edges_worker(rank, world_size, seed):
         grads, _, _ = _run(model, 4, rank, seed, use_extra=every_other)
         out["unused_option"] = _diff(native_u, grads)
 
+    # --- moving from DDP: DDP + our hook for 3 steps, its PowerSGDState.state_dict() loaded into the replicate()
+    # model's state before register_replicate; the next 3 steps are bitwise DDP's (the layers registered in the order
+    # of use, so DDP's bucket holds the matrices in the reverse of FSDP's group: the memory follows the names)
+    for hook in (powerSGD_hook, alternating_powerSGD_hook):
+        ddp = fresh(lambda: DistributedDataParallel(Forward()))
+        d_state = _state()
+        ddp.register_comm_hook(d_state, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        _run(ddp, 3, rank, seed, opt=opt)
+        saved = copy.deepcopy((ddp.module.state_dict(), d_state.state_dict()))
+        d_grads, _, _ = _run(ddp, 3, rank, seed, start=3, opt=opt)
+        torch.manual_seed(1)
+        model = Forward()
+        model.load_state_dict(saved[0])
+        model = replicate(model)
+        state = _state()
+        state.load_state_dict(saved[1])
+        register_replicate(model, state, hook)
+        grads, _, _ = _run(model, 3, rank, seed, start=3, opt=torch.optim.SGD(model.parameters(), lr=0.05))
+        out[f"from_ddp_{hook.__name__}"] = (_diff(d_grads, grads), d_state.iter, state.iter)
+
     # --- checkpoint at step 3, a fresh model resumes: bitwise the uninterrupted run
     for hook in (powerSGD_hook, alternating_powerSGD_hook):
         model = fresh(lambda: replicate(Net()))
@@ -317,3 +354,10 @@ def test_checkpoint_resume_is_bitwise(edges, hook):
     for out in edges:
         bitwise, it = out[f"resume_{hook}"]
         assert bitwise and it == 6, out[f"resume_{hook}"]
+
+
+@pytest.mark.parametrize("hook", ["powerSGD_hook", "alternating_powerSGD_hook"])
+def test_ddp_hook_state_continues_under_replicate(edges, hook):
+    for out in edges:
+        diffs, ddp_iter, our_iter = out[f"from_ddp_{hook}"]
+        assert diffs == [0.0, 0.0, 0.0] and ddp_iter == our_iter == 6, out[f"from_ddp_{hook}"]
