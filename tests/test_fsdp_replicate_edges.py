@@ -201,6 +201,15 @@ def _edges_worker(rank, world_size, seed):
     second["after_drop"] = _error(lambda: register_replicate(fresh(lambda: replicate(Net())), state))
     out["shared_state"] = second
 
+    # --- replicate() modules on different meshes (a submodule on a 1-rank mesh, the root on every rank): one error
+    # naming both, not "give the mesh's group" (no group works)
+    model = fresh(Net)
+    replicate(model.a, mesh=mesh["shard"])
+    replicate(model)
+    out["two_meshes"] = _error(lambda: register_replicate(model, _state()))
+    out["two_meshes_untouched"] = all(fg._all_reduce_hook is None for m in (model, model.a)
+                                      for fg in _compat.fsdp_param_groups(m._get_fsdp_state()))
+
     # --- frozen parameters, lossy: DDP + our hook
     def frozen():
         model = Net()
@@ -361,3 +370,11 @@ def test_ddp_hook_state_continues_under_replicate(edges, hook):
     for out in edges:
         diffs, ddp_iter, our_iter = out[f"from_ddp_{hook}"]
         assert diffs == [0.0, 0.0, 0.0] and ddp_iter == our_iter == 6, out[f"from_ddp_{hook}"]
+
+
+def test_replicate_modules_on_different_meshes_are_refused(edges):
+    for out in edges:
+        err = out["two_meshes"]
+        assert err and err.startswith("ValueError: the replicate() modules of the model all-reduce over different "), err
+        assert "replicate() module '<root>' over [0, 1]" in err and "replicate() module 'a' over [" in err, err
+        assert "the same 1-D mesh" in err and out["two_meshes_untouched"], err
