@@ -111,7 +111,16 @@ def _read_group(index: int, name: str, module, fsdp_group, names: Dict[int, str]
     device = getattr(fsdp_group, "device", None)
     if device is None:
         raise _unknown("FSDPParamGroup.device")
-    return ShardGroup(index, name, module, fsdp_group, params, list(fsdp_params), dtype, torch.device(device), 0, 1)
+    return _ReplicateGroup(index, name, module, fsdp_group, params, list(fsdp_params), dtype, torch.device(device), 0,
+                           1)
+
+
+class _ReplicateGroup(ShardGroup):
+    """A replicate() parameter group (whole parameters: ``shard_size`` 1), named as such in messages."""
+
+    @property
+    def label(self) -> str:
+        return f"replicate() module {self.module_name or '<root>'!r}"
 
 
 class ReplicatePowerSGD(FSDPPowerSGD):
@@ -173,7 +182,8 @@ def register_replicate(model, state: PowerSGDState, hook: Callable = powerSGD_ho
             compress.
         ValueError: another hook; ``alternating_powerSGD_hook`` without warm start; ``state.process_group`` is not
             the modules' replicate group, holds one rank, or the replicas' layouts differ (every member raises);
-            a module with several parameter groups; a gradient divide factor; an all-reduce hook already set;
+            replicate() modules on different meshes; a module with several parameter groups; a gradient divide
+            factor; an all-reduce hook already set;
             ``state`` already registered on another live model (by this function or ``register_fsdp``).
 
     Example::
@@ -223,8 +233,13 @@ def register_replicate(model, state: PowerSGDState, hook: Callable = powerSGD_ho
                 groups.append(_read_group(len(groups), mname, module, fg, names))
     if not groups:
         raise TypeError(f"{type(model).__name__}'s replicate() modules hold no parameters")
+    ranks = {g.label: _group_ranks(g._fsdp_group.mesh_info.replicate_process_group) for g in groups}
+    if len({tuple(sorted(r)) for r in ranks.values()}) > 1:
+        raise ValueError("the replicate() modules of the model all-reduce over different ranks ("
+                         + "; ".join(f"{k} over {v}" for k, v in ranks.items()) + "): PowerSGD compresses over one "
+                         "replicate group; give every replicate() call of the model the same 1-D mesh")
     for g in groups:
-        theirs = _group_ranks(g._fsdp_group.mesh_info.replicate_process_group)
+        theirs = ranks[g.label]
         if sorted(theirs) != sorted(replicas):
             raise ValueError(f"{g.label} all-reduces over ranks {theirs}, PowerSGDState.process_group holds ranks "
                              f"{replicas}: give the replicate mesh's group (mesh.get_group())")
