@@ -14,6 +14,10 @@ compressed: the same average up to float32 rounding); DDP + our DDP hook (same b
   changed (shared, the second model's bucket 0 took the first's error memory and each model's backward counted an
   iteration: the generator's gradients differed from those with its own state from its second step on); free again
   once the first model is dropped.
+* activation checkpointing of replicate() blocks: ``use_reentrant=False`` counts once per backward (warm-up steps are
+  plain averages); ``use_reentrant=True`` reduces each block inside a backward nested in the outer one, whose end the
+  hook cannot see (it counted 3 iterations a step and compressed the warm-up): refused naming
+  ``use_reentrant=False``.
 * frozen parameters (``requires_grad=False``): lossy steps equal DDP + our hook (DDP leaves them out of its bucket,
   the replicate() group too).
 * ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: lossless PowerSGD equals native replicate().
@@ -75,6 +79,26 @@ class Forward(nn.Module):
 
     def forward(self, x, use_extra=False):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+class Checkpointed(nn.Module):
+    """A linear layer, then two blocks run under ``torch.utils.checkpoint`` (re-entrant or not), then a head."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.pre = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 40), nn.Tanh()),
+                                     nn.Sequential(nn.Linear(40, 24), nn.Tanh())])
+        self.head = nn.Linear(24, 12)
+
+    def forward(self, x, use_extra=False):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.pre(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(x)
 
 
 def _local(t):
@@ -161,6 +185,27 @@ def _edges_worker(rank, world_size, seed):
         out[f"submodules_{hook.__name__}"] = {
             "modules": [g.module_name for g in handle.groups], "iter": state.iter,
             "warmup_vs_native": _diff(native[:2], grads[:2]), "ranks": _matrix_ranks(grads, "b.weight")}
+
+    # --- activation checkpointing of replicate() blocks: non-reentrant counts once per backward; reentrant (each
+    # block's gradients reduced inside a backward nested in the outer one, whose end the hook cannot see) refused
+    for reentrant in (False, True):
+        def checkpointed():
+            model = Checkpointed(reentrant)
+            for block in model.blocks:
+                replicate(block)
+            return replicate(model)
+
+        native_c, _, _ = _run(fresh(checkpointed), 3, rank, seed)
+        state = _state()
+        model = fresh(checkpointed)
+        register_replicate(model, state)
+        try:
+            grads, error = _run(model, 3, rank, seed)[0], None
+        except RuntimeError as exc:
+            grads, error = None, f"RuntimeError: {exc}"
+        out[f"checkpoint_reentrant={reentrant}"] = {
+            "error": error, "iter": state.iter,
+            "warmup_vs_native": None if grads is None else _diff(native_c[:2], grads[:2])}
 
     # --- the same structure under register_fsdp (HSDP on a 2 x 1 mesh: the shard groups hold one rank each)
     from torch.distributed.device_mesh import init_device_mesh
@@ -378,3 +423,15 @@ def test_replicate_modules_on_different_meshes_are_refused(edges):
         assert err and err.startswith("ValueError: the replicate() modules of the model all-reduce over different "), err
         assert "replicate() module '<root>' over [0, 1]" in err and "replicate() module 'a' over [" in err, err
         assert "the same 1-D mesh" in err and out["two_meshes_untouched"], err
+
+
+def test_activation_checkpointing(edges):
+    for out in edges:
+        plain = out["checkpoint_reentrant=False"]
+        assert plain["error"] is None and plain["iter"] == 3 and max(plain["warmup_vs_native"]) <= 1e-6, plain
+        # re-entrant: each block is reduced inside a nested backward; counted there, the state counted 9 backward
+        # passes in 3 steps and compressed from the first step on (start_powerSGD_iter=2)
+        reentrant = out["checkpoint_reentrant=True"]
+        err = reentrant["error"]
+        assert err and err.startswith("RuntimeError") and "nested (re-entrant) backward" in err, reentrant
+        assert "use_reentrant=False" in err, err
