@@ -30,9 +30,10 @@ caller's thread; on CUDA the autograd device thread, inside FSDP's all-reduce st
 the same order on every rank of a replicate group, and the hook returns only when ``reduce_output`` holds the result:
 all collectives are issued from the hook body (on gloo each is waited for there; on NCCL the hook's ``then()`` chain
 runs inline, and waiting on its future orders FSDP's stream after it). A backward's iteration is counted once, at
-its end, as PowerSGD's DDP hooks count it (``start_powerSGD_iter``): queued behind every final autograd callback, as
-FSDP reduces some groups in its own (one per FSDP root; several when only submodules are wrapped); a hook call after
-the count raises rather than count a backward twice.
+its end, as PowerSGD's DDP hooks count it (``start_powerSGD_iter``), behind every final autograd callback (FSDP
+reduces some groups in its own: one per FSDP root, several when only submodules are wrapped;
+:class:`~powersgd_triton._fsdp_checks.BackwardCounter`). A hook call inside a nested (re-entrant) backward, e.g.
+``torch.utils.checkpoint(..., use_reentrant=True)``, raises: its end is not the step's (``use_reentrant=False``).
 
 Checked when registering (``ValueError`` / ``TypeError`` / ``RuntimeError`` before the first backward, nothing
 registered): the model has FSDP2 modules; every parameter is a ``Shard(0)`` DTensor on one 1-D mesh (a 2-D HSDP mesh
@@ -54,15 +55,15 @@ refused, never silently misread. Tested with torch 2.8, 2.11, 2.13 and 2.14 (CPU
 """
 
 import math
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import _compat, _step
-from ._fsdp_checks import HOOKS, check_hook, check_state_free, claim_state, several_groups_error  # noqa: F401 - HOOKS
+from ._fsdp_checks import (HOOKS, BackwardCounter, check_hook, check_state_free, claim_state,  # noqa: F401 - HOOKS
+                           several_groups_error)
 from .hooks import powerSGD_hook
 from .layout import check_gradient_dtype
 from .state import PowerSGDState
@@ -312,9 +313,7 @@ class FSDPPowerSGD:
         self.replicate_size = dist.get_world_size(group)
         self.shard_rank = groups[0].shard_rank
         self.shard_size = groups[0].shard_size
-        self._graph_task: Optional[int] = None
-        self._counted: Optional[int] = None  # the graph task (backward) whose end was counted last
-        self._lock = threading.Lock()
+        self._backwards = BackwardCounter(self._end_of_backward)  # one iteration per backward
         self.calls = 0
 
     # ------------------------------------------------------------------ the hook FSDP calls
@@ -357,17 +356,7 @@ class FSDPPowerSGD:
 
     def _reduce(self, group: ShardGroup, output: torch.Tensor) -> None:
         live = self._check_call(group, output)
-        gid = int(torch._C._current_graph_task_id())
-        if gid == -1:
-            raise RuntimeError(f"{group.label}: the PowerSGD all-reduce hook ran outside a backward pass; it counts "
-                               "iterations per backward and must be called by FSDP's post-backward")
-        with self._lock:
-            if gid == self._counted:  # one backward counted twice would shift start_powerSGD_iter
-                raise RuntimeError(f"{group.label}: FSDP reduced it after this backward was counted; refusing")
-            if gid != self._graph_task:  # the count runs after FSDP's final callbacks (its roots reduce there)
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward))
-                self._graph_task = gid
+        self._backwards.enter(group.label)
         views, params, offset = [], [], 0
         base = output.storage_offset()
         for i in live:
@@ -389,8 +378,6 @@ class FSDPPowerSGD:
         """Once per backward that reduced at least one group: the state's end-of-iteration bookkeeping, then
         ``iter += 1`` (as DDP's last bucket does)."""
         state = self.state
-        with self._lock:
-            self._counted, self._graph_task = self._graph_task, None
         if state.iter >= state.start_powerSGD_iter:
             _step.report_compression_stats(state, _EndOfBackward)
         _step.end_of_iteration(state)
