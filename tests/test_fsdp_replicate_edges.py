@@ -269,6 +269,8 @@ def _edges_worker(rank, world_size, seed):
     model = fresh(lambda: replicate(frozen()))
     register_replicate(model, state)
     grads, _, _ = _run(model, 4, rank, seed)
+    # the DDP model's state, the DDP model alive: refused too (the memory would be shared the same way)
+    out["shared_state"]["ddp"] = _error(lambda: register_replicate(fresh(lambda: replicate(Net())), d_state))
     out["frozen"] = {"vs_ddp": _diff(d_grads, grads), "iter": (d_state.iter, state.iter),
                      "none": sorted(n for n, g in grads[-1].items() if g is None),
                      "ranks": _matrix_ranks(grads, "b.weight")}
@@ -378,6 +380,8 @@ def test_state_on_two_live_models_is_refused(edges):
             assert r[key] and r[key].startswith("ValueError") and "already registered on another model" in r[key], r
             assert "give each model its own PowerSGDState" in r[key], r
         assert r["untouched"] and r["own_state"] is None and r["after_drop"] is None, r
+        assert r["ddp"] and r["ddp"].startswith("ValueError") and "DistributedDataParallel" in r["ddp"], r
+        assert "load_state_dict" in r["ddp"], r
 
 
 def test_frozen_parameters_match_ddp(edges):
