@@ -85,12 +85,24 @@ def several_groups_error(module_name: str, fsdp_groups: List, names: Dict[int, s
 
 
 def check_state_free(state, model, caller: str) -> None:
-    """``ValueError`` when ``state`` is already registered (:func:`claim_state`) on another model that is still alive.
+    """``ValueError`` when ``state`` is already registered (:func:`claim_state`) on another model that is still alive,
+    or on a live ``DistributedDataParallel`` model (``register_comm_hook``; one scan of the garbage collector's objects).
 
     A state's iteration count, error-feedback and warm-start memory belong to one model: shared by two (a GAN's
     generator and discriminator), their parameter groups share bucket indices (the second model's bucket 0 takes the
     first's memory) and each model's backward counts an iteration, silently changing both models' gradients; DDP's
     hooks refuse the same at their first call. A model that was dropped (garbage) frees the state. Changes nothing."""
+    from ._models import _registered_ddps
+
+    if _registered_ddps(state):
+        gc.collect()  # a dropped DDP model does not count
+        ddps = _registered_ddps(state)
+        if ddps:
+            raise ValueError(
+                f"{caller}: this PowerSGDState is registered (register_comm_hook) on a live DistributedDataParallel "
+                f"model of a {type(ddps[0].module).__name__}: its memory belongs to that model's buckets; give this "
+                "model its own PowerSGDState (to continue DDP's compression, load the DDP state's state_dict() into "
+                "it with load_state_dict before registering)")
     ref = getattr(state.buckets, "fsdp_model", None)
     other = ref() if ref is not None else None
     if other is None or other is model:
