@@ -13,7 +13,8 @@ compressed: the same average up to float32 rounding); DDP + our DDP hook (same b
 * one state registered on two live models (a GAN's generator and discriminator): refused with a clear error, nothing
   changed (shared, the second model's bucket 0 took the first's error memory and each model's backward counted an
   iteration: the generator's gradients differed from those with its own state from its second step on); free again
-  once the first model is dropped.
+  once the first model is dropped. The state of a live DDP model is refused too.
+* replicate() modules of one model on different meshes: one error naming each module's ranks.
 * activation checkpointing of replicate() blocks: ``use_reentrant=False`` counts once per backward (warm-up steps are
   plain averages); ``use_reentrant=True`` reduces each block inside a backward nested in the outer one, whose end the
   hook cannot see (it counted 3 iterations a step and compressed the warm-up): refused naming
@@ -37,7 +38,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from _dist import run_ranks
