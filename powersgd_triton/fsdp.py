@@ -486,7 +486,7 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
             a 2-D mesh given to ``fully_shard`` (native HSDP), tensor-parallel parameters, a custom
             ``shard_placement_fn`` (a module with several parameter groups: one error naming each group's mesh and
             parameters, and what works), a gradient divide factor, an all-reduce hook already set, ``state`` already
-            registered on another live model.
+            registered on another live model or on a live DDP model.
         RuntimeError: a torch whose FSDP2 has no ``set_all_reduce_hook`` or lays shards out differently.
 
     Example::

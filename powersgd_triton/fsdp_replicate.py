@@ -29,9 +29,12 @@ nothing changed on a refusal): a torch that has FSDP2-based replicate() and the 
 (``RuntimeError`` naming the version otherwise: torch 2.8); every FSDP2 module of the model is a replicate() module
 (a ``fully_shard`` one: use :func:`~powersgd_triton.fsdp.register_fsdp`); each group's replicate group is
 ``state.process_group`` (``None``: the default group) and holds several ranks; replicated ``Replicate()`` DTensors on
-a 1-D mesh; a reduce dtype the hooks take; no gradient divide factor and no other all-reduce hook; the replicas'
-layouts agree (one ``all_gather_object`` over the group). Checked on every call (cheap): the buffer against the
-layout, and that the group still all-reduces over the 1-rank group (``RuntimeError`` naming the module otherwise).
+a 1-D mesh, every replicate() module of the model on the same one; a reduce dtype the hooks take; no gradient divide
+factor and no other all-reduce hook; a state no other live model (or DDP model) holds; the replicas' layouts agree
+(one ``all_gather_object`` over the group). Checked on every call (cheap): the buffer against the layout, that the
+group still all-reduces over the 1-rank group, and that the call is not inside a nested (re-entrant) backward
+(``RuntimeError`` naming the module otherwise). The iteration counts once per backward, also with replicate() on
+submodules only (several FSDP roots).
 """
 
 import copy
@@ -111,8 +114,8 @@ def _read_group(index: int, name: str, module, fsdp_group, names: Dict[int, str]
     device = getattr(fsdp_group, "device", None)
     if device is None:
         raise _unknown("FSDPParamGroup.device")
-    return _ReplicateGroup(index, name, module, fsdp_group, params, list(fsdp_params), dtype, torch.device(device), 0,
-                           1)
+    return _ReplicateGroup(index, name, module, fsdp_group, params, list(fsdp_params), dtype, torch.device(device),
+                           0, 1)
 
 
 class _ReplicateGroup(ShardGroup):
@@ -183,8 +186,8 @@ def register_replicate(model, state: PowerSGDState, hook: Callable = powerSGD_ho
         ValueError: another hook; ``alternating_powerSGD_hook`` without warm start; ``state.process_group`` is not
             the modules' replicate group, holds one rank, or the replicas' layouts differ (every member raises);
             replicate() modules on different meshes; a module with several parameter groups; a gradient divide
-            factor; an all-reduce hook already set;
-            ``state`` already registered on another live model (by this function or ``register_fsdp``).
+            factor; an all-reduce hook already set; ``state`` already registered on another live model (by this
+            function or ``register_fsdp``) or on a live DDP model.
 
     Example::
 
