@@ -1,18 +1,27 @@
 """Checks shared by :func:`powersgd_triton.fsdp.register_fsdp` (HSDP) and
 :func:`powersgd_triton.fsdp_replicate.register_replicate` (FSDP2-based ``replicate()``): which hooks may run on an
-FSDP2 parameter group's flat gradient buffer, and the one error for an FSDP2 module with several parameter groups.
+FSDP2 parameter group's flat gradient buffer, the one error for an FSDP2 module with several parameter groups, one
+state per live model (:func:`check_state_free`, :func:`claim_state`), and the count of one iteration per backward
+(:class:`BackwardCounter`).
 
 Nothing here reads FSDP's shard layout (that stays in the two registering modules); this module imports neither of
 them, so both import it without a cycle.
 """
 
-from typing import Callable, Dict, List
+import gc
+import sys
+import threading
+import weakref
+from typing import Callable, Dict, List, Optional
+
+import torch
 
 from . import _step
 from .alternating import alternating_powerSGD_hook
 from .hooks import powerSGD_hook
 
-__all__ = ["HOOKS", "check_hook", "several_groups_error"]
+__all__ = ["HOOKS", "check_hook", "several_groups_error", "check_state_free", "claim_state", "BackwardCounter",
+           "nested_backward"]
 
 HOOKS = {"powerSGD_hook": powerSGD_hook, "alternating_powerSGD_hook": alternating_powerSGD_hook}
 
@@ -73,3 +82,104 @@ def several_groups_error(module_name: str, fsdp_groups: List, names: Dict[int, s
         "not a ShardPlacementResult with another mesh) and register PowerSGD; or keep the per-parameter meshes and "
         "train that model with native HSDP (a 2-D mesh given to fully_shard), without PowerSGD"
     )
+
+
+def check_state_free(state, model, caller: str) -> None:
+    """``ValueError`` when ``state`` is already registered (:func:`claim_state`) on another model that is still alive,
+    or on a live ``DistributedDataParallel`` model (``register_comm_hook``; one scan of the garbage collector's objects).
+
+    A state's iteration count, error-feedback and warm-start memory belong to one model: shared by two (a GAN's
+    generator and discriminator), their parameter groups share bucket indices (the second model's bucket 0 takes the
+    first's memory) and each model's backward counts an iteration, silently changing both models' gradients; DDP's
+    hooks refuse the same at their first call. A model that was dropped (garbage) frees the state. Changes nothing."""
+    from ._models import _registered_ddps
+
+    if _registered_ddps(state):
+        gc.collect()  # a dropped DDP model does not count
+        ddps = _registered_ddps(state)
+        if ddps:
+            raise ValueError(
+                f"{caller}: this PowerSGDState is registered (register_comm_hook) on a live DistributedDataParallel "
+                f"model of a {type(ddps[0].module).__name__}: its memory belongs to that model's buckets; give this "
+                "model its own PowerSGDState (to continue DDP's compression, load the DDP state's state_dict() into "
+                "it with load_state_dict before registering)")
+    ref = getattr(state.buckets, "fsdp_model", None)
+    other = ref() if ref is not None else None
+    if other is None or other is model:
+        return
+    del other
+    gc.collect()  # a dropped model held only by reference cycles (its hooks hold our handle) does not count
+    other = ref()
+    if other is not None and other is not model:
+        raise ValueError(
+            f"{caller}: this PowerSGDState is already registered on another model (a {type(other).__name__} at "
+            f"0x{id(other):x}, still alive): its iteration count and its error-feedback and warm-start memory belong "
+            "to one model (shared, both models' parameter groups would use bucket 0 on and each backward of either would "
+            "count an iteration); give each model its own PowerSGDState"
+        )
+
+
+def claim_state(state, model) -> None:
+    """Record that ``state`` is registered on ``model`` (weakly; :func:`check_state_free` reads it)."""
+    state.buckets.fsdp_model = weakref.ref(model)
+
+
+def nested_backward() -> bool:
+    """Whether the caller runs inside a backward that a node of another backward started (a re-entrant backward:
+    ``torch.utils.checkpoint(..., use_reentrant=True)``, a custom ``Function`` whose backward calls autograd): some
+    frame of an autograd ``Function``'s backward lies outside the innermost ``_engine_run_backward`` frame. On CUDA
+    the outer backward runs on the device thread without such a frame, and a nested one still has both. A few
+    microseconds (one walk up the stack)."""
+    from torch.autograd import function, graph
+
+    engine = getattr(getattr(graph, "_engine_run_backward", None), "__code__", None)
+    node = getattr(getattr(getattr(function, "BackwardCFunction", None), "apply", None), "__code__", None)
+    frame, inside = sys._getframe(1), False
+    while frame is not None:
+        if frame.f_code is engine:
+            inside = True
+        elif inside and frame.f_code is node:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class BackwardCounter:
+    """Calls ``end()`` once per backward in which :meth:`enter` was called, after every final autograd callback of
+    that backward: FSDP reduces some parameter groups in its own final callback (one per FSDP root, queued during the
+    backward; several roots when only submodules are wrapped), so the first :meth:`enter` of a backward queues a
+    callback that queues ``end`` behind them. This is when PowerSGD's DDP hooks count an iteration."""
+
+    def __init__(self, end: Callable[[], None]):
+        self._end = end
+        self._task: Optional[int] = None  # the graph task (backward) whose end is queued
+        self._counted: Optional[int] = None  # the graph task whose end was counted last
+        self._lock = threading.Lock()
+
+    def enter(self, label: str) -> None:
+        """Called by each hook call, before it reduces anything. Raises ``RuntimeError`` (``label``: the module) outside
+        a backward, inside a nested (re-entrant) backward (its end is not the outer backward's, and counting there
+        counted one iteration per checkpointed block), or after this backward's end was counted."""
+        engine = torch.autograd.Variable._execution_engine
+        gid = int(torch._C._current_graph_task_id())
+        if gid == -1:
+            raise RuntimeError(f"{label}: the PowerSGD all-reduce hook ran outside a backward pass; it counts "
+                               "iterations per backward and must be called by FSDP's post-backward")
+        if nested_backward():
+            raise RuntimeError(
+                f"{label}: FSDP reduced its gradients inside a nested (re-entrant) backward, e.g. of "
+                "torch.utils.checkpoint(..., use_reentrant=True); PowerSGD counts one iteration per backward "
+                "(start_powerSGD_iter) and cannot see where the outer one ends: use torch.utils.checkpoint(..., "
+                "use_reentrant=False) (or checkpoint_wrapper with CheckpointImpl.NO_REENTRANT)")
+        with self._lock:
+            if gid == self._counted:
+                raise RuntimeError(f"{label}: FSDP reduced it after this backward's end was counted; refusing to "
+                                   "count one backward twice (start_powerSGD_iter)")
+            if gid != self._task:
+                engine.queue_callback(lambda: engine.queue_callback(self._run))
+                self._task = gid
+
+    def _run(self) -> None:
+        with self._lock:
+            self._counted, self._task = self._task, None
+        self._end()

@@ -118,6 +118,8 @@ class BucketMemories(dict):
       model on the same state is refused: ``powersgd_triton._models.check_one_model``);
     * ``group_checked``: the state's process group was compared with its DDP model's
       (``powersgd_triton._models.check_bucket_group``, at the first hook call).
+    * ``fsdp_model``: a weak reference to the model ``register_fsdp`` / ``register_replicate`` registered the state on
+      (a second live model is refused: ``powersgd_triton._fsdp_checks.check_state_free``).
     """
 
     def __init__(self):
@@ -140,6 +142,8 @@ class BucketMemories(dict):
         self.index_dtypes: Dict[int, tuple] = {}
         # the state's process group was compared with its DDP model's (_models.check_bucket_group, first call)
         self.group_checked = False
+        # weakref to the model register_fsdp / register_replicate registered the state on (_fsdp_checks.claim_state)
+        self.fsdp_model = None
 
     def replace_loaded(self, memories: Dict[int, BucketMemory], world_size: Optional[int],
                        rank: Optional[int]) -> None:

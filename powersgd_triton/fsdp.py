@@ -30,8 +30,10 @@ caller's thread; on CUDA the autograd device thread, inside FSDP's all-reduce st
 the same order on every rank of a replicate group, and the hook returns only when ``reduce_output`` holds the result:
 all collectives are issued from the hook body (on gloo each is waited for there; on NCCL the hook's ``then()`` chain
 runs inline, and waiting on its future orders FSDP's stream after it). A backward's iteration is counted once, at
-its end (a final autograd callback queued by the first hook call of that backward), which is when PowerSGD's DDP
-hooks count it too (``start_powerSGD_iter``).
+its end, as PowerSGD's DDP hooks count it (``start_powerSGD_iter``), behind every final autograd callback (FSDP
+reduces some groups in its own: one per FSDP root, several when only submodules are wrapped;
+:class:`~powersgd_triton._fsdp_checks.BackwardCounter`). A hook call inside a nested (re-entrant) backward, e.g.
+``torch.utils.checkpoint(..., use_reentrant=True)``, raises: its end is not the step's (``use_reentrant=False``).
 
 Checked when registering (``ValueError`` / ``TypeError`` / ``RuntimeError`` before the first backward, nothing
 registered): the model has FSDP2 modules; every parameter is a ``Shard(0)`` DTensor on one 1-D mesh (a 2-D HSDP mesh
@@ -53,15 +55,15 @@ refused, never silently misread. Tested with torch 2.8, 2.11, 2.13 and 2.14 (CPU
 """
 
 import math
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import _compat, _step
-from ._fsdp_checks import HOOKS, check_hook, several_groups_error  # noqa: F401 - HOOKS: importable here as before
+from ._fsdp_checks import (HOOKS, BackwardCounter, check_hook, check_state_free, claim_state,  # noqa: F401 - HOOKS
+                           several_groups_error)
 from .hooks import powerSGD_hook
 from .layout import check_gradient_dtype
 from .state import PowerSGDState
@@ -311,8 +313,7 @@ class FSDPPowerSGD:
         self.replicate_size = dist.get_world_size(group)
         self.shard_rank = groups[0].shard_rank
         self.shard_size = groups[0].shard_size
-        self._graph_task: Optional[int] = None
-        self._lock = threading.Lock()
+        self._backwards = BackwardCounter(self._end_of_backward)  # one iteration per backward
         self.calls = 0
 
     # ------------------------------------------------------------------ the hook FSDP calls
@@ -355,14 +356,7 @@ class FSDPPowerSGD:
 
     def _reduce(self, group: ShardGroup, output: torch.Tensor) -> None:
         live = self._check_call(group, output)
-        gid = int(torch._C._current_graph_task_id())
-        if gid == -1:
-            raise RuntimeError(f"{group.label}: the PowerSGD all-reduce hook ran outside a backward pass; it counts "
-                               "iterations per backward and must be called by FSDP's post-backward")
-        with self._lock:
-            if gid != self._graph_task:
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-                self._graph_task = gid
+        self._backwards.enter(group.label)
         views, params, offset = [], [], 0
         base = output.storage_offset()
         for i in live:
@@ -384,8 +378,6 @@ class FSDPPowerSGD:
         """Once per backward that reduced at least one group: the state's end-of-iteration bookkeeping, then
         ``iter += 1`` (as DDP's last bucket does)."""
         state = self.state
-        with self._lock:
-            self._graph_task = None
         if state.iter >= state.start_powerSGD_iter:
             _step.report_compression_stats(state, _EndOfBackward)
         _step.end_of_iteration(state)
@@ -493,7 +485,8 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
             default group holds this rank's shard peers), a group of one rank, or a group that is not the replicas;
             a 2-D mesh given to ``fully_shard`` (native HSDP), tensor-parallel parameters, a custom
             ``shard_placement_fn`` (a module with several parameter groups: one error naming each group's mesh and
-            parameters, and what works), a gradient divide factor, an all-reduce hook already set.
+            parameters, and what works), a gradient divide factor, an all-reduce hook already set, ``state`` already
+            registered on another live model or on a live DDP model.
         RuntimeError: a torch whose FSDP2 has no ``set_all_reduce_hook`` or lays shards out differently.
 
     Example::
@@ -507,6 +500,7 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
     """
     FSDPModule, Shard = _fsdp_api()
     check_hook(hook, state, "register_fsdp")
+    check_state_free(state, model, "register_fsdp")
     if state.process_group is None:
         raise ValueError(
             "PowerSGDState.process_group is None (the default group): with FSDP it must be the replicate group, the "
@@ -587,6 +581,7 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
 
     handle = FSDPPowerSGD(model, state, hook, groups, shard_ranks)
     _step.bind_model(state, model)
+    claim_state(state, model)
     for g in groups:
         g.module.set_all_reduce_hook(handle._make_hook(g))
     return handle

@@ -29,9 +29,12 @@ nothing changed on a refusal): a torch that has FSDP2-based replicate() and the 
 (``RuntimeError`` naming the version otherwise: torch 2.8); every FSDP2 module of the model is a replicate() module
 (a ``fully_shard`` one: use :func:`~powersgd_triton.fsdp.register_fsdp`); each group's replicate group is
 ``state.process_group`` (``None``: the default group) and holds several ranks; replicated ``Replicate()`` DTensors on
-a 1-D mesh; a reduce dtype the hooks take; no gradient divide factor and no other all-reduce hook; the replicas'
-layouts agree (one ``all_gather_object`` over the group). Checked on every call (cheap): the buffer against the
-layout, and that the group still all-reduces over the 1-rank group (``RuntimeError`` naming the module otherwise).
+a 1-D mesh, every replicate() module of the model on the same one; a reduce dtype the hooks take; no gradient divide
+factor and no other all-reduce hook; a state no other live model (or DDP model) holds; the replicas' layouts agree
+(one ``all_gather_object`` over the group). Checked on every call (cheap): the buffer against the layout, that the
+group still all-reduces over the 1-rank group, and that the call is not inside a nested (re-entrant) backward
+(``RuntimeError`` naming the module otherwise). The iteration counts once per backward, also with replicate() on
+submodules only (several FSDP roots).
 """
 
 import copy
@@ -42,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from . import _compat, _step
-from ._fsdp_checks import check_hook, several_groups_error
+from ._fsdp_checks import check_hook, check_state_free, claim_state, several_groups_error
 from .fsdp import FSDPPowerSGD, ShardGroup, ShardParam, _exchange, _group_ranks, _reduce_dtype
 from .hooks import powerSGD_hook
 from .layout import check_gradient_dtype
@@ -111,7 +114,16 @@ def _read_group(index: int, name: str, module, fsdp_group, names: Dict[int, str]
     device = getattr(fsdp_group, "device", None)
     if device is None:
         raise _unknown("FSDPParamGroup.device")
-    return ShardGroup(index, name, module, fsdp_group, params, list(fsdp_params), dtype, torch.device(device), 0, 1)
+    return _ReplicateGroup(index, name, module, fsdp_group, params, list(fsdp_params), dtype, torch.device(device),
+                           0, 1)
+
+
+class _ReplicateGroup(ShardGroup):
+    """A replicate() parameter group (whole parameters: ``shard_size`` 1), named as such in messages."""
+
+    @property
+    def label(self) -> str:
+        return f"replicate() module {self.module_name or '<root>'!r}"
 
 
 class ReplicatePowerSGD(FSDPPowerSGD):
@@ -173,7 +185,9 @@ def register_replicate(model, state: PowerSGDState, hook: Callable = powerSGD_ho
             compress.
         ValueError: another hook; ``alternating_powerSGD_hook`` without warm start; ``state.process_group`` is not
             the modules' replicate group, holds one rank, or the replicas' layouts differ (every member raises);
-            a module with several parameter groups; a gradient divide factor; an all-reduce hook already set.
+            replicate() modules on different meshes; a module with several parameter groups; a gradient divide
+            factor; an all-reduce hook already set; ``state`` already registered on another live model (by this
+            function or ``register_fsdp``) or on a live DDP model.
 
     Example::
 
@@ -190,6 +204,7 @@ def register_replicate(model, state: PowerSGDState, hook: Callable = powerSGD_ho
     from torch.distributed.fsdp import FSDPModule
 
     check_hook(hook, state, "register_replicate")
+    check_state_free(state, model, "register_replicate")
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized")
     group = state.process_group if state.process_group is not None else dist.group.WORLD
@@ -221,8 +236,13 @@ def register_replicate(model, state: PowerSGDState, hook: Callable = powerSGD_ho
                 groups.append(_read_group(len(groups), mname, module, fg, names))
     if not groups:
         raise TypeError(f"{type(model).__name__}'s replicate() modules hold no parameters")
+    ranks = {g.label: _group_ranks(g._fsdp_group.mesh_info.replicate_process_group) for g in groups}
+    if len({tuple(sorted(r)) for r in ranks.values()}) > 1:
+        raise ValueError("the replicate() modules of the model all-reduce over different ranks ("
+                         + "; ".join(f"{k} over {v}" for k, v in ranks.items()) + "): PowerSGD compresses over one "
+                         "replicate group; give every replicate() call of the model the same 1-D mesh")
     for g in groups:
-        theirs = _group_ranks(g._fsdp_group.mesh_info.replicate_process_group)
+        theirs = ranks[g.label]
         if sorted(theirs) != sorted(replicas):
             raise ValueError(f"{g.label} all-reduces over ranks {theirs}, PowerSGDState.process_group holds ranks "
                              f"{replicas}: give the replicate mesh's group (mesh.get_group())")
@@ -252,6 +272,7 @@ def register_replicate(model, state: PowerSGDState, hook: Callable = powerSGD_ho
             fg.mesh_info = info
         raise
     _step.bind_model(state, model)
+    claim_state(state, model)
     for g in groups:
         g.module.set_all_reduce_hook(handle._make_hook(g))
     return handle

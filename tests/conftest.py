@@ -76,7 +76,7 @@ def world1():
 # README's test command runs the suite on pytest-xdist workers (one per core, at most 4). Tests that share a
 # module-scoped fixture (one multi-rank launch for many tests) stay on one worker (``--dist loadgroup``).
 _GROUPED_MODULES = ("test_hooks_ddp.py", "test_integrations_torchrun.py", "test_comm_dtype_ddp.py",
-                     "test_fsdp_replicate.py", "test_compiled_ddp.py")
+                     "test_fsdp_replicate.py", "test_compiled_ddp.py", "test_fsdp_replicate_edges.py")
 
 # Hang detectors (``@pytest.mark.timeout`` and the ``timeout`` ini value, the multi-rank harness's deadline, the
 # subprocess timeouts) are sized for one test on a quiet machine and scale with the load, in each process that sets
