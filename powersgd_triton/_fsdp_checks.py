@@ -61,6 +61,22 @@ def _mesh_text(fsdp_group) -> str:
         return f"mesh {mesh!r}"
 
 
+def group_reduce_dtype(label: str, dtypes: set) -> torch.dtype:
+    """The one reduce dtype of an FSDP parameter group's parameters (``label``: the module, for messages); raises
+    ``ValueError`` for several, ``TypeError`` for one PowerSGD cannot compress (``layout.check_gradient_dtype``)."""
+    from .layout import check_gradient_dtype
+
+    if len(dtypes) > 1:
+        raise ValueError(f"{label}: parameters with different reduce dtypes {sorted(map(str, dtypes))}")
+    dtype = next(iter(dtypes))
+    try:
+        check_gradient_dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"{label}: its gradients are reduced in {dtype} (MixedPrecisionPolicy.reduce_dtype or the "
+                        f"parameter dtype), which PowerSGD cannot compress: {exc}") from None
+    return dtype
+
+
 def several_groups_error(module_name: str, fsdp_groups: List, names: Dict[int, str]) -> ValueError:
     """The error for an FSDP2 module whose ``fully_shard(..., shard_placement_fn=...)`` gave its parameters different
     meshes, so that FSDP made several parameter groups for it (torch > 2.11; ``fsdp_groups``: what

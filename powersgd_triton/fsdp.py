@@ -63,9 +63,8 @@ import torch.distributed as dist
 
 from . import _compat, _step
 from ._fsdp_checks import (HOOKS, BackwardCounter, check_hook, check_state_free, claim_state,  # noqa: F401 - HOOKS
-                           several_groups_error)
+                           group_reduce_dtype, several_groups_error)
 from .hooks import powerSGD_hook
-from .layout import check_gradient_dtype
 from .state import PowerSGDState
 
 __all__ = ["register_fsdp", "FSDPPowerSGD", "ShardParam", "ShardGroup", "FORMAT"]
@@ -275,14 +274,7 @@ def _read_group(index: int, name: str, module, fsdp_group, names: Dict[int, str]
         dtypes.add(_reduce_dtype(fp, fsdp_group, p.dtype))
         params.append(ShardParam(pname, shape, local, padded, rows, inner))
         sharded.append(fp)
-    if len(dtypes) > 1:
-        raise ValueError(f"{label}: parameters with different reduce dtypes {sorted(map(str, dtypes))}")
-    dtype = dtypes.pop()
-    try:
-        check_gradient_dtype(dtype)
-    except TypeError as exc:
-        raise TypeError(f"{label}: its gradients are reduced in {dtype} (MixedPrecisionPolicy.reduce_dtype or the "
-                        f"parameter dtype), which PowerSGD cannot compress: {exc}") from None
+    dtype = group_reduce_dtype(label, dtypes)
     device = getattr(fsdp_group, "device", None)
     if device is None:
         raise _unknown("FSDPParamGroup.device")

@@ -45,10 +45,9 @@ import torch
 import torch.distributed as dist
 
 from . import _compat, _step
-from ._fsdp_checks import check_hook, check_state_free, claim_state, several_groups_error
+from ._fsdp_checks import check_hook, check_state_free, claim_state, group_reduce_dtype, several_groups_error
 from .fsdp import FSDPPowerSGD, ShardGroup, ShardParam, _exchange, _group_ranks, _reduce_dtype
 from .hooks import powerSGD_hook
-from .layout import check_gradient_dtype
 from .state import PowerSGDState
 
 __all__ = ["register_replicate", "ReplicatePowerSGD"]
@@ -103,14 +102,7 @@ def _read_group(index: int, name: str, module, fsdp_group, names: Dict[int, str]
         rows = shape[0] if shape else 1
         params.append(ShardParam(pname, shape, shape, numel, rows, numel // rows if rows else 0))
         dtypes.add(_reduce_dtype(fp, fsdp_group, p.dtype))
-    if len(dtypes) > 1:
-        raise ValueError(f"{label}: parameters with different reduce dtypes {sorted(map(str, dtypes))}")
-    dtype = dtypes.pop()
-    try:
-        check_gradient_dtype(dtype)
-    except TypeError as exc:
-        raise TypeError(f"{label}: its gradients are reduced in {dtype} (MixedPrecisionPolicy.reduce_dtype or the "
-                        f"parameter dtype), which PowerSGD cannot compress: {exc}") from None
+    dtype = group_reduce_dtype(label, dtypes)
     device = getattr(fsdp_group, "device", None)
     if device is None:
         raise _unknown("FSDPParamGroup.device")

@@ -224,6 +224,15 @@ class FakeBucket:
         return self._is_last
 
 
+def error_text(fn) -> "str | None":
+    """``"TypeName: message"`` of the exception ``fn()`` raises, or None (a rank's refusal, sent back as text)."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _dist import run_ranks
+from _dist import error_text as _error, run_ranks
+from bucket_utils import rel_err64 as _rel
 
 from powersgd_triton._compat import fsdp_all_reduce_hook_missing
 
@@ -86,18 +87,6 @@ def _train(model, steps, rank, start=0, seed=0):
 
 def _local(model):
     return [p.detach().to_local().clone() for p in model.parameters()]
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
-
-
-def _error(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def _hsdp_worker(rank, world_size, seed):

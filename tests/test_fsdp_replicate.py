@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _dist import run_ranks
+from _dist import error_text as _error, run_ranks
+from bucket_utils import rel_err64 as _rel
 
 from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, powerSGD_hook
 from powersgd_triton._compat import fsdp_all_reduce_hook_missing, replicate_with_fsdp_missing
@@ -71,18 +72,6 @@ def _local(t):
 
 def _grads(model):
     return {n.removeprefix("module."): _local(p.grad).detach().clone() for n, p in model.named_parameters()}
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
-
-
-def _error(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def _run(model, steps, rank, seed, lr=0.05):

@@ -40,7 +40,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from _dist import run_ranks
+from _dist import error_text as _error, run_ranks
 
 from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, powerSGD_hook
 from powersgd_triton._compat import replicate_with_fsdp_missing
@@ -141,14 +141,6 @@ def _state(rank_=2, group=None, **kw):
         kw["min_compression_rate"] = 1e-9
     return PowerSGDState(group, matrix_approximation_rank=rank_, start_powerSGD_iter=2, backend="torch",
                          random_seed=7, **kw)
-
-
-def _error(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def _matrix_ranks(grads, name):
