@@ -77,6 +77,30 @@ def group_reduce_dtype(label: str, dtypes: set) -> torch.dtype:
     return dtype
 
 
+def fsdp_modules(model, names: Dict[int, str], none_message: str, unknown: Callable[[str], Exception]) -> List[tuple]:
+    """``[(name, module, parameter groups)]`` for every FSDP2 module of ``model`` (``fully_shard`` or FSDP2-based
+    ``replicate()``), in ``model.named_modules()`` order; ``names``: parameter names by ``id``. Raises ``TypeError``
+    (``none_message``) when there is none, :func:`several_groups_error` for a module with several parameter groups,
+    ``unknown(what)`` when this torch's FSDP state has no parameter groups to read."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from . import _compat
+
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise TypeError(none_message)
+    out = []
+    for mname, module in modules:
+        try:
+            fsdp_groups = _compat.fsdp_param_groups(module._get_fsdp_state())
+        except AttributeError:
+            raise unknown("FSDPModule._get_fsdp_state()'s parameter groups") from None
+        if len(fsdp_groups) > 1:
+            raise several_groups_error(mname, fsdp_groups, names)
+        out.append((mname, module, fsdp_groups))
+    return out
+
+
 def several_groups_error(module_name: str, fsdp_groups: List, names: Dict[int, str]) -> ValueError:
     """The error for an FSDP2 module whose ``fully_shard(..., shard_placement_fn=...)`` gave its parameters different
     meshes, so that FSDP made several parameter groups for it (torch > 2.11; ``fsdp_groups``: what

@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from . import _compat, _step
 from ._fsdp_checks import (HOOKS, BackwardCounter, check_hook, check_state_free, claim_state,  # noqa: F401 - HOOKS
-                           group_reduce_dtype, several_groups_error)
+                           fsdp_modules, group_reduce_dtype)
 from .hooks import powerSGD_hook
 from .state import PowerSGDState
 
@@ -490,7 +490,7 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
         state = PowerSGDState(mesh["replicate"].get_group(), matrix_approximation_rank=4, start_powerSGD_iter=100)
         powersgd = register_fsdp(model, state)   # then train as usual
     """
-    FSDPModule, Shard = _fsdp_api()
+    _, Shard = _fsdp_api()
     check_hook(hook, state, "register_fsdp")
     check_state_free(state, model, "register_fsdp")
     if state.process_group is None:
@@ -508,17 +508,8 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
 
     names = {id(p): n for n, p in model.named_parameters()}
     groups: List[ShardGroup] = []
-    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        raise TypeError(f"{type(model).__name__} has no FSDP2 module: apply fully_shard(module, mesh=mesh['shard']) "
-                        "first")
-    for mname, module in modules:
-        try:
-            fsdp_groups = _compat.fsdp_param_groups(module._get_fsdp_state())
-        except AttributeError:
-            raise _unknown("FSDPModule._get_fsdp_state()'s parameter groups") from None
-        if len(fsdp_groups) > 1:
-            raise several_groups_error(mname, fsdp_groups, names)
+    none = f"{type(model).__name__} has no FSDP2 module: apply fully_shard(module, mesh=mesh['shard']) first"
+    for mname, module, fsdp_groups in fsdp_modules(model, names, none, _unknown):
         if any(type(getattr(fg, "mesh_info", None)).__name__ == "DDPMeshInfo" for fg in fsdp_groups):
             raise TypeError(f"module {mname or '<root>'!r} is replicated with replicate(), not sharded: use "
                             "powersgd_triton.fsdp_replicate.register_replicate")

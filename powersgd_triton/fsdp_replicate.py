@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from . import _compat, _step
-from ._fsdp_checks import check_hook, check_state_free, claim_state, group_reduce_dtype, several_groups_error
+from ._fsdp_checks import check_hook, check_state_free, claim_state, fsdp_modules, group_reduce_dtype
 from .fsdp import FSDPPowerSGD, ShardGroup, ShardParam, _exchange, _group_ranks, _reduce_dtype
 from .hooks import powerSGD_hook
 from .state import PowerSGDState
@@ -193,8 +193,6 @@ def register_replicate(model, state: PowerSGDState, hook: Callable = powerSGD_ho
     missing = _compat.replicate_with_fsdp_missing()
     if missing:
         raise RuntimeError(missing)
-    from torch.distributed.fsdp import FSDPModule
-
     check_hook(hook, state, "register_replicate")
     check_state_free(state, model, "register_replicate")
     if not dist.is_initialized():
@@ -206,18 +204,10 @@ def register_replicate(model, state: PowerSGDState, hook: Callable = powerSGD_ho
         raise ValueError(f"rank {me} is not a member of PowerSGDState.process_group (ranks {replicas})")
 
     names = {id(p): n for n, p in model.named_parameters()}
-    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        raise TypeError(f"{type(model).__name__} has no replicate() module: apply "
-                        "torch.distributed._composable.replicate_with_fsdp.replicate(module) first")
+    none = (f"{type(model).__name__} has no replicate() module: apply "
+            "torch.distributed._composable.replicate_with_fsdp.replicate(module) first")
     groups: List[ShardGroup] = []
-    for mname, module in modules:
-        try:
-            fsdp_groups = _compat.fsdp_param_groups(module._get_fsdp_state())
-        except AttributeError:
-            raise _unknown("FSDPModule._get_fsdp_state()'s parameter groups") from None
-        if len(fsdp_groups) > 1:
-            raise several_groups_error(mname, fsdp_groups, names)
+    for mname, module, fsdp_groups in fsdp_modules(model, names, none, _unknown):
         for fg in fsdp_groups:
             if type(getattr(fg, "mesh_info", None)).__name__ != "DDPMeshInfo":
                 raise TypeError(f"module {mname or '<root>'!r} is sharded with fully_shard (its parameter group's "
