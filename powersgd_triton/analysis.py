@@ -47,6 +47,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import teardown
 from .layout import should_compress
 
 IMPLS = ("ours", "reference", "ours_cold", "alternating")
@@ -242,8 +243,7 @@ def _rank_main(rank: int, world_size: int, init_method: str, cfg: ApproximationC
             "batch_size": tcfg.batch_size,
         }
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        teardown.destroy_process_group()  # torch's, safe against gloo's worker threads (powersgd_triton.teardown)
 
 
 def approximation_errors(config: Optional[ApproximationConfig] = None, **overrides) -> Dict[str, Any]:

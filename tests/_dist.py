@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 import _deadline
 import _poison
+from powersgd_triton import teardown
 from powersgd_triton.train.launch import adopt_environment, forkserver_context
 
 # Imported once by the fork server, before it forks any rank (missing ones are skipped by multiprocessing).
@@ -79,7 +80,7 @@ def _child(fn, rank, world_size, store_path, timeout, q, args, kwargs, env, pois
         result = fn(rank, world_size, *args, **kwargs)
         q.put((rank, True, pickle.dumps(result)))
         dist.barrier()
-        dist.destroy_process_group()
+        teardown.destroy_process_group()  # a gloo worker thread may hold the last reference (powersgd_triton.teardown)
     except BaseException:  # noqa: BLE001 - report everything to the parent
         code = 1
         try:

@@ -116,7 +116,9 @@ def _exec_blocks(todo) -> int:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            dist.destroy_process_group()
+            from powersgd_triton import teardown
+
+            teardown.destroy_process_group()
     except ImportError:
         pass
     return 0

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from powersgd_triton import PowerSGDState, powerSGD_hook  # noqa: E402
+from powersgd_triton import teardown  # noqa: E402
 from powersgd_triton.integrations import register  # noqa: E402
 from powersgd_triton.wrappers import bf16_compress_wrapper  # noqa: E402
 
@@ -56,7 +57,7 @@ def main(device_name):
                 "finite": all(bool(torch.isfinite(p).all()) for p in ddp.parameters()),
                 "loss_went_down": losses[-1] < losses[0],
             }), flush=True)
-        dist.destroy_process_group()
+        teardown.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -65,11 +65,13 @@ def world1():
 
     from powersgd_triton import benchmarking as B
 
+    from powersgd_triton import teardown
+
     mine = not dist.is_initialized()
     B.ensure_process_group("gloo")
     yield
-    if mine and dist.is_initialized():
-        dist.destroy_process_group()
+    if mine:  # not dist.destroy_process_group(): a gloo worker thread may hold the group's last reference (teardown)
+        teardown.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------- parallel runs (xdist)

@@ -10,6 +10,7 @@ import torch
 
 from _deadline import scaled
 
+from powersgd_triton import teardown
 from powersgd_triton.train import launch
 from powersgd_triton.train.loop import AllReduceCounter
 
@@ -53,7 +54,7 @@ def _count_allreduce(rank, world_size, init_method):
         dist.barrier()
         return {"bytes": b, "calls": c, "after": after, "sum": t.tolist(), "restored": untouched}
     finally:
-        dist.destroy_process_group()
+        teardown.destroy_process_group()
 
 
 def test_returns_rank0_value():

@@ -5,6 +5,7 @@ import time
 import torch
 
 from powersgd_triton import benchmarking as B
+from powersgd_triton import teardown
 
 from .common import (BUCKET_MB, CAP, DEVICE, DRY, FIRST_BUCKET_MB, MAX_HOOK_BUCKETS, QUICK, RANK, RESERVE, RESULTS,
                      ROTATE, SHRINK, generator, item_error, left, log, maybe_save, sync, timed)
@@ -26,8 +27,7 @@ def _pg_backend():
             backend = "nccl"
         except Exception as exc:
             log(f"  nccl world of 1 failed ({type(exc).__name__}: {exc}); using gloo")
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            teardown.destroy_process_group()
     if not dist.is_initialized():
         B.ensure_process_group("gloo")
     RESULTS["pg"] = backend

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import _env
+from .. import _env, teardown
 from . import data as data_mod
 from .config import (  # noqa: F401 - COMPARE_HOOKS, FSDP_HOOKS, WORKLOAD_DEFAULTS re-exported
     COMPARE_HOOKS, FSDP_HOOKS, HOOKS, REFERENCE_BUCKET_CAP_MB, WORKLOAD_DEFAULTS, TrainConfig,
@@ -481,7 +481,7 @@ def rank_main(rank: int, world_size: int, init_method: Optional[str], cfg: Train
             # exit ("terminate called without an active exception", pytorch/pytorch#190489; as
             # examples/torchrun_ddp.py)
             gc.collect()
-            dist.destroy_process_group()
+            teardown.destroy_process_group()  # not torch's: see powersgd_triton.teardown
     return results if rank == 0 else None
 
 
