@@ -198,8 +198,10 @@ def _what_changed(mem: BucketMemory, layout: BucketLayout, params) -> str:
     if old[0] != new[0]:
         what.append(f"the memory is the {old[0]} hook's, this is the {new[0]} hook")
         old = new = (None,) * 6
-    if old[1] != new[1] or (not layout.batched and old[5] != new[5]):
-        what.append(f"its gradients changed ({old[1]} -> {new[1]} elements or other shapes or offsets)")
+    if old[1] != new[1]:
+        what.append(f"its gradients changed from {old[1]} to {new[1]} elements")
+    elif not layout.batched and old[5] != new[5]:
+        what.append(f"its gradients changed shapes or offsets ({new[1]} elements, as before)")
     if old[2] != new[2]:
         what.append(f"the gradient dtype changed from {old[2]} to {new[2]}")
     if old[3] != new[3]:

@@ -201,9 +201,16 @@ def test_other_changes_name_what_changed():
     message = str(w[0].message)
     assert "dtype changed from torch.float32 to torch.float16" in message
     assert "matrix_approximation_rank changed from 2 to 3" in message and "rebuilt" not in message
-    other = [(20, 24), (20,), (40, 48)]
-    with pytest.warns(RuntimeWarning, match="its gradients changed"):
+    other = [(20, 24), (20,), (40, 48)]  # the same elements in other shapes
+    with pytest.warns(RuntimeWarning, match="its gradients changed") as w:
         _step.prepare_bucket(state, FakeBucket(half, other), half, False, None)
+    n = bucket_numel(shapes)
+    assert f"its gradients changed shapes or offsets ({n} elements, as before)" in str(w[0].message)
+    bigger = other + [(8, 10)]
+    more = torch.randn(bucket_numel(bigger)).half()
+    with pytest.warns(RuntimeWarning, match="its gradients changed") as w:
+        _step.prepare_bucket(state, FakeBucket(more, bigger), more, False, None)
+    assert f"its gradients changed from {n} to {n + 80} elements" in str(w[0].message)
 
 
 # ---------------------------------------------------------------------------------------------- two models
