@@ -368,3 +368,23 @@ def test_configuration_is_checked_once(monkeypatch, capsys):
     with pytest.raises(ValueError, match="--batch-size must be at least 1, got 0"):
         loop.run_training(cfg)
     assert len(launched) == 3
+
+
+def test_progress_bars_only_on_a_terminal(monkeypatch, capsys):
+    """Rank 0's tqdm bars go to a terminal only; with stderr in a file or pipe the epoch lines stay, bars do not."""
+    from powersgd_triton import _env
+    from powersgd_triton.train import loop
+
+    if not _env.has_progress_bar():
+        pytest.skip("tqdm is not installed")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    log = loop._Log(True, True)
+    assert not log.progress
+    bar = log.bar(total=3, desc="epoch 1")
+    bar.update(3)
+    bar.close()
+    log.line("epoch 1 loss 0.5")
+    out = capsys.readouterr()
+    assert out.out == "epoch 1 loss 0.5\n" and "epoch 1" not in out.err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert loop._Log(True, True).progress and not loop._Log(False, True).progress and not loop._Log(True, False).progress

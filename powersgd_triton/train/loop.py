@@ -422,12 +422,21 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
     return out
 
 
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
 class _Log:
-    """Rank 0 prints a tqdm bar per epoch and one line per epoch; other ranks are quiet."""
+    """Rank 0 prints a tqdm bar per epoch (when stderr is a terminal: none in a log file) and one line per epoch; other
+    ranks are quiet."""
 
     def __init__(self, enabled: bool, progress: bool):
         self.enabled = enabled
-        self.progress = enabled and progress and _env.has_progress_bar()  # without tqdm: plain lines
+        # without tqdm, or stderr redirected to a file or pipe: plain lines only
+        self.progress = enabled and progress and _env.has_progress_bar() and _isatty(sys.stderr)
 
     def bar(self, total: int, desc: str):
         tqdm = _env.progress_bar(auto=True)
