@@ -45,12 +45,12 @@ def _loop(mode: str, rounds: int):
 def test_destroy_after_pytorch_hook_on_gloo_does_not_abort():
     out = _loop("safe", 150)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().startswith("kept "), out.stdout
+    assert out.stdout.strip().splitlines()[-1].startswith("kept "), out.stdout[-2000:]  # torch 2.8: gloo's lines first
 
 
 def test_control_torch_destroy_aborts():
-    """The loop above with torch's own destroy: shows the loop is a test of something (it aborted in the first
-    rounds on torch 2.13, 2026-12-03)."""
+    """The loop above with torch's own destroy: shows the loop is a test of something (2026-12-03: it aborted within
+    150 rounds on torch 2.8.0, 2.13.0 and 2.14.1; 2.11.0 did not abort in 150, and skips)."""
     out = _loop("torch", 150)
     if out.returncode == 0:
         pytest.skip("torch's destroy_process_group did not abort in 150 rounds here (the hazard may be fixed)")
@@ -86,4 +86,4 @@ _UNITS = textwrap.dedent("""
 
 def test_groups_kept_while_held_and_dropped_after():
     out = subprocess.run([sys.executable, "-c", _UNITS], capture_output=True, text=True, timeout=scaled(120))
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "ok", out.stderr[-3000:]
