@@ -9,9 +9,11 @@ matrices in the same order, which each run checks on the states' layouts before 
 steps (SGD with momentum) agree within 1e-5 relative (float32 rounding: the uncompressed tensors are all-reduced in
 another order, and gloo's reduction order follows the buffer's layout). The bytes over the replicate group are
 counted by wrapping ``dist.all_reduce``: P, Q and the uncompressed tensors only, FSDP's native all-reduce going to
-this rank's 1-rank group. Also: gradient accumulation (``set_requires_all_reduce(False)`` against DDP's ``no_sync()``),
-replicate() on submodules and the root (lossless rank against DDP, replicas equal), the DDP-based replicate() with
-our DDP hook (every torch), and an FSDP2 module with two parameter groups (refused with one error). Each multi-rank run (2 and 4 gloo ranks, the hooks' torch backend: the kernels see the same
+this rank's 1-rank group. Also: gradient accumulation (``set_requires_all_reduce(False)`` and
+``set_requires_gradient_sync(False)`` against DDP's ``no_sync()``; two all-reduced backward passes per step against
+DDP's with each pass's result kept apart, as FSDP2 accumulates), replicate() on submodules and the root (lossless rank against DDP, replicas equal), the DDP-based replicate() with
+our DDP hook (every torch), and an FSDP2 module with two parameter groups (refused with one error). Each multi-rank
+run (2 and 4 gloo ranks, the hooks' torch backend: the kernels see the same
 ``BucketLayout`` as for DDP and are tested there) serves all its cases; refusals that one rank can see run in-process
 on a world of one.
 """
@@ -87,9 +89,14 @@ def _run(model, steps, rank, seed, lr=0.05):
     return grads, {n.removeprefix("module."): _local(p).detach().clone() for n, p in model.named_parameters()}
 
 
-def _run_accumulating(model, steps, rank, seed, ddp):
-    """``steps`` SGD steps of two micro-batches each, the first without gradient sync (DDP: ``no_sync()``;
-    replicate(): ``set_requires_all_reduce(False)``); the gradients of each step."""
+def _run_accumulating(model, steps, rank, seed, mode):
+    """``steps`` SGD steps of two micro-batches each; the gradients of each step. ``mode``: the first micro-batch
+    without gradient sync (DDP: ``"no_sync"``; replicate(): ``"set_requires_all_reduce"`` or
+    ``"set_requires_gradient_sync"``), or ``"both"``: both backward passes all-reduced (two hook calls per step).
+    ``"both_apart"`` (DDP): both all-reduced, the first pass's result set aside and added after the second: what
+    FSDP2 does (it all-reduces each pass's new gradient and adds it to what it holds; DDP's reducer puts the
+    accumulated ``.grad`` in the bucket, so the second hook call compresses the first result plus the new local
+    gradient: the same sum for a lossless all-reduce, another one at a lossy rank)."""
     import contextlib
 
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -97,13 +104,19 @@ def _run_accumulating(model, steps, rank, seed, ddp):
     for step in range(steps):
         opt.zero_grad()
         x, y = _batch(step, rank, seed)
-        with model.no_sync() if ddp else contextlib.nullcontext():
-            if not ddp:
-                model.set_requires_all_reduce(False)
+        with model.no_sync() if mode == "no_sync" else contextlib.nullcontext():
+            if mode.startswith("set_"):
+                getattr(model, mode)(False)
             nn.functional.mse_loss(model(x[:8]), y[:8]).backward()
-        if not ddp:
-            model.set_requires_all_reduce(True)
+        if mode.startswith("set_"):
+            getattr(model, mode)(True)
+        if mode == "both_apart":
+            first = [p.grad.clone() for p in model.parameters()]
+            opt.zero_grad()
         nn.functional.mse_loss(model(x[8:]), y[8:]).backward()
+        if mode == "both_apart":
+            for p, g in zip(model.parameters(), first):
+                p.grad.add_(g)
         grads.append(_grads(model))
         opt.step()
     return grads
@@ -208,21 +221,28 @@ def _replicate_worker(rank, world_size, seed, cases):
         dist.all_gather(everyone, mine)
         out["multi"]["replicas_equal"] = all(torch.equal(everyone[0], t) for t in everyone[1:])
 
-    # --- gradient accumulation: set_requires_all_reduce(False) against DDP's no_sync(), lossy rank 2
+    # --- gradient accumulation against DDP, lossy rank 2: set_requires_all_reduce(False) or
+    # set_requires_gradient_sync(False) against no_sync(); two all-reduced backward passes per step against DDP's
+    # with the first pass's result set aside (FSDP2's accumulation: see _run_accumulating)
     from torch.nn.parallel import DistributedDataParallel
 
-    torch.manual_seed(0)
-    ddp = DistributedDataParallel(Net())
-    d_state = _state(2)
-    ddp.register_comm_hook(d_state, powerSGD_hook)
-    d_grads = _run_accumulating(ddp, 4, rank, seed, ddp=True)
-    torch.manual_seed(0)
-    model = replicate(Net())
-    state = _state(2)
-    register_replicate(model, state)
-    r_grads = _run_accumulating(model, 4, rank, seed, ddp=False)
-    out["accumulate"] = (_compare(d_grads, r_grads), d_state.iter, state.iter,
-                         int(torch.linalg.matrix_rank(r_grads[2]["c.weight"])))
+    def accumulate(ddp_mode, mode):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(Net())
+        d_state = _state(2)
+        ddp.register_comm_hook(d_state, powerSGD_hook)
+        d_grads = _run_accumulating(ddp, 4, rank, seed, ddp_mode)
+        torch.manual_seed(0)
+        model = replicate(Net())
+        state = _state(2)
+        register_replicate(model, state)
+        r_grads = _run_accumulating(model, 4, rank, seed, mode)
+        return (_compare(d_grads, r_grads), d_state.iter, state.iter,
+                int(torch.linalg.matrix_rank(r_grads[2]["c.weight"])))
+
+    out["accumulate"] = {mode: accumulate("no_sync", mode)
+                         for mode in ("set_requires_all_reduce", "set_requires_gradient_sync")}
+    out["accumulate"]["both"] = accumulate("both_apart", "both")
 
     # --- a group that is not the modules' replicate group: refused on every rank, nothing changed
     singles = [dist.new_group([r]) for r in range(world_size)]
@@ -329,9 +349,13 @@ def test_replicate_matches_ddp_hook(launched, world_size):
 @needs_replicate
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_replicate_gradient_accumulation_matches_ddp_no_sync(launched, world_size):
+    """One iteration per synchronized backward, as DDP counts: 4 steps without sync on the first micro-batch, 8 with
+    both backward passes all-reduced (the last three steps compressed twice each: iterations 2-7)."""
     for out in launched(world_size):
-        errs, ddp_iter, our_iter, rank_ = out["accumulate"]
-        assert max(errs) <= 1e-5 and ddp_iter == our_iter == 4 and rank_ == 2, out["accumulate"]
+        for mode, iters, lossy in (("set_requires_all_reduce", 4, 2), ("set_requires_gradient_sync", 4, 2),
+                                   ("both", 8, 4)):  # both: the sum of two rank-2 all-reduces
+            errs, ddp_iter, our_iter, rank_ = out["accumulate"][mode]
+            assert max(errs) <= 1e-5 and ddp_iter == our_iter == iters and rank_ == lossy, (mode, out["accumulate"])
 
 
 @needs_replicate
