@@ -139,6 +139,17 @@ def test_readme_is_short_and_keeps_its_two_commands():
     assert QUICK_START in text and TEST_COMMAND in text
 
 
+def test_ci_and_the_load_run_use_readmes_test_command():
+    """.ci/run runs README's pytest command verbatim; .ci/loadrun (issue 34's load test) README's setup and pytest."""
+    setup, tests = TEST_COMMAND.split(" && python -m pytest ")
+    tests = "python -m pytest " + tests
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        assert tests in f.read()
+    with open(os.path.join(ROOT, ".ci", "loadrun"), encoding="utf-8") as f:
+        load = f.read()
+    assert f"SETUP='{setup}'" in load and f"TESTS='{tests}'" in load
+
+
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None,
                     reason="mkdocs / mkdocstrings not installed (pip install -e '.[docs]')")
 @pytest.mark.timeout(600)
