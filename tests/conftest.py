@@ -63,9 +63,7 @@ def world1():
     """An in-process gloo world of size 1, torn down afterwards unless someone else made it."""
     import torch.distributed as dist
 
-    from powersgd_triton import benchmarking as B
-
-    from powersgd_triton import teardown
+    from powersgd_triton import benchmarking as B, teardown
 
     mine = not dist.is_initialized()
     B.ensure_process_group("gloo")

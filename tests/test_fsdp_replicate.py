@@ -11,11 +11,11 @@ another order, and gloo's reduction order follows the buffer's layout). The byte
 counted by wrapping ``dist.all_reduce``: P, Q and the uncompressed tensors only, FSDP's native all-reduce going to
 this rank's 1-rank group. Also: gradient accumulation (``set_requires_all_reduce(False)`` and
 ``set_requires_gradient_sync(False)`` against DDP's ``no_sync()``; two all-reduced backward passes per step against
-DDP's with each pass's result kept apart, as FSDP2 accumulates), replicate() on submodules and the root (lossless rank against DDP, replicas equal), the DDP-based replicate() with
-our DDP hook (every torch), and an FSDP2 module with two parameter groups (refused with one error). Each multi-rank
-run (2 and 4 gloo ranks, the hooks' torch backend: the kernels see the same
-``BucketLayout`` as for DDP and are tested there) serves all its cases; refusals that one rank can see run in-process
-on a world of one.
+DDP's with each pass's result kept apart, as FSDP2 accumulates), replicate() on submodules and the root (lossless rank
+against DDP, replicas equal), the DDP-based replicate() with our DDP hook (every torch), and an FSDP2 module with two
+parameter groups (refused with one error). Each multi-rank run (2 and 4 gloo ranks, the hooks' torch backend: the
+kernels see the same ``BucketLayout`` as for DDP and are tested there) serves all its cases; refusals that one rank
+can see run in-process on a world of one.
 """
 
 import os

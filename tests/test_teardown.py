@@ -74,8 +74,8 @@ _TORCH_HOOK = textwrap.dedent("""
 """)
 
 
-def _run(script, mode: str, rounds: int):
-    return subprocess.run([sys.executable, "-c", script, mode, str(rounds)], capture_output=True, text=True,
+def _run(script, *args):
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
                           timeout=scaled(240))
 
 
@@ -108,7 +108,7 @@ def test_destroy_after_pytorch_hook_on_gloo_does_not_abort():
 
 
 _UNITS = textwrap.dedent("""
-    import gc, sys
+    import sys
     import torch.distributed as dist
     from powersgd_triton import teardown
     assert teardown.live_groups() == []
@@ -135,5 +135,5 @@ _UNITS = textwrap.dedent("""
 
 
 def test_groups_kept_while_held_and_dropped_after():
-    out = subprocess.run([sys.executable, "-c", _UNITS], capture_output=True, text=True, timeout=scaled(120))
+    out = _run(_UNITS)
     assert out.returncode == 0 and _last_line(out) == "ok", out.stderr[-3000:]
