@@ -1,7 +1,7 @@
 """The sleep injection of bench/gpu_check.py's ``streams`` section (``bench/gpucheck/inject.py``), on CPU: a world of 1
 gloo with the ``then()`` chain forced (NCCL's schedule) and test doubles for ``torch.cuda._sleep`` and for "the current
 stream is a side stream", on both backends (the Triton backend in the interpreter: its hooks reach orthogonalize
-through ``powersgd_triton._hook_ops``, not ``ops``). The GPU check itself needs CUDA and NCCL (run by
+through ``powersgd_triton.ops.triton_steps``, not ``ops``). The GPU check itself needs CUDA and NCCL (run by
 ``gpu_check.py``)."""
 
 import sys
@@ -15,8 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpucheck.inject import (Injected, next_q_orthogonalizations, sleep_in_callbacks,  # noqa: E402
                              sleep_on_side_stream)
 
-from powersgd_triton import PowerSGDState, _step, batched_powerSGD_hook, ops, powerSGD_hook  # noqa: E402
-from powersgd_triton.kernels import reference  # noqa: E402
+from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton.hooks import driver as _step
+from powersgd_triton import ops  # noqa: E402
+from powersgd_triton.ops import reference  # noqa: E402
 from powersgd_triton import benchmarking as B  # noqa: E402
 
 BUCKETS = [[(24, 32), (32,), (8, 4, 3, 3), (8,)], [(40, 30), (30,), (7,)]]  # packed 1-D gradients in both
@@ -94,7 +96,7 @@ def _kernel_layer(backend, monkeypatch, events):
     if backend == "torch":
         module = reference
     else:
-        from powersgd_triton.kernels import triton_ops as module
+        from powersgd_triton.ops import triton_ops as module
     original = module.orthogonalize
 
     def orthogonalize(*args, **kwargs):
@@ -109,7 +111,7 @@ def test_side_stream_orthogonalizations_sleep_first(backend, chain_world, monkey
     """Every orthogonalization the hooks make while ``on_side()`` holds sleeps right before it computes, on both
     backends (the Triton backend's hooks call ``_hook_ops.orthogonalize``, the torch backend's ``ops.orthogonalize``);
     both functions are restored after the block; with the default predicate on CPU (no side streams) none sleeps."""
-    from powersgd_triton import _hook_ops
+    from powersgd_triton.ops import triton_steps as _hook_ops
 
     events = []
     _kernel_layer(backend, monkeypatch, events)

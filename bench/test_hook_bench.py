@@ -52,7 +52,7 @@ def _triton_launches_per_step(cfg, model, dtype, rank):
         import triton  # noqa: F401
     except ImportError:
         return "triton missing"
-    from powersgd_triton import _env
+    from powersgd_triton.compat import env as _env
 
     if not _env.interpreter_enabled():
         return "needs TRITON_INTERPRET=1"
@@ -130,7 +130,7 @@ def test_bucket_kernel(benchmark, bench_cfg, kernel_case):
                 fn()
             rec["launches"] = launches["n"]
         else:
-            from powersgd_triton import _env
+            from powersgd_triton.compat import env as _env
 
             if _env.interpreter_enabled():
                 with B.count_triton_launches(execute=False) as launches:

@@ -53,7 +53,7 @@ from powersgd_triton.autotune.cache import PACKAGE_CONFIG_DIR, find_device_file,
 from powersgd_triton.autotune.cli import format_config, model_layouts
 from powersgd_triton.autotune.keys import DeviceKey, ShapeClass, parse_dtype
 from powersgd_triton.autotune.tuner import candidates
-from powersgd_triton.kernels import triton_ops
+from powersgd_triton.ops import triton_ops
 from powersgd_triton.layout import BucketLayout
 
 torch.set_num_threads(1)

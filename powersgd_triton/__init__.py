@@ -9,7 +9,7 @@ command line answers ``powersgd-triton --help`` without it. ``from powersgd_trit
 torch and the package's modules as before.
 """
 
-from ._lazy import module_getattr
+from powersgd_triton.lazy import module_getattr
 
 __version__ = "0.1.0"
 

@@ -47,8 +47,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import teardown
-from .layout import should_compress
+from powersgd_triton import teardown
+from powersgd_triton.layout import should_compress
 
 IMPLS = ("ours", "reference", "ours_cold", "alternating")
 DEFAULT_IMPLS = ("ours", "reference", "ours_cold")
@@ -83,7 +83,7 @@ class ApproximationConfig:
     timeout: float = 300.0
 
     def check(self) -> None:
-        from .train.data import WORKLOADS
+        from powersgd_triton.train.data import WORKLOADS
 
         if self.workload not in WORKLOADS:
             raise ValueError(f"unknown workload {self.workload!r}; expected one of {WORKLOADS}")
@@ -142,7 +142,7 @@ def compressed_layers(shapes: Dict[str, Tuple[int, ...]], rank: int, min_compres
 
 
 def _make_state(impl: str, rank: int, cfg: ApproximationConfig):
-    from .benchmarking import make_hook
+    from powersgd_triton.benchmarking import make_hook
 
     kind = {"reference": "pytorch", "ours_cold": "ours"}.get(impl, impl)
     return make_hook(kind, rank, backend=cfg.kernels, start_powerSGD_iter=START_ITER,
@@ -151,10 +151,10 @@ def _make_state(impl: str, rank: int, cfg: ApproximationConfig):
 
 
 def _rank_main(rank: int, world_size: int, init_method: str, cfg: ApproximationConfig) -> Optional[Dict[str, Any]]:
-    from .benchmarking import FakeGradBucket
-    from .train import data as data_mod
-    from .train.loop import TrainConfig, batch_loss, rank_batch, training_plan
-    from .train.models import build_model
+    from powersgd_triton.benchmarking import FakeGradBucket
+    from powersgd_triton.train import data as data_mod
+    from powersgd_triton.train.loop import TrainConfig, batch_loss, rank_batch, training_plan
+    from powersgd_triton.train.models import build_model
 
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if cfg.device == "cuda" else torch.device("cpu")
@@ -255,7 +255,7 @@ def approximation_errors(config: Optional[ApproximationConfig] = None, **overrid
     ``kernel_backend`` (what our hooks ran: ``"triton"`` or ``"torch"``), ``config``.
     Raises ``ValueError`` for a bad config and :class:`~powersgd_triton.train.launch.LaunchError` when a rank fails.
     """
-    from .train import launch
+    from powersgd_triton.train import launch
 
     cfg = ApproximationConfig(**{**asdict(config or ApproximationConfig()), **overrides})
     cfg.ranks = tuple(cfg.ranks)

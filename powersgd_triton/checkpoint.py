@@ -36,8 +36,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ._buckets import bind_model
-from .state import PowerSGDState
+from powersgd_triton.state.buckets import bind_model
+from powersgd_triton.state.powersgd_state import PowerSGDState
 
 __all__ = ["hook_state_path", "save_hook_state", "load_hook_state", "load_hook_state_if_saved", "FORMAT"]
 

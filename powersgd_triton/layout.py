@@ -36,7 +36,7 @@ TABLE_COLUMNS = ("offset", "n", "m", "numel", "rank", "p_offset", "q_offset", "e
 TABLE_WIDTH = len(TABLE_COLUMNS)
 
 # Columns of the tile tables: one row per program of a launch, built (and cached) by the BucketLayout method named.
-# The kernels read them through the constexprs of powersgd_triton.kernels.common; each table has its own names.
+# The kernels read them through the constexprs of powersgd_triton.ops.common; each table has its own names.
 # project: tiles("rows", BLOCK_N), int32 (T, 2).
 TILE_COLUMNS = ("matrix", "first")  # first row ("rows") or column ("cols") of the tile
 TILE_MAT, TILE_FIRST = range(2)

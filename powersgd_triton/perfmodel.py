@@ -7,13 +7,13 @@ waves, blocks per SM, registers, spills, bytes moved, the predicted time and the
 reaches, and the whole step against the 7-pass floor (``project`` reads g and e and writes g, ``project_t`` reads g,
 ``reconstruct`` reads g and writes g and e: five passes over the gradient dtype and two over the float32 error).
 
-Inputs of the model, per launch: the tile plan (:func:`powersgd_triton.kernels.triton_ops.plan` and
+Inputs of the model, per launch: the tile plan (:func:`powersgd_triton.ops.triton_ops.plan` and
 ``orthogonalize_plan``: a list of dicts with ``kernel``, ``programs``, ``iterations`` (loop trips of the longest
 program), ``bytes_read``, ``bytes_written``, ``config``, ``variant``; optional ``flops``, ``l2_bytes``, ``serial``),
 the compiled kernel's metadata for ``sm_<arch>`` (registers and spills from ``ptxas -v``, shared memory, warps,
 stages, whether the loop's loads are software-pipelined: ``cp.async`` in the PTX; through
-:func:`powersgd_triton.autotune.aot.resource_usage`; the replay of its loop's SASS,
-:func:`powersgd_triton.autotune.aot.main_loop`), and a :class:`GPUSpec`.
+:func:`tools.aot.resource_usage`; the replay of its loop's SASS,
+:func:`tools.aot.main_loop`), and a :class:`GPUSpec`.
 
 The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_check.py``):
 
@@ -22,7 +22,7 @@ The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_chec
 2. Latency hiding (Little's law per program): a loop step waits for its loads once, but ``depth`` steps of loads
    are in flight at a time, so a step costs ``dram_latency_s / depth``: ``depth = num_stages`` when the compiled
    loop is software-pipelined (``cp.async`` in the PTX: the ``tl.dot`` paths), else measured on the SASS of the
-   compiled loop (:func:`powersgd_triton.autotune.aot.sass_loops`: a replay in which each global load takes one
+   compiled loop (:func:`tools.aot.sass_loops`: a replay in which each global load takes one
    latency and an instruction waits for the loads whose registers it reads or overwrites) as the loop steps of one
    trip (the plan's ``steps_per_trip``: the broadcast loops of project, project_t and reconstruct are unrolled
    ``1 + PREFETCH`` times) over the latencies one trip waits. (The model used to take ``1 + PREFETCH`` for every
@@ -44,7 +44,7 @@ The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_chec
 4. Each launch adds ``launch_overhead_s`` (start-up and tail of a kernel on a busy stream, no CUDA graph).
 5. ``serial`` launches pay ``l2_latency_s`` per iteration instead.
 6. ``overlapped`` launches (with warm start, the orthogonalization of the next step's Q, made at the end of the
-   step before on a side CUDA stream: :func:`powersgd_triton._step.orthogonalize_next_q`) are off the step's
+   step before on a side CUDA stream: :func:`powersgd_triton.hooks.driver.orthogonalize_next_q`) are off the step's
    critical path; they are charged what they take from the work they overlap: their programs' SM time (a
    program holds ``1 / blocks_per_sm`` of an SM for its duration) over all SMs, or their bytes at copy bandwidth
    if that is longer, and no launch overhead.
@@ -78,9 +78,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .benchmarking import DTYPES, FakeGradBucket, model_bucket_shapes
-from .layout import BucketLayout
-from .shapes import numel
+from powersgd_triton.benchmarking import DTYPES, FakeGradBucket, model_bucket_shapes
+from powersgd_triton.layout import BucketLayout
+from powersgd_triton.shapes import numel
 
 __all__ = ["GPUSpec", "GPUS", "step_plan", "depth", "makespan", "predict", "predict_step", "predict_measured", "spec_for_device", "model_table",
            "main"]
@@ -165,13 +165,16 @@ def compiled_usage(launch: dict, arch: int) -> dict:
     """Registers, spills, shared memory, warps, stages, blocks per SM and ``pipelined`` of one planned launch,
     from an ahead-of-time compile for ``sm_<arch>`` (cached per kernel, config, variant, dtype and rank). Needs
     ``TRITON_INTERPRET`` unset; raises what the compiler raises."""
-    from .autotune import aot
-    from .kernels import triton_ops
+    try:  # the ahead-of-time compile is a developer tool of the repository (tools/), not installed
+        from tools import aot, aot_compile
+    except ImportError as exc:
+        raise RuntimeError("compiled_usage needs the repository's tools/ (run from a checkout's root)") from exc
+    from powersgd_triton.ops import triton_ops
 
     key = (launch["kernel"], repr(sorted(launch["config"].items())), repr(sorted(launch["variant"].items())),
            launch["dtype"], triton_ops.padded_rank(launch["max_rank"], launch["config"].get("USE_DOT", False)), arch)
     if key not in _USAGE:
-        compiled = triton_ops.compile_aot(launch["kernel"], launch["config"], getattr(torch, launch["dtype"]),
+        compiled = aot_compile.compile_aot(launch["kernel"], launch["config"], getattr(torch, launch["dtype"]),
                                           launch["max_rank"], arch, launch["variant"])
         usage = aot.resource_usage(compiled, arch)
         ptx = compiled.asm["ptx"]
@@ -189,7 +192,7 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
     average, reconstruct. Each entry has a ``step`` name besides :func:`triton_ops.plan`'s keys; with
     ``warm_start`` the orthogonalize Q launches are ``overlapped`` (made on a side stream during the step
     before)."""
-    from .kernels import triton_ops as T
+    from powersgd_triton.ops import triton_ops as T
 
     configs = configs or {}
     out: List[dict] = []
@@ -228,7 +231,7 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
 def depth(launch: dict, usage: dict) -> float:
     """Loop steps whose loads are in flight at once in one program: ``num_stages`` when the compiled loop is
     software-pipelined (``cp.async`` in the PTX); else, from the SASS replay of the compiled loop
-    (``usage["trip_latencies"]``, :func:`powersgd_triton.autotune.aot.sass_loops`), the plan's
+    (``usage["trip_latencies"]``, :func:`tools.aot.sass_loops`), the plan's
     ``steps_per_trip`` (loop steps one trip of the compiled loop does, default 1) over the DRAM latencies one trip
     waits; without a replay (a hand-made ``usage``), ``1 + PREFETCH`` (the kernel's register prefetch of the next
     ``PREFETCH`` tiles, ``config["PREFETCH"]``)."""
@@ -363,7 +366,7 @@ def predict_host(launches: Sequence[dict], layout: BucketLayout, dtype: torch.dt
 
 def default_host() -> HostSpec:
     """The :data:`HOSTS` entry measured with the installed Triton's version, else the first."""
-    from ._compat import triton_version
+    from powersgd_triton.compat.versions import triton_version
 
     v = ".".join(map(str, triton_version() or ()))
     return next((h for h in HOSTS.values() if h.triton == v), next(iter(HOSTS.values())))
@@ -406,7 +409,7 @@ def predict_measured(what: str, *, device, spec: Optional[GPUSpec] = None, usage
     if spec is None:
         return None
     usage = usage or compiled_usage
-    from .kernels import triton_ops as T
+    from powersgd_triton.ops import triton_ops as T
 
     if what == "kernel":
         kernel, layout, dtype = kw["kernel"], kw["layout"], kw["dtype"]
@@ -507,8 +510,8 @@ def format_table(rows: Sequence[dict]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import RANK_HELP, add_rank_option, positive
-    from .shapes import MODELS
+    from powersgd_triton.cli import RANK_HELP, add_rank_option, positive
+    from powersgd_triton.shapes import MODELS
 
     p.add_argument("--models", nargs="+", default=["resnet50", "gpt2", "bert-base"], choices=sorted(MODELS),
                    metavar="MODEL", help=f"models whose 25 MB DDP buckets are modelled, of {', '.join(sorted(MODELS))} "

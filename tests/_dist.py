@@ -248,10 +248,10 @@ def bucket_numel(shapes) -> int:
 def triton_backend_skip_reason():
     """Why the "triton" backend cannot be tested here (None when it can)."""
     try:
-        from powersgd_triton.kernels import triton_ops  # noqa: F401
+        from powersgd_triton.ops import triton_ops  # noqa: F401
     except Exception as exc:  # noqa: BLE001
-        return f"powersgd_triton.kernels.triton_ops is not importable ({type(exc).__name__}: {exc})"
-    from powersgd_triton import _env
+        return f"powersgd_triton.ops.triton_ops is not importable ({type(exc).__name__}: {exc})"
+    from powersgd_triton.compat import env as _env
 
     if not _env.triton_can_run(torch.device("cpu")):
         return "Triton kernels cannot run on CPU tensors here (set TRITON_INTERPRET=1 before triton is imported)"

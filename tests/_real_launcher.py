@@ -22,7 +22,8 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from powersgd_triton import PowerSGDState, _compat, batched_powerSGD_hook, powerSGD_hook  # noqa: E402
+from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton.compat import versions as _compat  # noqa: E402
 from powersgd_triton.benchmarking import host  # noqa: E402
 from powersgd_triton.benchmarking.buckets import model_bucket_shapes  # noqa: E402
 from powersgd_triton.benchmarking.hooks import ensure_process_group  # noqa: E402
@@ -52,7 +53,7 @@ def param_sizes(signature) -> list:
 
 def compiled_kernels():
     """Every kernel Triton compiled (or loaded) in this process for our kernel functions."""
-    from powersgd_triton.kernels import triton_ops as T
+    from powersgd_triton.ops import triton_ops as T
 
     out = []
     for fn in T.KERNEL_FUNCTIONS.values():

@@ -5,7 +5,7 @@ import os
 if not os.environ.get("POWERSGD_TRITON_TEST_GPU"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# The hooks' first-use verification (powersgd_triton.verify) writes its verdicts next to the autotune cache: a
+# The hooks' first-use verification (powersgd_triton.ops.verify) writes its verdicts next to the autotune cache: a
 # folder of this test session's, never the user's (tests that look at the files set their own).
 if not os.environ.get("POWERSGD_TRITON_CACHE_DIR"):
     import tempfile

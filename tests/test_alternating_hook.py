@@ -23,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from _dist import FakeBucket, SmallConvNet, backend_params, bucket_numel, run_ranks, train_ddp_steps
 from bucket_utils import Worst, add_per_gradient, gs64, rel_err64, seeded_data
 from _launches import CountLaunches, counting_bucket_kernels
-from powersgd_triton import PowerSGDState, _step, alternating_powerSGD_hook, powerSGD_hook
+from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, powerSGD_hook
+from powersgd_triton.hooks import driver as _step
 
 pytestmark = pytest.mark.timeout(120)
 

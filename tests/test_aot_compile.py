@@ -32,7 +32,8 @@ SCRIPT = textwrap.dedent(
     import json, sys
     from concurrent.futures import ProcessPoolExecutor
     import torch
-    from powersgd_triton.kernels import triton_ops as T
+    from powersgd_triton.ops import triton_ops as T
+    from tools import aot_compile
 
     class _Layout:
         def __init__(self, r):
@@ -45,7 +46,7 @@ SCRIPT = textwrap.dedent(
         tuned = {"reduce_splits": "project_t", "orthogonalize_gram": "orthogonalize"}.get(kernel, kernel)
         cfg = T.heuristic_config(tuned, _Layout(rank), dtype) if tuned in T.KERNELS else {}
         try:
-            c = T.compile_aot(kernel, cfg, dtype, rank, arch, variant)
+            c = aot_compile.compile_aot(kernel, cfg, dtype, rank, arch, variant)
             return dict(ok=True, kernel=kernel, dtype=dtype_name, rank=rank, arch=arch, variant=variant,
                         use_dot=bool(cfg.get("USE_DOT")), shared=c.metadata.shared)
         except Exception as e:
@@ -55,16 +56,16 @@ SCRIPT = textwrap.dedent(
     def plan(which):
         archs = (80, 90)
         if which == "default":  # each kernel once per target (its largest variant), the tl.dot path once more
-            jobs = [(k, "bfloat16", 4, T.variants(k)[0], a) for k in T.KERNEL_FUNCTIONS for a in archs]
-            jobs += [(k, "bfloat16", 32, T.variants(k)[0], a) for k in T.STREAMING_KERNELS for a in archs]
+            jobs = [(k, "bfloat16", 4, aot_compile.variants(k)[0], a) for k in T.KERNEL_FUNCTIONS for a in archs]
+            jobs += [(k, "bfloat16", 32, aot_compile.variants(k)[0], a) for k in T.STREAMING_KERNELS for a in archs]
             return jobs
         # the full matrix: every dtype at rank 4; the rank extremes (1: smallest tiles, 32: tl.dot) in bfloat16
         cases = [("float32", 4), ("float16", 4), ("bfloat16", 4), ("bfloat16", 1), ("bfloat16", 32)]
-        jobs = [(k, d, r, v, a) for k in T.KERNELS for d, r in cases for v in T.variants(k) for a in archs]
-        jobs += [("copy_segments", d, 4, v, a) for d in ("float32", "bfloat16") for v in T.variants("copy_segments")
+        jobs = [(k, d, r, v, a) for k in T.KERNELS for d, r in cases for v in aot_compile.variants(k) for a in archs]
+        jobs += [("copy_segments", d, 4, v, a) for d in ("float32", "bfloat16") for v in aot_compile.variants("copy_segments")
                  for a in archs]
         jobs += [(k, "float32", 4, v, a) for k in ("commit_factor", "average", "reduce_splits")
-                 for v in T.variants(k) for a in archs]
+                 for v in aot_compile.variants(k) for a in archs]
         return jobs
 
     if __name__ == "__main__":
@@ -95,7 +96,8 @@ def _compile(tmp_path, which):
 
 @pytest.mark.timeout(900)
 def test_each_kernel_compiles_once_for_sm80_and_sm90(tmp_path):
-    from powersgd_triton.kernels import triton_ops as T
+    from powersgd_triton.ops import triton_ops as T
+    from tools import aot_compile
 
     results = _compile(tmp_path, "default")
     compiled = {(r["kernel"], r["arch"]) for r in results}
@@ -108,10 +110,11 @@ def test_each_kernel_compiles_once_for_sm80_and_sm90(tmp_path):
 @pytest.mark.aot_matrix
 @pytest.mark.timeout(900)
 def test_every_variant_dtype_and_rank_compiles_for_sm80_and_sm90(tmp_path):
-    from powersgd_triton.kernels import triton_ops as T
+    from powersgd_triton.ops import triton_ops as T
+    from tools import aot_compile
 
     results = _compile(tmp_path, "matrix")
     assert len(results) >= 4 * 5 * 2
     for k in T.KERNELS:
         got = {json.dumps(r["variant"], sort_keys=True) for r in results if r["kernel"] == k}
-        assert got == {json.dumps(v, sort_keys=True) for v in T.variants(k)}, k
+        assert got == {json.dumps(v, sort_keys=True) for v in aot_compile.variants(k)}, k

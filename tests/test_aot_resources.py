@@ -16,7 +16,7 @@ import pytest
 
 from _deadline import scaled
 
-from powersgd_triton.autotune.aot import SM_LIMITS, blocks_per_sm
+from tools.aot import SM_LIMITS, blocks_per_sm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,8 +56,9 @@ SCRIPT = textwrap.dedent(
     """
     import json, os, subprocess, sys, tempfile
     import torch
-    from powersgd_triton.kernels import triton_ops as T
-    from powersgd_triton.autotune.aot import _nvidia_tool, resource_usage
+    from powersgd_triton.ops import triton_ops as T
+    from tools import aot_compile
+    from tools.aot import _nvidia_tool, resource_usage
 
     class _Layout:
         max_rank = 4
@@ -67,7 +68,7 @@ SCRIPT = textwrap.dedent(
     heavy = {k: (2 * v if k.startswith("BLOCK") else v) for k, v in light.items() if k != "maxnreg"}
     out = {}
     for name, cfg in (("light", light), ("heavy", heavy)):
-        c = T.compile_aot("project", cfg, torch.float32, 4, 90, None)
+        c = aot_compile.compile_aot("project", cfg, torch.float32, 4, 90, None)
         u = resource_usage(c, 90)
         # the registers of the cubin Triton built, as cuobjdump reads them (None when triton ships no cuobjdump)
         tool = _nvidia_tool("cuobjdump", 90)
@@ -135,7 +136,7 @@ def _sass(*instructions):
 ])
 def test_sass_loop_replay(name, body, loads, trip):
     """aot.sass_loops on hand-written loops: the DRAM latencies one trip waits in steady state."""
-    from powersgd_triton.autotune.aot import sass_loops
+    from tools.aot import sass_loops
 
     text = _sass("MOV R10, RZ", *body, "@P0 BRA 0x110", "EXIT", "BRA 0x" + f"{0x100 + 16 * (len(body) + 3):04x}")
     loops = sass_loops(text)
@@ -145,7 +146,7 @@ def test_sass_loop_replay(name, body, loads, trip):
 
 
 def test_sass_loop_counts_barriers_shuffles_shared_and_local():
-    from powersgd_triton.autotune.aot import sass_loops
+    from tools.aot import sass_loops
 
     text = _sass("LDG.E R4, desc[UR4][R2.64]", "STS [R9], R4", "BAR.SYNC.DEFER_BLOCKING 0x0", "LDS R5, [R9+0x4]",
                  "SHFL.BFLY PT, R6, R5, 0x1, 0x1f", "STL [R1], R6", "LDL R7, [R1]", "FADD R10, R7, R10",

@@ -347,7 +347,7 @@ def test_shipped_defaults_found_by_gpu_name(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------- interpreter, no CUDA
 def test_interpreter_uses_heuristic_and_says_so(monkeypatch, tmp_path):
-    from powersgd_triton.kernels import triton_ops
+    from powersgd_triton.ops import triton_ops
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     lay = make_layout()
@@ -374,7 +374,7 @@ def test_no_cuda_means_no_timing(monkeypatch):
 
 
 def _kernels_interpreted():
-    from powersgd_triton.kernels import triton_ops
+    from powersgd_triton.ops import triton_ops
 
     return type(triton_ops.KERNEL_FUNCTIONS["project"]).__name__ == "InterpretedFunction"
 
@@ -485,7 +485,7 @@ def test_candidate_that_computes_wrong_numbers_is_dropped(monkeypatch, capsys):
     dropped before its time counts, the next best wins, the cache entry and ``autotune --show`` say why."""
     from powersgd_triton import cli
     from powersgd_triton.autotune import tuner as tuner_mod
-    from powersgd_triton.kernels import triton_ops
+    from powersgd_triton.ops import triton_ops
 
     lay = make_layout(shapes=((16, 8), (8,), (12, 16)), rank=2)
     cands, heuristic = candidates("project", lay, torch.float32)

@@ -1,6 +1,6 @@
 """Every autotuner candidate config compiles ahead of time for sm_80 and sm_90 (no GPU needed).
 
-Runs ``python -m powersgd_triton.autotune.aot`` in a subprocess with ``TRITON_INTERPRET`` unset (the tests' process
+Runs ``python -m tools.aot`` in a subprocess with ``TRITON_INTERPRET`` unset (the tests' process
 has interpreted kernels) and a fresh ``TRITON_CACHE_DIR`` (so every kernel really compiles), on 2 processes:
 bf16, rank 4 (broadcast-multiply path), 8 (both paths offered; the heuristic's own tile at ranks 5-8) and 16
 (``tl.dot`` path) for the three matmul kernels, rank 4 for orthogonalize (every rank's candidates are a subset of
@@ -29,7 +29,7 @@ def _run_aot(tmp_path, *args):
     env.update(PYTHONPATH=REPO, TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), TRITON_DEFAULT_FP_FUSION="1")
     out_json = tmp_path / "aot.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "powersgd_triton.autotune.aot", "--jobs", "2", "--dtypes", "bf16", "--archs", "80", "90",
+        [sys.executable, "-m", "tools.aot", "--jobs", "2", "--dtypes", "bf16", "--archs", "80", "90",
          "--json", str(out_json), *args],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=scaled(870),
     )
@@ -44,7 +44,7 @@ def _config_key(c):
 @pytest.mark.aot_matrix
 @pytest.mark.timeout(900)
 def test_every_candidate_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
-    from powersgd_triton.kernels import triton_ops as ops
+    from powersgd_triton.ops import triton_ops as ops
 
     monkeypatch.setattr(ops._env, "interpreter_enabled", lambda: False)  # the GPU heuristic, not the interpreter's
 
@@ -78,7 +78,7 @@ def test_every_candidate_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
 def test_orthogonalize_candidates_compile_at_rank16(tmp_path):
     """Orthogonalize's candidates at R=16 (its serial Gram-Schmidt steps are a loop, not unrolled: a few seconds
     each, like at R=4)."""
-    from powersgd_triton.kernels import triton_ops as ops
+    from powersgd_triton.ops import triton_ops as ops
 
     proc, results = _run_aot(tmp_path, "--kernels", "orthogonalize", "--matrix-approximation-ranks", "16")
     assert proc.returncode == 0 and all(r["ok"] for r in results), proc.stdout[-4000:]

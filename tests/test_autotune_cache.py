@@ -78,7 +78,7 @@ def test_shipped_file_with_bad_entry_keeps_the_others(tmp_path):
 
 def _writer(folder, wid, count, start, lock):
     if lock == "flock":  # without the filelock package: the fcntl fallback
-        from powersgd_triton import _env
+        from powersgd_triton.compat import env as _env
 
         real = _env.optional_import
         _env.optional_import = lambda name: None if name == "filelock" else real(name)

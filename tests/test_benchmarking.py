@@ -112,7 +112,7 @@ def test_kernel_bench_runs_both_sides(rng):
 
 def test_triton_launches_counted_without_running(rng):
     pytest.importorskip("triton")
-    from powersgd_triton import _env
+    from powersgd_triton.compat import env as _env
 
     if not _env.interpreter_enabled():
         pytest.skip("needs the interpreter (TRITON_INTERPRET=1, set by tests/conftest.py)")

@@ -117,6 +117,6 @@ def test_bench_comma_lists_name_the_closest_choice():
         "powersgd-triton bench: error: argument --models: unknown model 'gtp2' (did you mean 'gpt2'?); choose from "
         "resnet50, bert-base, gpt2, vit-b16 (see powersgd-triton bench --help)", "EXIT 2 HEAVY -"], proc.stderr
     from powersgd_triton.benchmarking import DTYPES
-    from powersgd_triton.bench_cli import DTYPE_NAMES
+    from powersgd_triton.cli.bench import DTYPE_NAMES
 
     assert set(DTYPE_NAMES) == set(DTYPES)

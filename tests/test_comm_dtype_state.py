@@ -6,7 +6,8 @@ import pickle
 import pytest
 import torch
 
-from powersgd_triton import PowerSGDState, _step
+from powersgd_triton import PowerSGDState
+from powersgd_triton.hooks import driver as _step
 
 
 def _state(**kw):

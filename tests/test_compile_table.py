@@ -34,9 +34,9 @@ SCRIPT = textwrap.dedent(
     import json, resource, sys, time
     from concurrent.futures import ProcessPoolExecutor
     import torch
-    from powersgd_triton.kernels import aot_compile as A
-    from powersgd_triton.autotune import aot
-    from powersgd_triton.kernels.launch_common import STREAMING_KERNELS
+    from tools import aot_compile as A
+    from tools import aot
+    from powersgd_triton.ops.launch_common import STREAMING_KERNELS
 
     def job(args):
         kernel, cfg, dtype, rank, variant = args
@@ -92,7 +92,7 @@ def _older_triton_exception(row):
     bf16 128; capped at 128 it spills 152 bytes), no spills."""
     import triton
 
-    from powersgd_triton import _compat
+    from powersgd_triton.compat import versions as _compat
 
     version = _compat.version_tuple(triton.__version__)[:2]
     return (row["kernel"] == "project_t" and row["config"].get("SPLIT_BF16") and row["spill_bytes"] == 0
@@ -110,7 +110,7 @@ def _spill_allowed(row):
     launch's) at R 32, :data:`TRITON_34_ORTHO_R32_SPILL`."""
     import triton
 
-    from powersgd_triton import _compat
+    from powersgd_triton.compat import versions as _compat
 
     if (_compat.version_tuple(triton.__version__)[:2] <= (3, 4) and row["kernel"] == "orthogonalize"
             and row["rank"] == 32):
@@ -178,7 +178,8 @@ WIRE_SCRIPT = textwrap.dedent(
     import json, sys
     from concurrent.futures import ProcessPoolExecutor
     import torch
-    from powersgd_triton.kernels import triton_ops as T
+    from powersgd_triton.ops import triton_ops as T
+    from tools import aot_compile
 
     class _Layout:
         def __init__(self, r):
@@ -189,13 +190,13 @@ WIRE_SCRIPT = textwrap.dedent(
         tuned = {"reduce_splits": "project_t"}.get(kernel, kernel)
         cfg = T.heuristic_config(tuned, _Layout(4), torch.bfloat16, 132) if tuned in T.KERNELS else {}
         try:
-            c = T.compile_aot(kernel, cfg, torch.bfloat16, 4, 90, variant)
+            c = aot_compile.compile_aot(kernel, cfg, torch.bfloat16, 4, 90, variant)
             return dict(ok=True, kernel=kernel, variant=variant, shared=c.metadata.shared)
         except Exception as e:
             return dict(ok=False, kernel=kernel, variant=variant, config=cfg, error=repr(e)[:2000])
 
     if __name__ == "__main__":
-        jobs = [(k, v) for k in T.KERNEL_FUNCTIONS for v in T.variants(k) if v.get("wire")]
+        jobs = [(k, v) for k in T.KERNEL_FUNCTIONS for v in aot_compile.variants(k) if v.get("wire")]
         with ProcessPoolExecutor(max_workers=2) as pool:
             json.dump(list(pool.map(job, jobs)), sys.stdout)
     """

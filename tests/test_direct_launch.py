@@ -1,4 +1,4 @@
-"""Launch plans and the direct launch of compiled kernels (powersgd_triton._compat.DirectLaunch), on CPU with the
+"""Launch plans and the direct launch of compiled kernels (powersgd_triton.compat.versions.DirectLaunch), on CPU with the
 host benchmark's driver stub (powersgd_triton.benchmarking.host.FakeDriver: Triton's Python runs, the C launch
 records its arguments instead of launching). A subprocess without TRITON_INTERPRET: the kernels are compiled for
 sm_90 (once; Triton's disk cache), never run."""
@@ -24,7 +24,8 @@ SCRIPT = textwrap.dedent(r"""
     import json, os, sys
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import torch
-    from powersgd_triton import _compat, PowerSGDState, powerSGD_hook
+    from powersgd_triton import PowerSGDState, powerSGD_hook
+    from powersgd_triton.compat import versions as _compat
     from powersgd_triton.benchmarking import count_triton_launches, host
     from powersgd_triton.benchmarking.buckets import model_bucket_shapes
     from powersgd_triton.benchmarking.hooks import ensure_process_group
@@ -137,7 +138,7 @@ FACTS_SCRIPT = textwrap.dedent(r"""
     import torch
     import triton
     import triton.language as tl
-    from powersgd_triton import _compat
+    from powersgd_triton.compat import versions as _compat
     from powersgd_triton.benchmarking import host
 
     @triton.jit

@@ -21,7 +21,7 @@ import torch.nn as nn
 from _dist import error_text as _error, run_ranks
 from bucket_utils import rel_err64 as _rel
 
-from powersgd_triton._compat import fsdp_all_reduce_hook_missing
+from powersgd_triton.compat.versions import fsdp_all_reduce_hook_missing
 
 if fsdp_all_reduce_hook_missing():
     pytest.skip(fsdp_all_reduce_hook_missing(), allow_module_level=True)

@@ -31,7 +31,7 @@ from _dist import error_text as _error, run_ranks
 from bucket_utils import rel_err64 as _rel
 
 from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, powerSGD_hook
-from powersgd_triton._compat import fsdp_all_reduce_hook_missing, replicate_with_fsdp_missing
+from powersgd_triton.compat.versions import fsdp_all_reduce_hook_missing, replicate_with_fsdp_missing
 
 REPLICATE_MISSING = replicate_with_fsdp_missing()
 MULTI_GROUP_MISSING = None
@@ -167,7 +167,7 @@ def _replicate_worker(rank, world_size, seed, cases):
         return out
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    from powersgd_triton import _compat
+    from powersgd_triton.compat import versions as _compat
     from powersgd_triton.fsdp_replicate import register_replicate
     from powersgd_triton.train.counting import AllReduceCounter
 
@@ -447,7 +447,7 @@ def test_bad_replicate_setups_are_refused(world):
 
 @pytest.mark.skipif(bool(fsdp_all_reduce_hook_missing()), reason=fsdp_all_reduce_hook_missing() or "")
 def test_fsdp_api_still_refuses_unknown_hooks(world):
-    """register_fsdp's hook check moved to powersgd_triton._fsdp_checks: same errors."""
+    """register_fsdp's hook check moved to powersgd_triton.fsdp.checks: same errors."""
     from torch.distributed.fsdp import fully_shard
 
     from powersgd_triton import batched_powerSGD_hook

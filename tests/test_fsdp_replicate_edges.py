@@ -43,7 +43,7 @@ import torch.nn as nn
 from _dist import error_text as _error, run_ranks
 
 from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, powerSGD_hook
-from powersgd_triton._compat import replicate_with_fsdp_missing
+from powersgd_triton.compat.versions import replicate_with_fsdp_missing
 
 REPLICATE_MISSING = replicate_with_fsdp_missing()
 pytestmark = pytest.mark.skipif(bool(REPLICATE_MISSING), reason=REPLICATE_MISSING or "")
@@ -153,7 +153,7 @@ def _edges_worker(rank, world_size, seed):
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.nn.parallel import DistributedDataParallel
 
-    from powersgd_triton import _compat
+    from powersgd_triton.compat import versions as _compat
     from powersgd_triton.fsdp_replicate import register_replicate
 
     out = {}

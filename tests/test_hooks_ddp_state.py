@@ -187,7 +187,7 @@ def test_nan_in_saved_q_is_refused_on_ddp(tmp_path):
 def _triton_worker(rank, world_size):
     """Triton installed and a CUDA build (so construction cannot know), but the buckets are CPU tensors without
     Triton's interpreter: the first backward (step 0, warm-up) raises; nothing was counted."""
-    from powersgd_triton import _env
+    from powersgd_triton.compat import env as _env
 
     os.environ["TRITON_INTERPRET"] = "0"  # what _env reads: CPU tensors cannot run the kernels now
     torch.backends.cuda.is_built = lambda: True

@@ -22,7 +22,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 from _dist import FakeBucket, backend_params, bucket_numel, run_ranks
 from bucket_utils import Worst, add_per_gradient, rel_err64, seeded_data
-from powersgd_triton import PowerSGDState, _step, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton.hooks import driver as _step
 from test_hooks_equivalence import BatchedOracle
 
 pytestmark = pytest.mark.timeout(240)

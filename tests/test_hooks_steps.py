@@ -10,7 +10,8 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
 from _dist import FakeBucket, backend_params, bucket_numel, run_ranks
-from powersgd_triton import PowerSGDState, _step, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton.hooks import driver as _step
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -280,7 +281,7 @@ def test_next_q_made_outside_a_cuda_graph_capture_is_neither_waited_for_nor_used
     the device first) finds a NextQ with a side-stream event: take_next_q and the writers' drop_next_q then do not
     wait, and the step orthogonalizes Q inside the capture. Outside a capture the stream waits on the event and the
     Q made ahead is used. (Streams mocked: the logic, not CUDA.)"""
-    from powersgd_triton._memory import BucketMemory, drop_next_q
+    from powersgd_triton.state.memory import BucketMemory, drop_next_q
 
     waits = []
 

@@ -4,7 +4,7 @@ On NCCL each ``then()`` callback runs on a stream from PyTorch's pool, and the c
 back to the stream that allocated it at once: a tensor the hook body allocated and a callback reads must be owned
 across the step (the state's memory, the bucket) or recorded on the callback's stream (``record_stream``, or as the
 value of the future the callback is chained from), else the next allocation on the default stream may overwrite it
-before the callback's kernels ran (the stream rule of ``powersgd_triton._step``).
+before the callback's kernels ran (the stream rule of ``powersgd_triton.hooks.driver``).
 
 The double: ``dist.all_reduce`` returns a work whose future runs ``then()`` callbacks inline, as NCCL's completed
 futures do, each callback its own "stream"; a dispatch mode sees every tensor allocation and which "stream" made
@@ -20,8 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from _dist import FakeBucket, backend_params, bucket_numel, run_ranks
-from powersgd_triton import (PowerSGDState, _step, alternating_powerSGD_hook, batched_powerSGD_hook, ops,
-                             powerSGD_hook)
+from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton.hooks import driver as _step
+from powersgd_triton import ops
 from powersgd_triton.layout import BucketLayout
 
 pytestmark = pytest.mark.timeout(180)
@@ -56,7 +57,7 @@ def _tensors(obj, depth=0, layouts=True):
 
 def _owned(state, bucket) -> set:
     """Storages the state (every bucket memory, its layout and the layout's kernel caches) and the bucket hold."""
-    from powersgd_triton.kernels import triton_ops
+    from powersgd_triton.ops import triton_ops
 
     found = {_ptr(bucket.buffer())}
     for mem in list(state.buckets.values()):

@@ -20,13 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from _dist import run_ranks
 from _resume import continue_and_report
 from _resume import train_steps as _steps
-from powersgd_triton import (
-    PowerSGDState,
-    _step,
-    alternating_powerSGD_hook,
-    batched_powerSGD_hook,
-    powerSGD_hook,
-)
+from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton.hooks import driver as _step
 from powersgd_triton.checkpoint import hook_state_path, load_hook_state, load_hook_state_if_saved, save_hook_state
 from powersgd_triton.integrations import register
 
@@ -114,7 +109,7 @@ def test_resume_is_bitwise_equal_to_uninterrupted(tmp_path, cap):
 def test_resume_at_the_first_compressed_step_is_bitwise(tmp_path, hook, cap, how):
     """Saved at iter == start_powerSGD_iter (no memory yet): the resumed run's first compressed step meets the fresh
     DDP's first buckets, the uninterrupted run's the rebuilt ones; the state dict carries the first step's Qs drawn
-    for the rebuilt buckets (powersgd_triton._predraw), so the runs stay bitwise equal."""
+    for the rebuilt buckets (powersgd_triton.state.predraw), so the runs stay bitwise equal."""
     for r in run_ranks(_resume_worker, 2, tmp_path, str(tmp_path / "ckpt") if how == "files" else None, cap, how,
                        hook, 2):
         assert r["equal"] and r["warnings"] == [] and r["iter"] == TOTAL, r["max_diff"]

@@ -10,7 +10,7 @@ import torch
 from bucket_utils import (CANARY, assert_per_matrix, factor as _factor, guarded, guards_intact, layerwise,
                           make_bucket, matrix_slice, product_scale as _product_scale, rel_err)
 from powersgd_triton import ops
-from powersgd_triton.kernels import reference
+from powersgd_triton.ops import reference
 from powersgd_triton.layout import BucketLayout
 
 pytest.importorskip("triton")
@@ -86,7 +86,7 @@ def test_prefetch_out_of_range_is_refused_before_anything_is_written(kernel, pre
     """The kernels unroll at most three register sets (``PREFETCH`` 0-2) and the plans count trips of ``1 +
     PREFETCH`` steps: any other value (a hand-written or damaged config) is a ``ValueError`` naming it, raised
     before any launch (the bucket, the factors and the error memory keep their values)."""
-    from powersgd_triton.kernels import triton_ops
+    from powersgd_triton.ops import triton_ops
 
     buf, _, grads = make_bucket(SHAPE_SETS[next(iter(SHAPE_SETS))], torch.float32, rng)
     layout = layerwise(buf, grads, 2)
@@ -481,7 +481,7 @@ def test_pack_unpack_uncompressed(backend, dtype, rng):
 
 def test_heuristic_config_is_a_candidate(monkeypatch):
     """The untuned GPU default is one of the configs the autotuner times and the AOT tests compile."""
-    from powersgd_triton.kernels import triton_ops
+    from powersgd_triton.ops import triton_ops
 
     monkeypatch.setattr(triton_ops._env, "interpreter_enabled", lambda: False)
 

@@ -13,7 +13,7 @@ from _launches import interpreted_launches
 from bucket_utils import (assert_per_matrix, factor as _factor, guarded, guards_intact, layerwise, make_bucket,
                           per_matrix_errors, product_scale as _product_scale, rel_err)
 from powersgd_triton import ops
-from powersgd_triton.kernels import reference
+from powersgd_triton.ops import reference
 from powersgd_triton.layout import BucketLayout
 
 pytest.importorskip("triton")
@@ -80,7 +80,7 @@ def test_project_t_split_dot_float32_accuracy(dtype, config, view, rng):
     assert_per_matrix(q, q64, layout, "q", FP32_TOL, scale=scale)
     assert guards_intact(q_whole, layout.q_numel)
     if config == "heuristic":
-        from powersgd_triton.kernels import triton_ops
+        from powersgd_triton.ops import triton_ops
 
         assert cfg == triton_ops.PROJECT_T_SPLIT_CONFIG
     # both tolerances fail for P rounded to bfloat16 (one bfloat16 dot): by more than 30x and 10x
@@ -97,7 +97,7 @@ def test_project_t_split_dot_at_rank_8(dtype, rng):
     """The GPU heuristic of project_t on 2-byte gradients takes the split tensor-core path from padded rank 8 on
     (``triton_ops.PROJECT_T_SPLIT_MIN_RANK``: R padded to 16, rank columns 8-15 masked): float32 accuracy at max rank
     8, ranks 1-8 (the heuristic's own config, run in the interpreter)."""
-    from powersgd_triton.kernels import triton_ops
+    from powersgd_triton.ops import triton_ops
 
     cfg = dict(triton_ops.PROJECT_T_SPLIT_CONFIG)
     buf, whole, grads = make_bucket([(300, 40), (70, 33), (5, 200), (20, 17), (9, 3)], dtype, rng)

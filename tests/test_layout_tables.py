@@ -2,7 +2,7 @@
 for: the layout table holds each matrix's MatrixSpec, and every tile table covers each element it is for exactly once.
 
 Host-side only (no kernel runs): the kernels read the same columns through the constexprs of
-``powersgd_triton.kernels.common``, whose values are checked against these names here too.
+``powersgd_triton.ops.common``, whose values are checked against these names here too.
 """
 
 import numpy as np
@@ -33,7 +33,7 @@ def _random_layout(rng, batched):
 
 
 def test_kernel_constexprs_are_the_layout_columns():
-    from powersgd_triton.kernels import common
+    from powersgd_triton.ops import common
 
     names = [n for n in dir(L) if n.isupper() and isinstance(getattr(L, n), int) and hasattr(common, n)]
     assert {"TABLE_WIDTH", "RANK", "RECON_COL_END", "REDUCE_SPLITS", "PROJECT_T_WS_OFF", "AVERAGE_COUNT"} <= set(names)
@@ -136,7 +136,7 @@ def test_table_row_needs_every_column_once():
 
 
 def test_factor_columns_name_the_factor_and_reject_others(rng):
-    from powersgd_triton.kernels import triton_ops as T
+    from powersgd_triton.ops import triton_ops as T
 
     assert T.factor_columns("p") == dict(ROWS_COL=L.ROWS, OFF_COL=L.P_OFF)
     assert T.factor_columns("q") == dict(ROWS_COL=L.COLS, OFF_COL=L.Q_OFF)
@@ -157,7 +157,7 @@ def test_orthogonalize_task_tables_by_column_name_cover_each_factor(which, rng):
     task over all its rows without Gram slots; a tall one has Gram tasks over consecutive GRAM_ROWS row blocks, each in
     its own slot (the first naming the matrix's head slot), and finish tasks that cover its rows once and read all
     those slots; completion vectors are the rank's next power of two."""
-    from powersgd_triton.kernels import triton_ops as ops
+    from powersgd_triton.ops import triton_ops as ops
 
     cfg = dict(BLOCK=16, SHORT_ROWS=16, GRAM_ROWS=32, SPLIT_ROWS=16, num_warps=4, num_stages=1)
     for _ in range(4):

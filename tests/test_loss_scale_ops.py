@@ -10,7 +10,7 @@ import torch
 
 from bucket_utils import layerwise, make_bucket, rel_err
 from powersgd_triton import ops
-from powersgd_triton.kernels import reference
+from powersgd_triton.ops import reference
 from powersgd_triton.layout import BucketLayout
 
 pytest.importorskip("triton")

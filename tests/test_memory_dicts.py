@@ -1,4 +1,4 @@
-"""``state.error_dict`` / ``p_memory_dict`` / ``q_memory_dict`` as live mappings (powersgd_triton._memory_dicts): our
+"""``state.error_dict`` / ``p_memory_dict`` / ``q_memory_dict`` as live mappings (powersgd_triton.state.torch_interop): our
 hooks' memory read through them, PyTorch-style resets (``del``, ``clear()``, assignment) act on it or raise, and what
 PyTorch's hook writes is kept, saved and checked on load. In-process, torch backend."""
 
@@ -10,7 +10,8 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
 from _dist import FakeBucket, bucket_numel
-from powersgd_triton import PowerSGDState, _step, powerSGD_hook
+from powersgd_triton import PowerSGDState, powerSGD_hook
+from powersgd_triton.hooks import driver as _step
 
 pytestmark = pytest.mark.timeout(60)
 

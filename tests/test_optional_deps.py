@@ -62,7 +62,7 @@ SCRIPT = textwrap.dedent(
     from powersgd_triton.autotune.cache import default_cache_dir
     from powersgd_triton.autotune.keys import DeviceKey
     from powersgd_triton.autotune.tuner import Tuner, candidates
-    from powersgd_triton.kernels import triton_ops
+    from powersgd_triton.ops import triton_ops
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
     for name in blocked:

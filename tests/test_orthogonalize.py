@@ -19,8 +19,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from _dist import FakeBucket, backend_params, bucket_numel, run_ranks, triton_backend_skip_reason
 from _launches import interpreted_launches
 from bucket_utils import guarded, guards_intact, gs64, layerwise, make_bucket, rel_err64, seeded_data
-from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, ops, powerSGD_hook
-from powersgd_triton.kernels import reference
+from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton import ops
+from powersgd_triton.ops import reference
 from powersgd_triton.layout import BucketLayout, padded_rank
 
 BACKENDS = backend_params()
@@ -59,7 +60,7 @@ def recorded_launches(execute=True):
 
 
 def _planned(layout, which, config):
-    from powersgd_triton.kernels import triton_ops
+    from powersgd_triton.ops import triton_ops
 
     plan = triton_ops.orthogonalize_plan(layout, which, config)
     return [(triton_ops.KERNEL_FUNCTIONS[d["kernel"]].fn.__name__, d["programs"]) for d in plan], plan
@@ -159,7 +160,7 @@ def test_short_factors_apply_split_in_place(which, rng):
         ops.orthogonalize(y, layout, which, backend="triton", config=cfg)
     assert torch.equal(y, out), (y - out).abs().max()
     assert calls == [("_orthogonalize_kernel", layout.num_matrices)], calls
-    from powersgd_triton.kernels import triton_ops
+    from powersgd_triton.ops import triton_ops
 
     planned = triton_ops.orthogonalize_plan(layout, which, cfg, in_place=True)
     assert [(triton_ops.KERNEL_FUNCTIONS[d["kernel"]].fn.__name__, d["programs"]) for d in planned] == calls
@@ -171,7 +172,8 @@ def test_gram_launch_tiles_narrower_than_apply_tiles(which, monkeypatch, rng):
     apply tiles would spill there): with 8-row Gram tiles under a 16-row config the plan counts 4 tiles per 32-row
     slot and the result still matches float64 Gram-Schmidt."""
     pytest.importorskip("triton")
-    from powersgd_triton.kernels import ortho_configs, triton_ops
+    from powersgd_triton.ops import ortho_configs
+    from powersgd_triton.ops import triton_ops
 
     monkeypatch.setattr(ortho_configs, "ORTHO_GRAM_BLOCK", 8)  # its home: triton_ops re-exports the value
     buf, _, grads = make_bucket(SPLIT_SHAPES, torch.float32, rng)
@@ -220,7 +222,7 @@ def test_split_factors_zero_dependent_and_non_finite(epsilon, rng):
 
 def test_launches_match_plan_and_split_only_tall_factors(rng):
     pytest.importorskip("triton")
-    from powersgd_triton.kernels import triton_ops
+    from powersgd_triton.ops import triton_ops
 
     buf, _, grads = make_bucket(SPLIT_SHAPES, torch.float32, rng)
     layout = layerwise(buf, grads, 4)
@@ -517,7 +519,7 @@ def test_kept_tensors_are_the_ones_the_launches_use(in_place, rng):
     pytest.importorskip("triton")
     from triton.runtime.interpreter import GridExecutor  # every interpreted launch (triton 3.4 to 3.9)
 
-    from powersgd_triton.kernels import triton_ops
+    from powersgd_triton.ops import triton_ops
 
     buf, _, grads = make_bucket(SPLIT_SHAPES, torch.float32, rng)
     layout = layerwise(buf, grads, 3)

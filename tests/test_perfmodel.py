@@ -15,7 +15,7 @@ import torch
 from _deadline import scaled
 
 from powersgd_triton import perfmodel as M
-from powersgd_triton.kernels import triton_ops as T
+from powersgd_triton.ops import triton_ops as T
 from powersgd_triton.layout import BucketLayout
 
 SPEC = M.GPUSpec("test", 90, sms=10, hbm_bandwidth=1e12, copy_fraction=1.0, l2_bandwidth=1e13, fp32_flops=1e15,

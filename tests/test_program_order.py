@@ -16,11 +16,12 @@ import torch
 from _dist import FakeBucket, bucket_numel
 from _program_order import OrderDependenceError, assert_order_independent, check_supported, program_order
 from bucket_utils import layerwise, make_bucket, seeded_data
-from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, ops, powerSGD_hook
+from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton import ops
 from powersgd_triton.layout import BucketLayout
 
 pytest.importorskip("triton")
-from powersgd_triton.kernels import triton_ops  # noqa: E402
+from powersgd_triton.ops import triton_ops  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -336,7 +337,7 @@ def test_hook_steps(hook_name, chain, world1, monkeypatch, rng):
     """Four steps (two uncompressed, two compressed with error feedback and warm start) of each hook on two fake
     buckets, Triton backend, in the in-body schedule or the ``then()`` chain (NCCL's): outputs bitwise the same in
     every program order."""
-    from powersgd_triton import _step
+    from powersgd_triton.hooks import driver as _step
 
     for kernel, cfg in HOOK_CONFIGS.items():
         monkeypatch.setitem(triton_ops.INTERPRETER_CONFIGS, kernel, cfg)

@@ -1,4 +1,4 @@
-"""README tables: the marker/table machinery of ``powersgd_triton.readme_tables``, and the README's digits table
+"""README tables: the marker/table machinery of ``tools.readme_tables``, and the README's digits table
 reproduced by a fresh ``powersgd-triton train --compare`` (same seed, same machine type: the same accuracy, loss,
 bytes and calls as printed; on another CPU type accuracy and loss within a tolerance; ms/step not compared)."""
 
@@ -9,7 +9,7 @@ import torch
 
 from _deadline import scaled
 
-from powersgd_triton import readme_tables as RT
+from tools import readme_tables as RT
 from powersgd_triton.cli import text_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,7 +169,7 @@ def test_readme_tables_are_marked_filled_and_runnable():
             assert RT.recorded_machine(text), f"{path}: no readme-tables machine line (readme_tables --write)"
         for t in tables:
             RT.command_argv(t.command)  # runnable here
-            assert t.lines, f"{path} {t.label}: no table (python -m powersgd_triton.readme_tables --write)"
+            assert t.lines, f"{path} {t.label}: no table (python -m tools.readme_tables --write)"
             if t.mode == "check":
                 head, _ = RT.parse_table(t.lines)
                 assert len(RT.timing_columns(head)) < len(head) - 1
@@ -216,7 +216,7 @@ def test_readme_digits_table_reproduces():
     """The digits table, wherever it is marked (README.md, docs/benchmarks.md), against one fresh
     ``powersgd-triton train --workload digits --compare`` (4 hooks, 2 gloo ranks, about a minute on 2 cores). A
     difference means the training numbers changed: regenerate the tables
-    (``python -m powersgd_triton.readme_tables --write``) and say why in the commit."""
+    (``python -m tools.readme_tables --write``) and say why in the commit."""
     only = "--workload digits --compare"
     files = [f for f in RT.marked_files(ROOT) if RT.select(RT.find_tables(open(f).read()), only)]
     assert files[0] == README and len(files) >= 2, files

@@ -15,12 +15,12 @@ import torch
 
 from bucket_utils import layerwise, make_bucket, rel_err
 from powersgd_triton import ops
-from powersgd_triton.kernels import reference
+from powersgd_triton.ops import reference
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from powersgd_triton.kernels.common import _bf16_head  # noqa: E402
+from powersgd_triton.ops.common import _bf16_head  # noqa: E402
 
 
 @triton.jit

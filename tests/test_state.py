@@ -14,7 +14,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 import powersgd_triton
 from _dist import FakeBucket, bucket_numel
-from powersgd_triton import PowerSGDState, _step, batched_powerSGD_hook, hooks, powerSGD_hook
+from powersgd_triton import PowerSGDState, batched_powerSGD_hook, hooks, powerSGD_hook
+from powersgd_triton.hooks import driver as _step
 
 pytestmark = pytest.mark.timeout(60)
 

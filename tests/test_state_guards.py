@@ -17,15 +17,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 from _dist import FakeBucket, backend_params, bucket_numel, triton_backend_skip_reason
 from bucket_utils import Worst, add_per_gradient, rel_err64
-from powersgd_triton import (
-    PowerSGDState,
-    _buckets,
-    _env,
-    alternating_powerSGD_hook,
-    batched_powerSGD_hook,
-    ops,
-    powerSGD_hook,
-)
+from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton.state import buckets as _buckets
+from powersgd_triton.compat import env as _env
+from powersgd_triton import ops
 from powersgd_triton.checkpoint import load_hook_state, save_hook_state
 from powersgd_triton.layout import BucketLayout
 
@@ -375,7 +370,7 @@ def test_state_finds_the_ddp_it_is_registered_on(world1):
     through the DDP it is registered on; registered on two, the one holding the parameters; none: None."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from powersgd_triton._buckets import registered_module
+    from powersgd_triton.state.buckets import registered_module
 
     a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     state = _state()

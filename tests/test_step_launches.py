@@ -25,7 +25,7 @@ def _bucket(rng):
 @pytest.mark.parametrize("hook", list(HOOKS))
 @pytest.mark.parametrize("error_feedback", [True, False], ids=["ef", "no-ef"])
 def test_device_ops_per_compressed_step(hook, error_feedback, rng, world1, monkeypatch):
-    from powersgd_triton.kernels import launch_common
+    from powersgd_triton.ops import launch_common
 
     # plan as on an H100/H200 (132 SMs: project_t splits tall matrices, a second launch); nothing is executed
     monkeypatch.setattr(launch_common, "DEFAULT_NUM_SMS", 132)

@@ -16,7 +16,7 @@ from powersgd_triton import ops
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from powersgd_triton.kernels.common import _cast_for_store  # noqa: E402
+from powersgd_triton.ops.common import _cast_for_store  # noqa: E402
 
 PATTERNS = [
     0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FBFFFFF, 0x7F80FFFF,  # NaNs

@@ -9,7 +9,7 @@ import torch
 from bucket_utils import layerwise, make_bucket
 from powersgd_triton import benchmarking as B
 from powersgd_triton import ops
-from powersgd_triton.kernels import reference
+from powersgd_triton.ops import reference
 
 
 def _step_ops(impl, buckets, rank=4):

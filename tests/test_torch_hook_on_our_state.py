@@ -1,7 +1,7 @@
 """Drop-in both ways: PyTorch's own ``powerSGD_hook`` runs on our :class:`PowerSGDState` exactly as on its own state.
 
 PyTorch's hook keeps its memory in ``state.error_dict`` / ``p_memory_dict`` / ``q_memory_dict`` and writes them itself;
-ours are live mappings that keep what it writes (:mod:`powersgd_triton._memory_dicts`). On 2 gloo ranks, 32 steps
+ours are live mappings that keep what it writes (:mod:`powersgd_triton.state.torch_interop`). On 2 gloo ranks, 32 steps
 (30 compressed) of PyTorch's hook on each state give bitwise the same gradients at every step, and a state dict
 (or a pickle) of ours taken mid-run resumes PyTorch's hook bitwise too.
 """

@@ -262,7 +262,8 @@ def test_under_torchrun(tmp_path):
 
 
 def test_triton_kernels_without_interpreter_on_cpu_is_a_clear_error(monkeypatch, capsys):
-    from powersgd_triton import _env, cli
+    from powersgd_triton.compat import env as _env
+    from powersgd_triton import cli
 
     monkeypatch.setattr(_env, "interpreter_enabled", lambda: False)
     assert cli.main(["train", "--kernels", "triton", "--steps", "3"]) == 2
@@ -372,7 +373,7 @@ def test_configuration_is_checked_once(monkeypatch, capsys):
 
 def test_progress_bars_only_on_a_terminal(monkeypatch, capsys):
     """Rank 0's tqdm bars go to a terminal only; with stderr in a file or pipe the epoch lines stay, bars do not."""
-    from powersgd_triton import _env
+    from powersgd_triton.compat import env as _env
     from powersgd_triton.train import loop
 
     if not _env.has_progress_bar():

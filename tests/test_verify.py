@@ -1,4 +1,4 @@
-"""First-use verification (``PowerSGDState(verify=...)``, :mod:`powersgd_triton.verify`) on CPU, Triton's interpreter.
+"""First-use verification (``PowerSGDState(verify=...)``, :mod:`powersgd_triton.ops.verify`) on CPU, Triton's interpreter.
 
 Oracle: the torch backend. A correct kernel: no warning, one check, outputs bitwise those of ``verify="off"``. A wrong
 one (a launcher made to perturb its output, or to do nothing): one warning, the step recomputed on the torch backend,
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from _dist import FakeBucket, bucket_numel, run_ranks, triton_backend_skip_reason
-from powersgd_triton import (PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook,
-                             verify)
+from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton.ops import verify
 from powersgd_triton.autotune.cache import CacheWarning
-from powersgd_triton.kernels import triton_ops
+from powersgd_triton.ops import triton_ops
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(triton_backend_skip_reason() is not None, reason=str(triton_backend_skip_reason()))]

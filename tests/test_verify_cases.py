@@ -1,4 +1,4 @@
-"""First-use verification (:mod:`powersgd_triton.verify`, issue 32): no false alarm on correct kernels, no blind spot,
+"""First-use verification (:mod:`powersgd_triton.ops.verify`, issue 32): no false alarm on correct kernels, no blind spot,
 no collective mismatch, a wrong verdict re-checked once. CPU, Triton's interpreter, gloo ranks.
 
 Oracle: the torch backend (``verify="off"`` and ``backend="torch"`` states on the same gradients). Correct kernels on
@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from _dist import FakeBucket, bucket_numel, run_ranks, triton_backend_skip_reason
-from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook, verify
-from powersgd_triton.kernels import triton_ops
+from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton.ops import verify
+from powersgd_triton.ops import triton_ops
 from test_verify import _fresh  # noqa: F401 - autouse: a verdict cache of the test's own, forgotten around it
 
 pytestmark = [pytest.mark.timeout(300),

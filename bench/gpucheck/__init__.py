@@ -14,7 +14,7 @@ Sections (each one catches and records its own failures, then the run goes on; e
    included), which fills Triton's on-disk cache; then per
    compiled binary its compile seconds, registers, spills, shared memory, warps/stages and blocks per SM
    (``autotune.aot.resource_usage``: ``ptxas -v``) beside the loaded kernel's ``n_regs``/``n_spills``. In the dry
-   run: the same kernels are compiled ahead of time for sm_90 (``python -m powersgd_triton.autotune.aot --plan``) for
+   run: the same kernels are compiled ahead of time for sm_90 (``python -m tools.aot --plan``) for
    the same tables; the interpreter runs the checks.
 3. ``copy``: the device's copy bandwidth, a large ``copy_`` timed with ``triton.testing.do_bench`` (median),
    counting bytes read + written.

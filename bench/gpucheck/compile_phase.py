@@ -118,7 +118,7 @@ def _assign(items, n):
 
 def _jit_binaries():
     """``{(kernel name, hash): compiled kernel}`` of everything Triton's JIT compiled (or loaded) in this process."""
-    from powersgd_triton.kernels import triton_ops as T
+    from powersgd_triton.ops import triton_ops as T
 
     out = {}
     for name, fn in T.KERNEL_FUNCTIONS.items():
@@ -132,7 +132,7 @@ def _jit_binaries():
 
 def _describe(name, k):
     """Constexprs, gradient dtype, warps/stages of a JIT-compiled binary (best effort across Triton versions)."""
-    from powersgd_triton.kernels import triton_ops as T
+    from powersgd_triton.ops import triton_ops as T
 
     fn = T.KERNEL_FUNCTIONS[name]
     names = list(getattr(fn, "arg_names", []))
@@ -154,7 +154,7 @@ def _describe(name, k):
 
 
 def _usage(name, k):
-    from powersgd_triton.autotune.aot import resource_usage
+    from tools.aot import resource_usage
 
     row = {}
     if getattr(k, "function", None) is None:
@@ -307,7 +307,7 @@ def section_compile():
         cases = _aot_cases(items)
         (tmp / "cases.json").write_text(json.dumps(cases))
         jsonl = tmp / "aot.jsonl"
-        cmd = [sys.executable, "-m", "powersgd_triton.autotune.aot", "--plan", str(tmp / "cases.json"), "--jsonl",
+        cmd = [sys.executable, "-m", "tools.aot", "--plan", str(tmp / "cases.json"), "--jsonl",
                str(jsonl), "--archs", "90", "--jobs", str(min(jobs, 2)), "--usage"]
         sec.update(mode="ahead of time, sm_90 (dry run: the checks run in the interpreter)", cases=len(cases),
                    processes=min(jobs, 2))

@@ -6,7 +6,7 @@ import torch
 
 from powersgd_triton import benchmarking as B
 from powersgd_triton import ops
-from powersgd_triton.kernels import reference
+from powersgd_triton.ops import reference
 from powersgd_triton.layout import BucketLayout
 from powersgd_triton.shapes import numel
 

@@ -74,7 +74,7 @@ def _ahead_check(row, model, rank, dtype):
     """Bitwise: the next step's Q orthogonalized ahead on the side stream (the default) gives the outputs of
     orthogonalizing it at the start of each step (``_step.ORTHOGONALIZE_AHEAD = False``), over 4 compressed steps
     of the same buckets."""
-    from powersgd_triton import _step
+    from powersgd_triton.hooks import driver as _step
 
     outs = []
     for ahead in (True, False):

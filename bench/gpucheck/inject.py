@@ -7,12 +7,12 @@ alive (or a wait that is missing) shows as wrong numbers instead of passing by l
   ``torch.cuda._sleep`` there delays everything the callback enqueues while the caller goes on allocating and
   writing on the default stream.
 * :func:`sleep_on_side_stream`: every orthogonalization the hooks make while the current stream is one of their
-  side streams (the next step's Q, ``powersgd_triton._step``) calls ``sleep()`` first, on that stream. Both ways the
+  side streams (the next step's Q, ``powersgd_triton.hooks.driver``) calls ``sleep()`` first, on that stream. Both ways the
   hooks reach it are wrapped: ``powersgd_triton.ops.orthogonalize`` (the torch backend, and any memory not on the
-  Triton backend) and ``powersgd_triton._hook_ops.orthogonalize`` (the Triton backend's unchecked launchers, which
+  Triton backend) and ``powersgd_triton.ops.triton_steps.orthogonalize`` (the Triton backend's unchecked launchers, which
   never call ``ops``).
 * :func:`next_q_orthogonalizations`: a predicate for ``sleep_on_side_stream`` where there are no side streams (CPU):
-  true while ``powersgd_triton._step.orthogonalize_next_q`` runs, the call that runs on the side stream on CUDA (and
+  true while ``powersgd_triton.hooks.driver.orthogonalize_next_q`` runs, the call that runs on the side stream on CUDA (and
   inline on CPU), so the injection's plumbing runs on CPU through the same calls as on a GPU.
 
 Both count what they injected (:class:`Injected`), so a check can tell the injection happened. Only torch and
@@ -98,11 +98,11 @@ def sleep_in_callbacks(sleep: Callable[[], None], counts: Optional[Injected] = N
 def _on_a_side_stream() -> bool:
     import torch
 
-    from powersgd_triton import _step
+    from powersgd_triton.hooks import driver as _step
 
     streams = getattr(_step, "_SIDE_STREAMS", None)
     if streams is None:
-        raise RuntimeError("powersgd_triton._step has no _SIDE_STREAMS (the next-Q side streams moved): update "
+        raise RuntimeError("powersgd_triton.hooks.driver has no _SIDE_STREAMS (the next-Q side streams moved): update "
                            "bench/gpucheck/inject.py")
     if not torch.cuda.is_available() or not streams:
         return False
@@ -114,11 +114,12 @@ def _on_a_side_stream() -> bool:
 def sleep_on_side_stream(sleep: Callable[[], None], counts: Optional[Injected] = None,
                          on_side: Callable[[], bool] = _on_a_side_stream):
     """Within the block, every orthogonalization the hooks make, through ``powersgd_triton.ops.orthogonalize`` (torch
-    backend) or ``powersgd_triton._hook_ops.orthogonalize`` (Triton backend), calls ``sleep()`` first whenever
-    ``on_side()`` (default: the current CUDA stream is one of ``powersgd_triton._step``'s side streams; on CPU
+    backend) or ``powersgd_triton.ops.triton_steps.orthogonalize`` (Triton backend), calls ``sleep()`` first whenever
+    ``on_side()`` (default: the current CUDA stream is one of ``powersgd_triton.hooks.driver``'s side streams; on CPU
     :func:`next_q_orthogonalizations`' predicate stands in for it). Yields the :class:`Injected` counts (``side``: the
     calls that slept). Both functions are restored on exit."""
-    from powersgd_triton import _hook_ops, ops
+    from powersgd_triton.ops import triton_steps as _hook_ops
+    from powersgd_triton import ops
 
     counts = counts if counts is not None else Injected()
     originals = [(module, module.orthogonalize) for module in (ops, _hook_ops)]
@@ -143,18 +144,18 @@ def sleep_on_side_stream(sleep: Callable[[], None], counts: Optional[Injected] =
 
 @contextlib.contextmanager
 def next_q_orthogonalizations():
-    """Within the block, yields a predicate that is true while ``powersgd_triton._step.orthogonalize_next_q`` runs
+    """Within the block, yields a predicate that is true while ``powersgd_triton.hooks.driver.orthogonalize_next_q`` runs
     (in this thread): the next step's Q orthogonalized ahead, which runs on a side stream on CUDA and inline on CPU.
     The ``on_side`` of :func:`sleep_on_side_stream` where no side stream exists (the dry run, the CPU tests).
     ``orthogonalize_next_q`` is restored on exit."""
     import threading
 
-    from powersgd_triton import _step
+    from powersgd_triton.hooks import driver as _step
 
     inside = threading.local()
     original = getattr(_step, "orthogonalize_next_q", None)
     if original is None:
-        raise RuntimeError("powersgd_triton._step has no orthogonalize_next_q (the next-Q orthogonalization moved): "
+        raise RuntimeError("powersgd_triton.hooks.driver has no orthogonalize_next_q (the next-Q orthogonalization moved): "
                            "update bench/gpucheck/inject.py")
 
     def orthogonalize_next_q(*args, **kwargs):

@@ -6,7 +6,7 @@ import torch
 
 from powersgd_triton import benchmarking as B
 from powersgd_triton import ops
-from powersgd_triton.kernels import reference
+from powersgd_triton.ops import reference
 
 from .common import CAP, DEVICE, RANK, RESERVE, RESULTS, generator, item_error, left, log, maybe_save, sync
 from .correctness import CORR_VARIANTS, _bucket_from_shapes, _rel, _slices, _tol

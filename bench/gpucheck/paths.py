@@ -18,9 +18,10 @@ import time
 
 import torch
 
-from powersgd_triton import _env, ops
+from powersgd_triton.compat import env as _env
+from powersgd_triton import ops
 from powersgd_triton import benchmarking as B
-from powersgd_triton.kernels import reference
+from powersgd_triton.ops import reference
 
 from .common import (CAP, DEVICE, DRY, RANK, RESERVE, generator, item_error, left, log, maybe_save, section_open, skip,
                      sync)
@@ -49,7 +50,7 @@ CASES = [("project_t split-bf16", BF16, 8), ("project_t split-bf16", F16, 16), (
 def gpu_config(kernel: str, layout, dtype) -> dict:
     """The GPU heuristic's config for ``kernel`` on ``layout`` (:func:`triton_ops.heuristic_config` as on a GPU, also
     under the interpreter)."""
-    from powersgd_triton.kernels import triton_ops as T
+    from powersgd_triton.ops import triton_ops as T
 
     saved = _env.interpreter_enabled
     _env.interpreter_enabled = lambda: False
@@ -67,7 +68,7 @@ def case_shapes(case: str, rank: int):
 
 
 def check_path(case: str, dtype, rank: int, gen) -> dict:
-    from powersgd_triton.kernels import triton_ops as T
+    from powersgd_triton.ops import triton_ops as T
 
     f64 = torch.float64
     nan = float("nan")

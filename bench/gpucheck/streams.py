@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from powersgd_triton import PowerSGDState, _step, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton.hooks import driver as _step
 from powersgd_triton import benchmarking as B
 
 from .common import CAP, DEVICE, DRY, RESERVE, left, log, section_open, skip

@@ -57,9 +57,9 @@ def warm(gen) -> None:
 
 
 def _forget() -> None:
-    """``powersgd_triton.verify.forget()`` where it exists (the verdicts agreed in this process)."""
+    """``powersgd_triton.ops.verify.forget()`` where it exists (the verdicts agreed in this process)."""
     try:
-        mod = importlib.import_module("powersgd_triton.verify")
+        mod = importlib.import_module("powersgd_triton.ops.verify")
     except ImportError:
         return
     if hasattr(mod, "forget"):
@@ -77,7 +77,7 @@ def section_verify():
         skip("verify: the first-use check", "PowerSGDState takes no `verify` argument in this checkout (issue 24 "
              "item 2 not merged)")
         return
-    from powersgd_triton.kernels import triton_ops as T
+    from powersgd_triton.ops import triton_ops as T
 
     _pg_backend()
     gen = generator()

@@ -19,11 +19,11 @@ from typing import Dict, Optional
 
 import torch
 
-from .. import _env
-from ..layout import BucketLayout
-from .cache import CacheWarning, ConfigCache
-from .keys import DeviceKey, ShapeClass, device_key, normalize_gpu_name, shape_class
-from .tuner import KERNELS, AutotuneWarning, Choice, Tuner
+from powersgd_triton.compat import env as _env
+from powersgd_triton.layout import BucketLayout
+from powersgd_triton.autotune.cache import CacheWarning, ConfigCache
+from powersgd_triton.autotune.keys import DeviceKey, ShapeClass, device_key, normalize_gpu_name, shape_class
+from powersgd_triton.autotune.tuner import KERNELS, AutotuneWarning, Choice, Tuner
 
 __all__ = [
     "KERNELS",

@@ -10,7 +10,7 @@ User cache: one file, ``autotune-cache.json``, in ``$POWERSGD_TRITON_CACHE_DIR``
                                                                     "heuristic_ms": ..., ...}}}}}
 
 Every write takes a file lock (``autotune-cache.json.lock``, :mod:`filelock`; without it ``fcntl.flock`` on POSIX,
-else no lock: see :func:`powersgd_triton._env.file_lock`), re-reads the file, merges its entries
+else no lock: see :func:`powersgd_triton.compat.env.file_lock`), re-reads the file, merges its entries
 and replaces the file atomically (temporary file in the same folder, ``fsync``, ``os.replace``): eight ranks of a
 node writing at once never lose an entry or leave half a file. A file that cannot be parsed or has the wrong
 structure gives a :class:`CacheWarning`, is renamed aside (``*.corrupt-<time>-<pid>``) and the cache starts empty;
@@ -31,8 +31,8 @@ import time
 import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from .. import _env
-from .keys import DeviceKey, name_matches
+from powersgd_triton.compat import env as _env
+from powersgd_triton.autotune.keys import DeviceKey, name_matches
 
 FORMAT = 1
 CACHE_FILENAME = "autotune-cache.json"

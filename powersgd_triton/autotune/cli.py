@@ -24,18 +24,18 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .. import _env
-from ..cli import text_table
-from ..layout import BucketLayout
-from .cache import ConfigCache, export_device_file
-from .keys import DTYPE_NAMES, ShapeClass, parse_dtype, shape_class
-from .tuner import KERNELS, Choice, Tuner
+from powersgd_triton.compat import env as _env
+from powersgd_triton.cli import text_table
+from powersgd_triton.layout import BucketLayout
+from powersgd_triton.autotune.cache import ConfigCache, export_device_file
+from powersgd_triton.autotune.keys import DTYPE_NAMES, ShapeClass, parse_dtype, shape_class
+from powersgd_triton.autotune.tuner import KERNELS, Choice, Tuner
 
 HOOKS = ("layerwise", "batched")
 
 # The parser lives in a module without torch (``powersgd-triton autotune --help`` answers without importing it);
 # its ``func`` calls :func:`run` below.
-from .._autotune_parser import add_parser  # noqa: E402,F401
+from powersgd_triton.cli.autotune import add_parser  # noqa: E402,F401
 
 
 def make_tuner(args) -> Tuner:
@@ -55,7 +55,7 @@ def model_layouts(
 ) -> List[BucketLayout]:
     """Bucket layouts of ``model``'s gradients as DDP would bucket them (``hook``: layerwise or batched); see
     :func:`powersgd_triton.benchmarking.model_bucket_layouts`, which builds them."""
-    from ..benchmarking import model_bucket_layouts  # imported when used, like bench_cli: keeps the CLI's start light
+    from powersgd_triton.benchmarking import model_bucket_layouts  # imported when used, like bench_cli: keeps the CLI's start light
 
     return model_bucket_layouts(model, rank, dtype, device, batched=hook == "batched", bucket_cap_mb=bucket_cap_mb,
                                 first_bucket_mb=first_bucket_mb, min_compression_rate=min_compression_rate)
@@ -116,8 +116,8 @@ def _show(out) -> int:
 
 
 def _show_verdicts(out) -> None:
-    """The hooks' first-use verdicts (:mod:`powersgd_triton.verify`), per device: kernel, shape class, config."""
-    from ..verify import store
+    """The hooks' first-use verdicts (:mod:`powersgd_triton.ops.verify`), per device: kernel, shape class, config."""
+    from powersgd_triton.ops.verify import store
 
     verdicts = store()
     devices = sorted(verdicts.load(refresh=True)["devices"].items())
@@ -147,7 +147,7 @@ def run(args, out=None) -> int:
         n = cache.clear()
         print(f"cleared {n} entries from {cache.path}", file=out)
     if args.clear_verdicts:
-        from ..verify import store
+        from powersgd_triton.ops.verify import store
 
         verdicts = store()
         n = verdicts.clear()

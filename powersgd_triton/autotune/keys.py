@@ -27,8 +27,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import __version__
-from ..layout import BucketLayout, padded_rank
+from powersgd_triton import __version__
+from powersgd_triton.layout import BucketLayout, padded_rank
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}

@@ -6,14 +6,14 @@ Lookup order for one kernel of one bucket layout (:meth:`Tuner.choose`):
 2. the user cache file (:class:`~.cache.ConfigCache`), exact shape class,
 3. the shipped ``configs/<gpu>.json`` (or ``$POWERSGD_TRITON_CONFIG_DIR``), exact shape class,
 4. live tuning, only when asked (``autotune=True``) and possible (CUDA, not ``TRITON_INTERPRET=1``): every candidate
-   of :func:`~powersgd_triton.kernels.triton_ops.config_space` plus the heuristic config is timed with
+   of :func:`~powersgd_triton.ops.triton_ops.config_space` plus the heuristic config is timed with
    ``triton.testing.do_bench`` (median, warm-up) on scratch copies of the layout's buffers, rotating through enough
    copies to exceed the L2 cache; the fastest wins and is written to the user cache. Before its time counts, each
    candidate's outputs on seeded inputs are compared with the torch backend's on the same inputs
-   (:func:`powersgd_triton.verify.candidate_gate`, the first-use check's tolerances): one that disagrees is dropped,
+   (:func:`powersgd_triton.ops.verify.candidate_gate`, the first-use check's tolerances): one that disagrees is dropped,
    and the cache entry lists it with the reason (``rejected``; ``powersgd-triton autotune --show``),
 5. the nearest size class of the same kernel/dtype/rank/hook kind in the user cache, then in the shipped file,
-6. the heuristic (:func:`~powersgd_triton.kernels.triton_ops.heuristic_config`).
+6. the heuristic (:func:`~powersgd_triton.ops.triton_ops.heuristic_config`).
 
 A cached config that is not a candidate any more (config space changed) is ignored. Under ``TRITON_INTERPRET=1``
 nothing is timed, read or written: the interpreter config is used, and a one-time log line (a warning if tuning was
@@ -39,10 +39,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import _env
-from ..layout import KERNELS, BucketLayout
-from . import cache as _cache
-from .keys import DeviceKey, ShapeClass, device_key, shape_class
+from powersgd_triton.compat import env as _env
+from powersgd_triton.layout import KERNELS, BucketLayout
+from powersgd_triton.autotune import cache as _cache
+from powersgd_triton.autotune.keys import DeviceKey, ShapeClass, device_key, shape_class
 
 logger = logging.getLogger("powersgd_triton.autotune")
 
@@ -100,7 +100,7 @@ class Choice:
 
 
 def _triton_ops():
-    from ..kernels import triton_ops
+    from powersgd_triton.ops import triton_ops
 
     return triton_ops
 
@@ -441,7 +441,7 @@ class Tuner:
         rejected: List[Tuple[dict, str]] = []
         gate = None
         if self.check if self.check is not None else self.timer is None:
-            from ..verify import candidate_gate  # imported here: verify imports this package
+            from powersgd_triton.ops.verify import candidate_gate  # imported here: verify imports this package
 
             try:
                 gate = candidate_gate(kernel, layout, dtype)

@@ -29,9 +29,9 @@ modules group them by concern:
   :mod:`.tables`: :func:`markdown_table`, :func:`fmt_bytes`.
 """
 
-from ..layout import KERNELS
-from ..shapes import numel
-from .buckets import (
+from powersgd_triton.layout import KERNELS
+from powersgd_triton.shapes import numel
+from powersgd_triton.benchmarking.buckets import (
     DDP_FIRST_BUCKET_MB,
     DTYPES,
     FakeGradBucket,
@@ -43,18 +43,18 @@ from .buckets import (
     random_buffer,
     shrink_shapes,
 )
-from .collectives import CollectiveRecord, synchronous_collectives
-from .compare import AGREEMENT_TOL, check_against_pytorch, compare_hooks
-from .counts import StepCounts, count_step
-from .environment import environment
-from .hooks import ALL_IMPLS, IMPLS, HookStep, ensure_process_group, make_hook
-from .kernels import KernelBench, kernel_bytes
-from .launches import count_cuda_kernels, count_triton_launches
-from .memory import held_bytes, peak_extra_bytes
-from .opcount import OpCounter
-from .profiler import quiet_profiler
-from .tables import fmt_bytes, markdown_table
-from .timing import time_cpu, time_interleaved
+from powersgd_triton.benchmarking.collectives import CollectiveRecord, synchronous_collectives
+from powersgd_triton.benchmarking.compare import AGREEMENT_TOL, check_against_pytorch, compare_hooks
+from powersgd_triton.benchmarking.counts import StepCounts, count_step
+from powersgd_triton.benchmarking.environment import environment
+from powersgd_triton.benchmarking.hooks import ALL_IMPLS, IMPLS, HookStep, ensure_process_group, make_hook
+from powersgd_triton.benchmarking.kernels import KernelBench, kernel_bytes
+from powersgd_triton.benchmarking.launches import count_cuda_kernels, count_triton_launches
+from powersgd_triton.benchmarking.memory import held_bytes, peak_extra_bytes
+from powersgd_triton.benchmarking.opcount import OpCounter
+from powersgd_triton.benchmarking.profiler import quiet_profiler
+from powersgd_triton.benchmarking.tables import fmt_bytes, markdown_table
+from powersgd_triton.benchmarking.timing import time_cpu, time_interleaved
 
 __all__ = [
     "AGREEMENT_TOL", "ALL_IMPLS", "CollectiveRecord", "DDP_FIRST_BUCKET_MB", "DTYPES", "FakeGradBucket", "HookStep",

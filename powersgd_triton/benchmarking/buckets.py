@@ -7,8 +7,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..layout import BucketLayout
-from ..shapes import Shape, ddp_buckets, model_shapes, numel
+from powersgd_triton.layout import BucketLayout
+from powersgd_triton.shapes import Shape, ddp_buckets, model_shapes, numel
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .hooks import HookStep
+    from powersgd_triton.benchmarking.hooks import HookStep
 
 
 class _DoneWork:

@@ -7,12 +7,12 @@ from typing import List, Sequence
 
 import torch
 
-from .buckets import DDP_FIRST_BUCKET_MB, _dtype, model_buckets
-from .counts import count_step
-from .collectives import synchronous_collectives
-from .hooks import IMPLS, HookStep
-from .memory import peak_extra_bytes
-from .timing import time_interleaved
+from powersgd_triton.benchmarking.buckets import DDP_FIRST_BUCKET_MB, _dtype, model_buckets
+from powersgd_triton.benchmarking.counts import count_step
+from powersgd_triton.benchmarking.collectives import synchronous_collectives
+from powersgd_triton.benchmarking.hooks import IMPLS, HookStep
+from powersgd_triton.benchmarking.memory import peak_extra_bytes
+from powersgd_triton.benchmarking.timing import time_interleaved
 
 
 def compare_hooks(model: str, rank: int, dtype="fp32", device="cpu", *, backend: str = "auto", rounds: int = 5,

@@ -6,12 +6,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
-from .collectives import CollectiveRecord, synchronous_collectives
-from .launches import count_triton_launches
-from .opcount import OpCounter
+from powersgd_triton.benchmarking.collectives import CollectiveRecord, synchronous_collectives
+from powersgd_triton.benchmarking.launches import count_triton_launches
+from powersgd_triton.benchmarking.opcount import OpCounter
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .hooks import HookStep
+    from powersgd_triton.benchmarking.hooks import HookStep
 
 
 @dataclass

@@ -32,7 +32,7 @@ def environment(device=None) -> dict:
         "torch_threads": torch.get_num_threads(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
     }
-    from .. import _compat
+    from powersgd_triton.compat import versions as _compat
 
     info["untested_versions"] = list(_compat.untested_versions())  # below pyproject's floors: said, not refused
     try:

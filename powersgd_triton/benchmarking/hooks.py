@@ -8,8 +8,8 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .buckets import FakeGradBucket
-from .memory import held_bytes
+from powersgd_triton.benchmarking.buckets import FakeGradBucket
+from powersgd_triton.benchmarking.memory import held_bytes
 
 
 IMPLS = ("pytorch", "ours")  # what compare_hooks and bench/ run by default

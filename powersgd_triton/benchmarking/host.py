@@ -40,11 +40,12 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import _compat, _env
-from ..shapes import numel
-from .buckets import FakeGradBucket, _dtype, model_bucket_shapes
-from .collectives import _DoneWork
-from .environment import environment
+from powersgd_triton.compat import versions as _compat
+from powersgd_triton.compat import env as _env
+from powersgd_triton.shapes import numel
+from powersgd_triton.benchmarking.buckets import FakeGradBucket, _dtype, model_bucket_shapes
+from powersgd_triton.benchmarking.collectives import _DoneWork
+from powersgd_triton.benchmarking.environment import environment
 
 # The launch stand-in while timing: a C callable that takes any positional arguments and does nothing with them
 # (itertools.chain is lazy: it keeps the argument tuple and iterates nothing), so a launch costs the host one C call,
@@ -158,8 +159,8 @@ def fake_gpu():
         raise RuntimeError("the host benchmark needs TRITON_INTERPRET unset (compiled launch path)")
     from triton.runtime import driver
 
-    from .. import state as state_module
-    from ..kernels import triton_ops
+    from powersgd_triton.state import powersgd_state as state_module
+    from powersgd_triton.ops import triton_ops
 
     fake = FakeDriver()
     sms_globals = triton_ops.device_sms.__globals__
@@ -191,7 +192,7 @@ class _CDoneWork(_DoneWork):
 def no_collectives():
     """``dist.all_reduce`` returns a completed work (no communication) whose future is torch's C future; the hooks
     take the NCCL ``then()`` chain."""
-    from .. import _step
+    from powersgd_triton.hooks import driver as _step
 
     original, chain = dist.all_reduce, _step.FORCE_CALLBACK_CHAIN
 
@@ -264,10 +265,10 @@ def host_overhead(model: str, rank: int, dtype="fp32", *, rounds: int = 30, shri
     launches], "ours_us", "pytorch_us", "ours_calls", "pytorch_calls", "launches"}``: microseconds (median over
     ``rounds`` of each bucket's hook call, the two hooks interleaved), means over the compressed buckets.
     """
-    from .. import PowerSGDState, powerSGD_hook
+    from powersgd_triton import PowerSGDState, powerSGD_hook
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as pt
 
-    from ..layout import BucketLayout
+    from powersgd_triton.layout import BucketLayout
 
     dtype = _dtype(dtype)
     groups = model_bucket_shapes(model, dtype, bucket_cap_mb, shrink=shrink)
@@ -317,10 +318,10 @@ def host_overhead(model: str, rank: int, dtype="fp32", *, rounds: int = 30, shri
 
 def launch_call_us(reps: int = 400) -> float:
     """Host time of one launch through its launch plan: ``triton_ops.project`` (error feedback) on ResNet-50's
-    second bucket at rank 4, fp32 (plan lookup, :class:`~powersgd_triton._compat.DirectLaunch`, the stubbed C
+    second bucket at rank 4, fp32 (plan lookup, :class:`~powersgd_triton.compat.versions.DirectLaunch`, the stubbed C
     launch), median in microseconds. Call inside :func:`fake_gpu`."""
-    from ..kernels import triton_ops
-    from ..layout import BucketLayout
+    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.layout import BucketLayout
 
     bucket = _buckets(model_bucket_shapes("resnet50", torch.float32)[1:2], torch.float32)[0]
     layout = BucketLayout.from_gradients(bucket.buffer(), bucket.gradients(), 4, 2.0)
@@ -378,8 +379,8 @@ def run(models, ranks, dtypes, *, rounds: int = 30, shrink: int = 1, history: Op
 
 
 def _run(models, ranks, dtypes, rounds, shrink, history, record) -> int:
-    from .hooks import ensure_process_group
-    from .tables import markdown_table
+    from powersgd_triton.benchmarking.hooks import ensure_process_group
+    from powersgd_triton.benchmarking.tables import markdown_table
 
     pg = ensure_process_group("gloo")
     coll = collective_call_us()
@@ -424,7 +425,7 @@ def _run(models, ranks, dtypes, rounds, shrink, history, record) -> int:
 
 
 def _record(rows, env, path, coll, launch):
-    from .. import history as H
+    from powersgd_triton import history as H
 
     path = path or H.default_path()
     commit, dirty = H.git_commit()

@@ -6,8 +6,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..layout import BucketLayout
-from .buckets import FakeGradBucket, _dtype, bucket_layout, random_buffer
+from powersgd_triton.layout import BucketLayout
+from powersgd_triton.benchmarking.buckets import FakeGradBucket, _dtype, bucket_layout, random_buffer
 
 
 def kernel_bytes(kernel: str, layout: BucketLayout, grad_dtype, *, error: bool = True, factor_size: int = 4) -> int:
@@ -80,7 +80,7 @@ class KernelBench:
         return kernel_bytes(kernel, self.layout, self.dtype, error=True)
 
     def ours(self, kernel: str, backend: str = "torch", config: Optional[dict] = None) -> Callable[[], None]:
-        from .. import ops
+        from powersgd_triton import ops
 
         buf, lay = self.bucket.buffer(), self.layout
         if kernel == "project":

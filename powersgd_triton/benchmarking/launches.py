@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from .profiler import quiet_profiler
+from powersgd_triton.benchmarking.profiler import quiet_profiler
 
 
 @contextlib.contextmanager
@@ -19,7 +19,7 @@ def count_triton_launches(execute: bool = True):
     CPU. That is valid for our hooks because nothing they do depends on the numbers (no host synchronisation); the
     outputs are then garbage, so the first-use verification checks no step meanwhile (``verify.PAUSED``).
     """
-    from .. import verify
+    from powersgd_triton.ops import verify
 
     count = {"n": 0, "by": Counter()}
     patches = []

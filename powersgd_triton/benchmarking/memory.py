@@ -7,7 +7,7 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from .profiler import quiet_profiler
+from powersgd_triton.benchmarking.profiler import quiet_profiler
 
 
 def _tensor_bytes_by_owner(obj, owner, seen_objs, seen_storage, out, depth=0):

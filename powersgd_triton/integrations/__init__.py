@@ -41,7 +41,7 @@ def check_ddp_model(model) -> None:
         raise TypeError(
             f"PowerSGD DDP hooks do not support FSDP ({type(model).__name__}): they compress DistributedDataParallel "
             "buckets; FSDP reduce-scatters sharded gradients. Use DistributedDataParallel, or for HSDP with FSDP2 "
-            "(fully_shard on a 1-D shard mesh) powersgd_triton.fsdp.register_fsdp, which compresses the replicate "
+            "(fully_shard on a 1-D shard mesh) powersgd_triton.fsdp.hsdp.register_fsdp, which compresses the replicate "
             "all-reduce"
         )
     if not isinstance(model, DistributedDataParallel):
@@ -49,7 +49,7 @@ def check_ddp_model(model) -> None:
             f"expected a torch.nn.parallel.DistributedDataParallel model, got {type(model).__name__}; wrap the model "
             "in DistributedDataParallel first (a single-process run has nothing to compress)"
         )
-    from .._step import COMPILED_AUTOGRAD_WAY_OUT
+    from powersgd_triton.hooks.driver import COMPILED_AUTOGRAD_WAY_OUT
 
     if getattr(model, "_use_python_reducer", False):
         raise TypeError(
@@ -82,7 +82,7 @@ def adopt_grad_scaler(state, scaler) -> bool:
 
     import torch
 
-    from ..state import PowerSGDState
+    from powersgd_triton.state.powersgd_state import PowerSGDState
 
     if not isinstance(state, PowerSGDState) or not isinstance(scaler, torch.amp.GradScaler):
         return False
@@ -115,10 +115,10 @@ def register(model, state, hook=None):
             hook.
         ValueError: our state's process group (None: WORLD) holds other ranks than the one DDP all-reduces in.
     """
-    from .. import _step
-    from .. import alternating as _alternating
-    from .. import hooks as _hooks
-    from ..state import PowerSGDState
+    from powersgd_triton.hooks import driver as _step
+    from powersgd_triton.hooks import alternating as _alternating
+    from powersgd_triton.hooks import layerwise as _hooks
+    from powersgd_triton.state.powersgd_state import PowerSGDState
 
     if hook is None:
         hook = _hooks.powerSGD_hook
@@ -128,7 +128,7 @@ def register(model, state, hook=None):
         _step.check_state(state, hook.__name__)
     if isinstance(state, PowerSGDState):
         if hook in ours:
-            from .._models import check_group
+            from powersgd_triton.state.models import check_group
 
             check_group(state, model, _step.process_group(state))  # DDP's group: a mismatch refused now
             state.buckets.group_checked = True  # the first hook call need not look for the DDP again (a gc scan)

@@ -48,7 +48,7 @@ def register_comm_hook(accelerator, model, state, hook=None, *, checkpoint: bool
         model: what ``accelerator.prepare`` returned for the model.
         state: a :class:`powersgd_triton.PowerSGDState` (``process_group=None``: the world group).
         hook: :func:`~powersgd_triton.powerSGD_hook` (default), :func:`~powersgd_triton.batched_powerSGD_hook`, or a
-            wrapped one (``powersgd_triton.wrappers.bf16_compress_wrapper(powerSGD_hook)``).
+            wrapped one (``powersgd_triton.hooks.wrappers.bf16_compress_wrapper(powerSGD_hook)``).
         checkpoint: also save/load every rank's hook state with ``accelerator.save_state`` / ``load_state``.
 
     With ``mixed_precision="fp16"`` the accelerator's ``GradScaler`` becomes ``state.grad_scaler`` (unless the state
@@ -63,7 +63,7 @@ def register_comm_hook(accelerator, model, state, hook=None, *, checkpoint: bool
         TypeError: Accelerate runs FSDP, DeepSpeed, Megatron-LM or XLA, or the model is not DDP in a multi-process
             run (see :func:`powersgd_triton.integrations.check_ddp_model`).
     """
-    from . import adopt_grad_scaler, register
+    from powersgd_triton.integrations import adopt_grad_scaler, register
 
     mode = getattr(getattr(accelerator, "distributed_type", None), "name", str(accelerator.distributed_type))
     if mode in _UNSUPPORTED:
@@ -84,7 +84,7 @@ def register_comm_hook(accelerator, model, state, hook=None, *, checkpoint: bool
 
 
 def _checkpoint_with_accelerator(accelerator, ddp, state) -> None:
-    from ..checkpoint import load_hook_state_if_saved, save_hook_state
+    from powersgd_triton.checkpoint import load_hook_state_if_saved, save_hook_state
 
     rank, world_size = accelerator.process_index, accelerator.num_processes
 

@@ -93,16 +93,16 @@ def _make_class(package: str) -> type:
         def _register_ddp_hooks(self) -> None:
             if self._ddp_comm_hook is None:
                 return
-            from .._buckets import bind_model
-            from ..state import PowerSGDState
-            from . import check_ddp_model
+            from powersgd_triton.state.buckets import bind_model
+            from powersgd_triton.state.powersgd_state import PowerSGDState
+            from powersgd_triton.integrations import check_ddp_model
 
             check_ddp_model(self.model)
             state = self._ddp_comm_state
             if isinstance(state, PowerSGDState):
                 bind_model(state, self.model)
                 # precision="16-mixed": Lightning's GradScaler keeps the error memory in unscaled units
-                from . import adopt_grad_scaler
+                from powersgd_triton.integrations import adopt_grad_scaler
 
                 adopt_grad_scaler(state, getattr(self.precision_plugin, "scaler", None))
             register_with_lightning(
@@ -114,7 +114,7 @@ def _make_class(package: str) -> type:
 
         # -- per-rank hook state in checkpoints ------------------------------------------------------------------
         def _hook_state(self):
-            from ..state import PowerSGDState
+            from powersgd_triton.state.powersgd_state import PowerSGDState
 
             state = self._ddp_comm_state
             if self._powersgd_save_hook_state and isinstance(state, PowerSGDState) and self._ddp_comm_hook:
@@ -125,7 +125,7 @@ def _make_class(package: str) -> type:
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             state = self._hook_state()
             if state is not None:
-                from ..checkpoint import save_hook_state
+                from powersgd_triton.checkpoint import save_hook_state
 
                 save_hook_state(state, self.lightning_module, hook_state_pattern(filepath),
                                 rank=self.global_rank, world_size=self.world_size)
@@ -134,7 +134,7 @@ def _make_class(package: str) -> type:
             checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
             state = self._hook_state()
             if state is not None:
-                from ..checkpoint import load_hook_state_if_saved
+                from powersgd_triton.checkpoint import load_hook_state_if_saved
 
                 load_hook_state_if_saved(state, self.lightning_module, hook_state_pattern(checkpoint_path),
                                          rank=self.global_rank, world_size=self.world_size,
@@ -144,7 +144,7 @@ def _make_class(package: str) -> type:
         def remove_checkpoint(self, filepath) -> None:
             super().remove_checkpoint(filepath)
             if self._hook_state() is not None:
-                from ..checkpoint import hook_state_path
+                from powersgd_triton.checkpoint import hook_state_path
 
                 file = hook_state_path(hook_state_pattern(filepath), self.global_rank)
                 if os.path.exists(file):

@@ -4,7 +4,7 @@ Use :func:`run_training` from Python (notebooks, tests) or the ``train`` sub-com
 imported from :mod:`.loop` on first use, so the command line's ``--help`` does not import torch.
 """
 
-from .._lazy import module_getattr
+from powersgd_triton.lazy import module_getattr
 
 __all__ = ["COMPARE_HOOKS", "HOOKS", "TrainConfig", "run_training"]
 

@@ -10,8 +10,8 @@ import sys
 import tempfile
 from typing import Any, Dict, List
 
-from ..cli import add_rank_option, positive, text_table
-from .names import COMPARE_HOOKS, FSDP_HOOKS, HOOKS, WORKLOAD_DEFAULTS
+from powersgd_triton.cli import add_rank_option, positive, text_table
+from powersgd_triton.train.names import COMPARE_HOOKS, FSDP_HOOKS, HOOKS, WORKLOAD_DEFAULTS
 
 # The parser is built without torch (``powersgd-triton train --help`` answers in well under a second); the
 # training modules are imported when a command runs.
@@ -31,7 +31,7 @@ def _hook_list(text: str) -> List[str]:
 
 def parse_mesh(text: str):
     """``--fsdp RxS``: :func:`powersgd_triton.train.fsdp.parse_mesh`, imported when the option is given."""
-    from .fsdp import parse_mesh as parse
+    from powersgd_triton.train.fsdp import parse_mesh as parse
 
     return parse(text)
 
@@ -167,7 +167,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace):
     """The :class:`~powersgd_triton.train.loop.TrainConfig` of parsed ``train`` arguments."""
-    from .loop import TrainConfig
+    from powersgd_triton.train.loop import TrainConfig
 
     hooks = tuple(args.compare) if args.compare else (args.hook,)
     if args.fsdp is not None and hooks == COMPARE_HOOKS:  # a bare --compare: the hooks FSDP runs
@@ -228,8 +228,8 @@ def _buckets(run: Dict[str, Any]) -> str:
 
 def format_table(result: Dict[str, Any]) -> str:
     """The side-by-side table (markdown) of every run in ``result["runs"]``."""
-    from .fsdp import LABELS as FSDP_LABELS
-    from .loop import HOOK_LABELS
+    from powersgd_triton.train.fsdp import LABELS as FSDP_LABELS
+    from powersgd_triton.train.loop import HOOK_LABELS
 
     runs = result["runs"]
     cfg = result["config"]
@@ -295,10 +295,10 @@ def format_table(result: Dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """The ``train`` sub-command: 0 on success, 1 when a rank failed or timed out, 2 for a bad option."""
-    from ..autotune.cache import atomic_write_json
-    from . import launch
-    from .data import DataUnavailable
-    from .loop import run_training, validate
+    from powersgd_triton.autotune.cache import atomic_write_json
+    from powersgd_triton.train import launch
+    from powersgd_triton.train.data import DataUnavailable
+    from powersgd_triton.train.loop import run_training, validate
 
     try:
         tr = launch.torchrun_env()

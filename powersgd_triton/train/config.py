@@ -93,7 +93,7 @@ class TrainConfig:
         if cfg.world_size < 1:  # before --fsdp R x S replaces it: the option is refused, not silently ignored
             raise ValueError(f"--world-size must be at least 1, got {cfg.world_size}")
         if cfg.fsdp is not None:
-            from .fsdp import check_fsdp_config
+            from powersgd_triton.train.fsdp import check_fsdp_config
 
             check_fsdp_config(cfg)  # sets world_size = R * S
         if cfg.matrix_approximation_rank < 1:

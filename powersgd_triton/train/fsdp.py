@@ -4,7 +4,7 @@ The ranks form a 2-D mesh ``(replicate=R, shard=S)`` (rank ``i`` is replica ``i 
 of the workload's model that has parameters of its own, then the root, is sharded with ``fully_shard``:
 
 * our hooks (``powersgd``, ``alternating``): on the 1-D shard mesh ``mesh["shard"]``, with
-  :func:`powersgd_triton.fsdp.register_fsdp` doing the replicate all-reduce over ``mesh["replicate"]``;
+  :func:`powersgd_triton.fsdp.hsdp.register_fsdp` doing the replicate all-reduce over ``mesh["replicate"]``;
 * ``allreduce``: native HSDP, ``fully_shard(..., mesh=mesh)`` on the 2-D mesh (FSDP's own replicate all-reduce).
 
 Every rank trains on its own batches (the data-parallel world is all ``R x S`` ranks). Bytes and calls are those of
@@ -44,7 +44,7 @@ def parse_mesh(text: str) -> Tuple[int, int]:
 def check_fsdp_config(cfg) -> None:
     """Validate the FSDP fields of a resolved :class:`~powersgd_triton.train.loop.TrainConfig` (``ValueError``) and
     set ``world_size = R * S``."""
-    from .loop import FSDP_HOOKS
+    from powersgd_triton.train.loop import FSDP_HOOKS
 
     try:
         r, s = (int(v) for v in cfg.fsdp)
@@ -106,8 +106,8 @@ def wrap_model(hook_name: str, cfg, model: torch.nn.Module, rank: int) -> FSDPRu
     if native:
         return FSDPRun(None, _native_hsdp, replicate_ranks, evaluates, shard_bytes, mesh=(r, s))
 
-    from ..benchmarking import make_hook as make_powersgd_hook
-    from ..fsdp import register_fsdp
+    from powersgd_triton.benchmarking import make_hook as make_powersgd_hook
+    from powersgd_triton.fsdp.hsdp import register_fsdp
 
     state, hook = make_powersgd_hook(
         "alternating" if hook_name == "alternating" else "ours", cfg.matrix_approximation_rank, backend=cfg.kernels,

@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import _env, teardown
-from . import data as data_mod
-from .config import (  # noqa: F401 - COMPARE_HOOKS, FSDP_HOOKS, WORKLOAD_DEFAULTS re-exported
+from powersgd_triton import teardown
+from powersgd_triton.compat import env as _env
+from powersgd_triton.train import data as data_mod
+from powersgd_triton.train.config import (  # noqa: F401 - COMPARE_HOOKS, FSDP_HOOKS, WORKLOAD_DEFAULTS re-exported
     COMPARE_HOOKS, FSDP_HOOKS, HOOKS, REFERENCE_BUCKET_CAP_MB, WORKLOAD_DEFAULTS, TrainConfig,
 )
-from .counting import AllReduceCounter
-from .models import build_model
+from powersgd_triton.train.counting import AllReduceCounter
+from powersgd_triton.train.models import build_model
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -46,7 +47,7 @@ def check_available(cfg: "TrainConfig") -> None:
     (:class:`~powersgd_triton.train.data.DataUnavailable`) or the devices do not fit (``ValueError``)."""
     data_mod.check_available(cfg.workload)
     if cfg.device == "cuda":
-        from . import launch
+        from powersgd_triton.train import launch
 
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: CUDA is not available on this machine")
@@ -84,7 +85,7 @@ def validate(config: TrainConfig, torchrun: Any = ...) -> TrainConfig:
     the torchrun environment is incomplete.
     """
     if torchrun is ...:
-        from . import launch
+        from powersgd_triton.train import launch
 
         torchrun = launch.torchrun_env()
     if torchrun is not None:
@@ -118,7 +119,7 @@ def make_hook(name: str, cfg: TrainConfig, grad_scaler=None):
         return None, default_hooks.allreduce_hook
     if name not in HOOKS:
         raise ValueError(f"unknown hook {name!r}; expected one of {HOOKS}")
-    from ..benchmarking import make_hook as make_powersgd_hook
+    from powersgd_triton.benchmarking import make_hook as make_powersgd_hook
 
     impl = {"reference": "pytorch", "powersgd": "ours", "batched": "ours"}.get(name, name)
     extra = {}
@@ -252,7 +253,7 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
     counted_ranks = None  # every all-reduce counts (DDP)
     evaluates = rank == 0  # the ranks that run the evaluation forward (rank 0 records it)
     if cfg.fsdp is not None:
-        from .fsdp import wrap_model
+        from powersgd_triton.train.fsdp import wrap_model
 
         fsdp_run = wrap_model(hook_name, cfg, model, rank)
         ddp = model
@@ -507,7 +508,7 @@ def run_training(config: TrainConfig) -> Dict[str, Any]:
     Raises :class:`~powersgd_triton.train.launch.LaunchError` subclasses when a rank fails or times out, and
     ``ValueError`` for a bad configuration.
     """
-    from . import launch
+    from powersgd_triton.train import launch
 
     env = launch.torchrun_env()
     cfg = config if _is_validated(config) else validate(config, env)
@@ -536,7 +537,7 @@ def _config_json(cfg: TrainConfig, pinned: bool = False) -> Dict[str, Any]:
         hook_labels={h: HOOK_LABELS[h] for h in cfg.hooks},
     )
     if cfg.device == "cpu":  # what the ranks' CPU math libraries ran with: pinned, the user's own, or unset (None)
-        from .launch import CPU_NUMERICS_ENV
+        from powersgd_triton.train.launch import CPU_NUMERICS_ENV
 
         out["cpu_numerics_env"] = {k: os.environ.get(k, v if pinned else None) for k, v in CPU_NUMERICS_ENV.items()}
     try:

@@ -4,6 +4,6 @@ They live in :mod:`.config` (no torch import either); this module re-exports the
 is built without importing torch (``powersgd-triton train --help``).
 """
 
-from .config import COMPARE_HOOKS, FSDP_HOOKS, HOOKS, WORKLOAD_DEFAULTS  # noqa: F401
+from powersgd_triton.train.config import COMPARE_HOOKS, FSDP_HOOKS, HOOKS, WORKLOAD_DEFAULTS  # noqa: F401
 
 __all__ = ["COMPARE_HOOKS", "FSDP_HOOKS", "HOOKS", "WORKLOAD_DEFAULTS"]

@@ -1,0 +1,391 @@
+"""The torch and Triton versions this package is tested with, and every API of theirs that differs between versions.
+
+Each version-dependent call goes through this module, so a new release is adapted in one file. Tested: the whole
+suite (``.ci/run``'s main tier) on torch 2.13.0 (CPU build) with triton 3.9.0; the compat tier (``.ci/compat``:
+hooks, state, kernels under the interpreter, FSDP2/HSDP, the integrations, the sm_90 compile table, the README's
+digits check) on the CUDA wheels of torch 2.8.0 + triton 3.4.0 (the floor), torch 2.11.0 + triton 3.6.0 (the GPU
+image ``bench/gpu_check.py`` targets) and torch 2.14.1 + triton 3.8.0, run on CPU (``docs/support.md``). The
+floors in ``pyproject.toml`` (``torch>=2.8``, ``triton>=3.4``) are the tested minima.
+
+| API | changed in | gate |
+| --- | --- | --- |
+| ``tl.dot(a, b, input_precision="ieee")`` (the kernels' fp32 products on FMA units) | triton 3.0 (before: ``allow_tf32=``) | a triton older than :data:`MIN_TRITON` is not used: ``backend="auto"`` runs the torch backend, ``"triton"`` raises naming the version (:func:`triton_too_old`) |
+| ``triton.compiler.ASTSource(fn, signature, constexprs=...)``, the signature keyed by argument name | triton 3.2 (3.0/3.1: ``constants=``, keyed by index) | :func:`ast_source` |
+| ``triton.backends.compiler.GPUTarget(backend, arch, warp_size)`` | triton 3.0 | :func:`gpu_target` |
+| smallest inner dimension ``K`` of ``tl.dot`` on NVIDIA (float64: 16 in triton 3.6, 4 in 3.9) | triton 3.7-3.9 | :func:`dot_min_k` (the orthogonalization kernel's float64 products broadcast below it) |
+| float64 operands of ``tl.dot`` (the orthogonalization kernel's Gram and products) | after triton 3.4 (3.6 has them) | :func:`dot_float64_supported` (without: broadcast and sum) |
+| ``FSDPModule.set_all_reduce_hook`` (FSDP2 over the replicate group of HSDP) | torch 2.7 | :func:`fsdp_all_reduce_hook_missing` |
+| ``JITFunction.run``'s last call, ``kernel.run(grid, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)`` (the launch of a compiled kernel, bypassing the binding) | read in triton 3.6.0, 3.8.0 and 3.9.0 (``runtime/jit.py``): the same call | :class:`DirectLaunch` (other versions: the JIT call) |
+| FSDP2's parameter groups per module: ``FSDPState._fsdp_param_groups`` (a list) | after torch 2.11 (2.8-2.11: one ``_fsdp_param_group``) | :func:`fsdp_param_groups` |
+| a custom gradient divide factor: ``FSDPParamGroup.gradient_divide_factor`` | torch 2.8 (2.7: ``reduce_scatter_reduce_op``) | :func:`fsdp_divide_factor_set` |
+| ``FSDPModule.set_reduce_scatter_unused_params`` (zero gradients for unused parameters) | after torch 2.11 | :func:`fsdp_unused_params_option` |
+| FSDP2-based ``replicate()`` (``torch.distributed._composable.replicate_with_fsdp``: a ``DDPMeshInfo`` parameter group whose native all-reduce runs over ``mesh_info.replicate_process_group``, read through ``FSDPParamGroup._all_reduce_process_group``, before the all-reduce hook) | after torch 2.8 (read in 2.11, 2.13 and 2.14) | :func:`replicate_with_fsdp_missing`, :func:`fsdp_replicate_group_unknown` |
+"""
+
+import inspect
+import re
+from typing import Optional, Tuple
+
+import torch
+
+MIN_TORCH: Tuple[int, int] = (2, 8)  # pyproject.toml's floor: the oldest torch the compat tier runs (.ci/compat)
+MIN_TRITON: Tuple[int, int] = (3, 4)  # pyproject.toml's floor: the Triton torch 2.8's CUDA wheel pins
+TESTED = {"torch": ("2.8.0", "2.11.0", "2.13.0", "2.14.1"), "triton": ("3.4.0", "3.6.0", "3.8.0", "3.9.0")}
+
+
+def version_tuple(text: str) -> Tuple[int, ...]:
+    """The leading release numbers of a version string: ``"2.13.0+cpu"`` -> ``(2, 13, 0)``, ``"3.7.0.dev20250101"`` ->
+    ``(3, 7, 0)``, ``"3.6"`` -> ``(3, 6)``. Raises ``ValueError`` when the text starts with no number."""
+    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", str(text))
+    if match is None:
+        raise ValueError(f"not a version: {text!r}")
+    return tuple(int(x) for x in match.group(1).split("."))
+
+
+def torch_version() -> Tuple[int, ...]:
+    """This torch's release numbers."""
+    return version_tuple(torch.__version__)
+
+
+def triton_version() -> Optional[Tuple[int, ...]]:
+    """This triton's release numbers; None when it cannot be imported."""
+    try:
+        import triton
+    except Exception:  # noqa: BLE001 - a broken install is "not available" too
+        return None
+    return version_tuple(triton.__version__)
+
+
+def triton_too_old() -> Optional[str]:
+    """Why the installed triton is not used (older than :data:`MIN_TRITON`), or None (new enough, or not installed:
+    :mod:`powersgd_triton.compat.env` says that)."""
+    v = triton_version()
+    if v is None or v[:2] >= MIN_TRITON:
+        return None
+    import triton
+
+    return (f"triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON))}, the oldest this package is "
+            "tested with (its kernels use tl.dot(input_precision=...) and ASTSource(constexprs=...))")
+
+
+def untested_versions() -> Tuple[str, ...]:
+    """Human-readable notes for a torch or triton below the tested floors (empty when both are at or above them).
+    Nothing refuses them here; ``bench/gpu_check.py`` and ``powersgd-triton bench`` record the notes."""
+    notes = []
+    if torch_version()[:2] < MIN_TORCH:
+        notes.append(f"torch {torch.__version__} is below the tested floor {'.'.join(map(str, MIN_TORCH))}")
+    reason = triton_too_old()
+    if reason:
+        notes.append(reason)
+    return tuple(notes)
+
+
+def ast_source(fn, signature: dict, constexprs: dict):
+    """``triton.compiler.ASTSource`` of a ``@triton.jit`` function for an ahead-of-time compile.
+
+    ``signature``: argument name -> Triton type (``"*fp32"``, ``"i32"``, ``"constexpr"``); ``constexprs``: name ->
+    value. Raises ``RuntimeError`` naming the version on a triton whose ``ASTSource`` takes ``constants=`` keyed by
+    index (3.0/3.1, below :data:`MIN_TRITON`).
+    """
+    from triton.compiler import ASTSource
+
+    params = inspect.signature(ASTSource.__init__).parameters
+    if "constexprs" not in params:
+        import triton
+
+        raise RuntimeError(f"triton {triton.__version__}: ASTSource has no constexprs= (it takes "
+                           f"{', '.join(p for p in params if p != 'self')}); ahead-of-time compiles need triton >= "
+                           f"{'.'.join(map(str, MIN_TRITON))}")
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+
+
+def gpu_target(arch: int, backend: str = "cuda", warp_size: int = 32):
+    """``triton.backends.compiler.GPUTarget`` for ``sm_<arch>`` (e.g. 80, 90): what ``triton.compile(src,
+    target=...)`` compiles for without a GPU."""
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget(backend, int(arch), warp_size)
+
+
+def fsdp_all_reduce_hook_missing() -> Optional[str]:
+    """Why FSDP2's all-reduce hook cannot be used with this torch (no FSDP2, or no ``set_all_reduce_hook``: before
+    torch 2.7), or None when it can."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor, Shard  # noqa: F401
+    except ImportError as exc:
+        return f"torch {torch.__version__} has no FSDP2 (torch.distributed.fsdp.FSDPModule): {exc}"
+    if not callable(getattr(FSDPModule, "set_all_reduce_hook", None)):
+        return (f"torch {torch.__version__}: FSDPModule has no set_all_reduce_hook (FSDP2 has it from torch 2.7); "
+                "PowerSGD over the replicate group needs a torch whose FSDP2 has it")
+    return None
+
+
+NO_DOT_K = 1 << 30  # dot_min_k of a width tl.dot does not take: no inner dimension reaches it
+
+
+def dot_float64_supported() -> bool:
+    """Whether this Triton's ``tl.dot`` takes float64 operands: not in triton 3.4 (its semantic asserts int8, uint8,
+    float16, bfloat16 or float32), yes in 3.6 and later; for a version in between, its ``dot`` is read. False
+    without triton."""
+    v = triton_version()
+    if v is None or v[:2] <= (3, 4):
+        return False
+    if v[:2] >= (3, 6):
+        return True
+    try:
+        from triton.language import semantic
+
+        src = inspect.getsource(semantic)
+        start = src.index("def dot(")
+        return "float64" in src[start:start + 3000]
+    except Exception:  # noqa: BLE001 - unreadable: broadcast (slower, never wrong)
+        return False
+
+
+def dot_min_k(bits: int) -> int:
+    """The smallest inner dimension ``K`` that this Triton's NVIDIA backend accepts in ``tl.dot`` for operands of
+    ``bits`` width (``min_dot_size``: 16 for every width but 8-bit in triton 3.6; 4 for float64 and 8 for float32 in
+    3.9); :data:`NO_DOT_K` for float64 on a Triton whose ``tl.dot`` has no float64 (:func:`dot_float64_supported`).
+    16 when the backend cannot be asked (no NVIDIA backend, another API)."""
+    from types import SimpleNamespace
+
+    if int(bits) == 64 and not dot_float64_supported():
+        return NO_DOT_K
+    try:
+        from triton.backends.nvidia.compiler import min_dot_size
+
+        operand = SimpleNamespace(scalar=SimpleNamespace(primitive_bitwidth=int(bits)))
+        return int(min_dot_size(gpu_target(90))(operand, operand)[2])
+    except Exception:  # noqa: BLE001 - any other layout of the backend: the conservative bound
+        return 16
+
+
+# Triton versions whose JITFunction.run ends in the call DirectLaunch makes (runtime/jit.py read for each: 3.6.0, 3.8.0
+# and 3.9.0 all call kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
+# launch_metadata, launch_enter_hook, launch_exit_hook, *bound_args.values()); the hooks are hook chains, unused while
+# they hold no call, and DirectLaunch passes None for them and for the launch metadata, which only the hooks read).
+DIRECT_LAUNCH_TRITON = ((3, 6), (3, 8), (3, 9))
+_direct_state = {}
+
+
+def _direct_launch_supported() -> bool:
+    """Whether :class:`DirectLaunch` may call compiled kernels itself here: a triton of
+    :data:`DIRECT_LAUNCH_TRITON` whose launch hooks are hook chains (decided once per process, when
+    ``JITFunction.run`` is Triton's own: not while a launch counter or a profiler has replaced it)."""
+    ok = _direct_state.get("ok")
+    if ok is None:
+        try:
+            from triton import knobs
+            from triton.runtime.jit import JITFunction
+
+            run = JITFunction.run
+            if getattr(run, "__qualname__", "") != "JITFunction.run":
+                return False  # replaced for now: ask again later
+            v = triton_version()
+            hooks = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+            ok = v is not None and v[:2] in DIRECT_LAUNCH_TRITON and all(hasattr(h, "calls") for h in hooks)
+            if ok:
+                _direct_state.update(run=run, cls=JITFunction, hooks=hooks)
+        except Exception:  # noqa: BLE001 - another layout of triton: the JIT call
+            ok = False
+        _direct_state["ok"] = ok
+    return ok
+
+
+# Tests set this to False to launch every kernel through JITFunction.run (the JIT path DirectLaunch replaces).
+DIRECT_LAUNCH = True
+
+
+def _c_launch_v39(launcher, g, stream, function, packed, args):
+    """triton 3.9's ``CudaLauncher.__call__`` without scratch memory, launch hooks or GSan: its C ``launch`` with
+    the arguments it passes (``backends/nvidia/driver.py``)."""
+    launcher.launch(g[0], g[1], g[2], stream, function, launcher.launch_cooperative_grid, launcher.launch_pdl, packed,
+                    None, None, None, None, None, launcher.arg_annotations, launcher.kernel_signature, args)
+
+
+def _c_launch_v36(launcher, g, stream, function, packed, args):
+    """triton 3.6's ``CudaLauncher.__call__`` without scratch memory or launch hooks: its C ``launch`` with the
+    arguments it passes (``backends/nvidia/driver.py``: the launch metadata and hooks lead the kernel's arguments)."""
+    launcher.launch(g[0], g[1], g[2], stream, function, launcher.launch_cooperative_grid, launcher.launch_pdl, None,
+                    None, packed, None, None, None, *args)
+
+
+# The C entry of the NVIDIA launcher, per Triton version whose CudaLauncher.__call__ was read (3.6.0, 3.8.0, 3.9.0;
+# 3.8.0 passes what 3.9.0 does).
+_C_LAUNCH = {(3, 6): _c_launch_v36, (3, 8): _c_launch_v39, (3, 9): _c_launch_v39}
+
+
+def _c_launch(launcher):
+    """The C-entry launch of ``launcher`` (the compiled kernel's ``run``) when it is this Triton's own NVIDIA
+    ``CudaLauncher`` (or a subclass keeping its ``__call__``) with no scratch memory and no GSan: then its
+    ``__call__`` only forwards to ``launcher.launch``; else None (``kernel.run`` is called)."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+    except Exception:  # noqa: BLE001 - no NVIDIA backend
+        return None
+    fn = _C_LAUNCH.get((triton_version() or ())[:2])
+    if (fn is None or not isinstance(launcher, CudaLauncher) or type(launcher).__call__ is not CudaLauncher.__call__
+            or getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)
+            or getattr(launcher, "gsan_enabled", False) or not hasattr(launcher, "launch")):
+        return None
+    return fn
+
+
+class DirectLaunch:
+    """One kernel launch of a ``@triton.jit`` function with a fixed grid and fixed keyword arguments (constexprs and
+    launch options), called with the positional (runtime) arguments: ``launch(*args)``.
+
+    The first call, and any call where the direct path does not apply, is the JIT call ``fn[grid](*args,
+    **kwargs)`` (binding, cache key, compile on a miss). It keeps the compiled kernel it returns and the
+    specialization-relevant facts of ``args`` (their number; per tensor: its dtype and ``data_ptr() % 16 == 0``;
+    every other argument's type and value, compared by ``==``, None by identity). A later call with the same facts
+    calls the compiled kernel itself, as ``JITFunction.run`` ends (triton 3.6, 3.8 and 3.9,
+    :data:`DIRECT_LAUNCH_TRITON`):
+    ``kernel.run(grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)`` on
+    the current stream of the device the kernel was launched on first, the constexprs in parameter order; where
+    that launcher is Triton's NVIDIA ``CudaLauncher`` with no scratch memory, the C ``launch`` it forwards to,
+    with the arguments its ``__call__`` passes (:data:`_C_LAUNCH`, per version). It falls back to the JIT call
+    (which sees everything as usual) when: Triton is another version, ``fn`` is not a ``JITFunction`` (the
+    interpreter), ``JITFunction.run`` has been replaced (a launch counter, a profiler), a launch enter/exit hook
+    is set (``triton.knobs.runtime``), :data:`DIRECT_LAUNCH` is False, or the facts changed. Not checked on the
+    direct path: Triton's "used global values have not changed" test (our kernels' globals are constants).
+    Raises whatever the JIT call raises (a missing argument, a compile error).
+    """
+
+    __slots__ = ("fn", "grid", "kwargs", "tail", "kernel", "facts", "stream", "device", "g", "run", "c_launch")
+
+    def __init__(self, fn, grid, kwargs: dict):
+        self.fn, self.grid, self.kwargs = fn, tuple(grid), dict(kwargs)
+        self.g = (self.grid + (1, 1))[:3]
+        self.kernel = None
+        self.facts = None
+        self.tail = None
+        self.c_launch = None
+
+    @staticmethod
+    def _facts(args) -> tuple:
+        out = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                out.append((a.dtype, a.data_ptr() % 16 == 0))
+            else:
+                out.append(a)
+        return tuple(out)
+
+    def __call__(self, *args) -> None:
+        kernel = self.kernel
+        if kernel is not None and DIRECT_LAUNCH and len(args) == len(self.facts):
+            facts = self.facts
+            i = 0
+            for a in args:  # the specialization facts, inline (no Python call per argument)
+                f = facts[i]
+                if type(f) is tuple:  # a tensor: (dtype, 16-byte aligned)
+                    if (not isinstance(a, torch.Tensor) or a.dtype is not f[0]
+                            or (a.data_ptr() % 16 == 0) is not f[1]):
+                        break
+                elif a is not f and (type(a) is not type(f) or a != f):
+                    break
+                i += 1
+            else:
+                run = _direct_state
+                enter, exit_ = run["hooks"]
+                if run["cls"].run is run["run"] and not enter.calls and not exit_.calls:
+                    g = self.g
+                    if self.c_launch is not None:
+                        self.c_launch(self.run, g, self.stream(self.device), kernel.function, kernel.packed_metadata,
+                                      args + self.tail)
+                    else:
+                        self.run(g[0], g[1], g[2], self.stream(self.device), kernel.function,
+                                 kernel.packed_metadata, None, None, None, *args, *self.tail)
+                    return
+        self._jit(args)
+
+    def _jit(self, args) -> None:
+        kernel = self.fn[self.grid](*args, **self.kwargs)
+        if not DIRECT_LAUNCH or not _direct_launch_supported() or type(self.fn) is not _direct_state.get("cls"):
+            return
+        if hasattr(kernel, "result"):  # an async compile's future (triton 3.6 / 3.9)
+            kernel = kernel.result()
+        if kernel is None or not hasattr(kernel, "packed_metadata"):
+            return
+        from triton.runtime import driver
+
+        params = list(self.fn.signature.parameters.values())
+        tail = []
+        for p in params[len(args):]:  # the bound values after the positional ones, in parameter order
+            if p.name in self.kwargs:
+                tail.append(self.kwargs[p.name])
+            elif p.default is not inspect.Parameter.empty:
+                tail.append(p.default)
+            else:  # pragma: no cover - the JIT call above raised already
+                return
+        active = driver.active
+        self.device = active.get_current_device()
+        self.stream = active.get_current_stream
+        self.tail = tuple(tail)
+        self.facts = self._facts(args)
+        self.run = kernel.run  # the launcher (CompiledKernel.run is a property: made once, then kept)
+        self.c_launch = _c_launch(self.run)
+        self.kernel = kernel
+
+
+def fsdp_param_groups(fsdp_state) -> list:
+    """The FSDP parameter groups of one module's ``FSDPState``: ``_fsdp_param_groups`` (a list, after torch 2.11),
+    else the single ``_fsdp_param_group`` (torch 2.8-2.11; empty when it is None)."""
+    groups = getattr(fsdp_state, "_fsdp_param_groups", None)
+    if groups is None:
+        one = getattr(fsdp_state, "_fsdp_param_group", None)
+        groups = [] if one is None else [one]
+    return list(groups)
+
+
+def fsdp_divide_factor_set(fsdp_group) -> bool:
+    """Whether an FSDP parameter group has a custom gradient divide factor: ``gradient_divide_factor`` (torch >= 2.8,
+    ``set_gradient_divide_factor``) or a custom ``reduce_scatter_reduce_op`` (torch 2.7's
+    ``set_reduce_scatter_divide_factor``)."""
+    return (getattr(fsdp_group, "gradient_divide_factor", None) is not None
+            or getattr(fsdp_group, "reduce_scatter_reduce_op", None) is not None)
+
+
+def fsdp_unused_params_option(module) -> bool:
+    """Whether this torch's FSDP2 module has ``set_reduce_scatter_unused_params`` (zero gradients for parameters
+    unused in the forward; after torch 2.11)."""
+    return callable(getattr(module, "set_reduce_scatter_unused_params", None))
+
+
+def replicate_with_fsdp_missing() -> Optional[str]:
+    """Why FSDP2-based ``replicate()`` cannot be used with this torch (torch 2.8 has only the DDP-based
+    ``torch.distributed._composable.replicate``), or None when it can."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate  # noqa: F401
+        from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo  # noqa: F401
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError as exc:
+        return (f"torch {torch.__version__} has no FSDP2-based replicate() "
+                f"(torch.distributed._composable.replicate_with_fsdp, after torch 2.8: {exc}); for the DDP-based "
+                "torch.distributed._composable.replicate, register the DDP hook: model.register_comm_hook(state, "
+                "powerSGD_hook)")
+    prop = getattr(FSDPParamGroup, "_all_reduce_process_group", None)
+    if not isinstance(prop, property):
+        return (f"torch {torch.__version__}: FSDPParamGroup has no _all_reduce_process_group property (read in torch "
+                "2.11-2.14); powersgd_triton.fsdp.replicate does not know this FSDP2")
+    return None
+
+
+def fsdp_replicate_group_unknown(fsdp_group) -> Optional[str]:
+    """What differs from the replicate() parameter group that torch 2.11-2.14 build (``mesh_info`` exactly a
+    ``DDPMeshInfo`` with a ``replicate_process_group``, the group FSDP all-reduces over), or None."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+
+    info = getattr(fsdp_group, "mesh_info", None)
+    if type(info) is not DDPMeshInfo:
+        return f"FSDPParamGroup.mesh_info is a {type(info).__name__}, not a DDPMeshInfo"
+    if getattr(info, "replicate_process_group", None) is None:
+        return "DDPMeshInfo.replicate_process_group is missing"
+    try:
+        if fsdp_group._all_reduce_process_group is not info.replicate_process_group:
+            return "FSDPParamGroup._all_reduce_process_group is not mesh_info.replicate_process_group"
+    except Exception as exc:  # noqa: BLE001 - any failure: unknown internals
+        return f"FSDPParamGroup._all_reduce_process_group raised {type(exc).__name__}: {exc}"
+    return None

@@ -1,0 +1,390 @@
+"""The step machinery the PowerSGD hooks share: checks, warm-up, collectives, and the state's per-step services.
+
+Used by :mod:`powersgd_triton.hooks.layerwise` (``powerSGD_hook``, ``batched_powerSGD_hook``), :mod:`powersgd_triton.hooks.alternating`
+and :mod:`powersgd_triton.fsdp.hsdp`, through these named functions only (the hooks never reach into the state's
+internals):
+
+* before anything changes: :func:`check_state`, :func:`checked_buffer` (:func:`check_bucket`),
+  :func:`check_backend_runs`;
+* warm-up and sparse buckets: :func:`warm_up` (plain averaging all-reduce, :func:`allreduce_average`;
+  :func:`skip_bucket`);
+* the bucket's memory: :func:`prepare_bucket` (layout check, migration: :mod:`powersgd_triton.state.buckets`),
+  :func:`draw_q`, :func:`allocate_alternating` (:mod:`powersgd_triton.state.memory`), :func:`end_of_iteration`,
+  :func:`bind_model`; the warm-start Q orthogonalized one step ahead: :func:`orthogonalize_next_q`,
+  :func:`take_next_q`;
+* per step: :func:`process_group`, :func:`loss_scale` (``grad_scaler``), :func:`wire_dtype` and
+  :func:`allreduce_factor` (``communication_dtype``), :func:`report_compression_stats`;
+* the schedule: :func:`use_callback_chain` (``then()`` chain on NCCL, in the hook body elsewhere; see
+  :mod:`powersgd_triton.hooks.layerwise`), :func:`completed`, :func:`keep_for_current_stream`.
+
+Stream rule (CUDA). Work the hooks queue on another stream than the hook body's — a ``then()`` callback (NCCL: PyTorch
+runs it on a stream from its pool, a fresh one per callback) and the side stream of the next step's Q
+(:func:`orthogonalize_next_q`) — may run after the last Python reference to a tensor it reads is gone, and the caching
+allocator frees a block back to the stream that allocated it at once. So every tensor such work reads or writes is
+either
+
+* owned across the step: the state's memory (error, P, Q, work buffers, the layout's device tables, kept until a
+  later hook call, after DDP waited for this step's future), the bucket buffer (DDP's), the future's value; or
+* allocated by that work itself, on its stream; or
+* recorded on that stream before its last reference goes: the storages of the value of the future a callback is
+  chained from (PyTorch records them on the callback's stream), or :func:`keep_for_current_stream` called inside the
+  callback (``record_stream``; the hooks' ``packed`` uncompressed gradients, the bucket copy of a resume, a copied loss
+  scale). The side stream's work outlives the step (it overlaps the next forward, and a ``load_state_dict`` or rebuild
+  can drop the memory without waiting for it), so everything it reads is recorded on it, the state's memory included.
+
+``tests/test_hooks_streams.py`` checks this on the then() chain (``FORCE_CALLBACK_CHAIN``) with a test double.
+"""
+
+import logging
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from powersgd_triton.ops import triton_steps as _hook_ops
+from powersgd_triton.ops.backend import device_backend
+from powersgd_triton.state.buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401 - the hooks' entry points
+from powersgd_triton.state.memory import BucketMemory, allocate_alternating, draw_q, drop_next_q, p_comm, p_work, q_comm  # noqa: F401 - the hooks' entry points
+from powersgd_triton.state.models import check_bucket_group, check_one_model
+from powersgd_triton.layout import check_gradient_dtype
+from powersgd_triton.state.powersgd_state import PowerSGDState, check_grad_scaler
+
+logger = logging.getLogger("powersgd_triton.state.powersgd_state")  # the state's messages, under the state's logger as before
+
+
+# Tests set this to True/False to force the then()-chain / in-body schedule; None: decide by the backend.
+FORCE_CALLBACK_CHAIN = None
+
+
+def use_callback_chain(group, buffer: torch.Tensor) -> bool:
+    """Whether the hook chains its steps with ``then()`` (NCCL on CUDA tensors) instead of running them in its body
+    (every other backend; see :mod:`powersgd_triton.hooks.layerwise`, "Collective order")."""
+    if FORCE_CALLBACK_CHAIN is not None:
+        return bool(FORCE_CALLBACK_CHAIN)
+    if buffer.device.type != "cuda":
+        return False
+    try:
+        backend = str(dist.get_backend(group))
+    except Exception:  # pragma: no cover - exotic groups
+        return False
+    return backend.lower() == "nccl" or "cuda:nccl" in backend.lower()
+
+
+# Tests set this to False to orthogonalize the warm-start Q at the start of each step, as before 2026-12.
+ORTHOGONALIZE_AHEAD = True
+# One side stream per CUDA device for the orthogonalization of the next step's Q.
+_SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+class NextQ:
+    """``mem.q_next``: ``mem.q_work`` holds ``orthogonalize(mem.q)`` made with ``epsilon`` and ``config`` from these
+    very ``q`` and ``q_work`` tensors at these version counters; ``event`` (CUDA) marks the end of that work on the
+    side stream. The tensors are held (not their ids, which Python may reuse), so a replaced tensor never matches."""
+
+    __slots__ = ("q", "q_version", "q_work", "q_work_version", "epsilon", "config", "event")
+
+    def __init__(self, mem: BucketMemory, epsilon: float, config, event):
+        self.q, self.q_version = mem.q, mem.q._version
+        self.q_work, self.q_work_version = mem.q_work, mem.q_work._version
+        self.epsilon, self.config, self.event = epsilon, config, event
+
+    def matches(self, mem: BucketMemory, epsilon: float, config) -> bool:
+        return (self.q is mem.q and self.q_work is mem.q_work and self.q_version == mem.q._version
+                and self.q_work_version == mem.q_work._version and self.epsilon == epsilon and self.config == config)
+
+    def wait(self) -> bool:
+        """Make the current stream of the tensors' device wait for the work (nothing on the CPU); True when the
+        work may be used. False, without waiting, while the current stream is being captured into a CUDA graph and
+        the work ran outside the capture (on the side stream): a capturing stream must not wait on an event
+        recorded outside its capture (CUDA: cudaErrorStreamCaptureIsolation, the capture is invalidated).
+        ``torch.cuda.graph`` synchronizes the device before it starts capturing, so that work is done."""
+        if self.event is None:
+            return True
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        torch.cuda.current_stream(self.q.device).wait_event(self.event)
+        return True
+
+
+def _side_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
+    """The side stream of a CUDA ``device``, or None (CPU, or a stream being captured into a CUDA graph, which must
+    not fork): the work then runs in order on the current stream."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def next_q_target(state, mem: BucketMemory, epsilon: float) -> Optional[torch.Tensor]:
+    """``mem.q_work`` when :func:`orthogonalize_next_q` will follow this step's commit with epsilon 0 (what
+    ``ops.reconstruct``'s ``orthogonalize_kept`` may do itself: the torch backend on CPU), else None."""
+    if state.warm_start and ORTHOGONALIZE_AHEAD and epsilon == 0.0 and mem.layout.num_matrices:
+        return mem.q_work
+    return None
+
+
+def orthogonalize_next_q(mem: BucketMemory, epsilon: float, done: bool = False) -> None:
+    """After a step that kept its Q in ``mem.q`` (warm start; ``reconstruct`` commits it where the step is finite):
+    ``mem.q_work <- orthogonalize(mem.q)`` now, the next step's first computation, and ``mem.q_next`` says so.
+
+    On CUDA it runs on a side stream that waits for the current one (the commit), so it overlaps whatever the
+    device does next (later buckets, the optimizer, the next forward) instead of delaying the next step's
+    ``project``: Q is known a whole iteration before it is needed. It reads ``q`` and writes ``q_work``, which
+    nothing else touches until the next step of this bucket (:func:`take_next_q`, which makes its stream wait for
+    it) or a writer of either tensor (:func:`powersgd_triton.state.memory.drop_next_q`, called by the allocation,
+    adoption and random draw of the memory). Same kernel, config and input as at the start of the next step:
+    bitwise the same Q. ``done``: ``ops.reconstruct`` wrote it already (its ``orthogonalize_kept``, with
+    :func:`next_q_target`); only ``mem.q_next`` is set."""
+    if not ORTHOGONALIZE_AHEAD or mem.layout.num_matrices == 0:
+        return
+    drop_next_q(mem)
+    config = mem.configs.get("orthogonalize")
+    stream = None if done else _side_stream(mem.q.device)
+    event = None
+    steps = _hook_ops.for_memory(mem)  # ops, or its Triton launchers unchecked (the state's own tensors)
+    if stream is None:
+        if not done:
+            steps.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work, backend=mem.backend, config=config)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(mem.q.device))
+        with torch.cuda.stream(stream):
+            steps.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work, backend=mem.backend, config=config)
+        # the caching allocator must not hand these out to another stream while the side stream uses them: Q, its
+        # output, and what the Triton launcher keeps per layout (task tables, Gram workspace), all allocated on
+        # other streams and freed without waiting for this one when the memory is dropped (rebuild, load)
+        mem.q.record_stream(stream)
+        mem.q_work.record_stream(stream)
+        if mem.backend == "triton":
+            from powersgd_triton.ops import triton_ops
+
+            for kept in triton_ops.orthogonalize_kept_tensors(mem.q, mem.layout, "q", mem.q_work, config=config):
+                kept.record_stream(stream)
+        event = stream.record_event()
+    mem.q_next = NextQ(mem, epsilon, config, event)
+
+
+def take_next_q(mem: BucketMemory, epsilon: float) -> bool:
+    """True when ``mem.q_work`` holds ``orthogonalize(mem.q)`` made ahead (:func:`orthogonalize_next_q`) from the
+    same ``q`` and ``q_work`` unchanged since (same tensors, same version counters: a ``load_state_dict``, a new
+    draw or an in-place torch write to ``q`` in between makes it False), with this ``epsilon`` and orthogonalize
+    config; the current stream then waits for that work. Clears ``mem.q_next`` either way (after waiting for it;
+    while a CUDA graph is being captured, work made outside the capture is neither waited for nor used:
+    :meth:`NextQ.wait`)."""
+    ahead = mem.q_next
+    if ahead is None:
+        return False
+    mem.q_next = None
+    return ahead.wait() and ahead.matches(mem, epsilon, mem.configs.get("orthogonalize"))
+
+
+def keep_for_current_stream(*tensors: Optional[torch.Tensor]) -> None:
+    """``record_stream`` each CUDA tensor on the current stream of its device (inside a ``then()`` callback: the
+    callback's pool stream), so that the caching allocator does not reuse its memory before the work queued on that
+    stream is done (see the stream rule in the module docstring). None and CPU tensors are skipped (nothing is
+    asynchronous there). Call it inside the callback, before queuing the work that reads the tensors."""
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
+def completed(value: torch.Tensor) -> torch.futures.Future:
+    """An already completed future holding ``value`` (what a hook that finished in its body returns)."""
+    fut = torch.futures.Future(devices=[value.device] if value.device.type == "cuda" else None)
+    fut.set_result(value)
+    return fut
+
+
+def allreduce_average(group, world_size: int, buffer: torch.Tensor) -> torch.futures.Future:
+    """Plain averaging all-reduce (PyTorch's ``default._allreduce_fut``: divide first, then sum)."""
+    buffer.div_(world_size)
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def allreduce_factor(state: PowerSGDState, factor: torch.Tensor, buffer: torch.Tensor, group) -> torch.futures.Future:
+    """Sum-all-reduce of a packed factor (P or Q), in ``state.communication_dtype`` (default: the bucket's dtype):
+    a factor already in that dtype (the Triton backend's ``p_send`` / ``q_raw``, written so by the kernels) as it
+    is; a float32 one (the torch backend's) with one cast of the whole packed buffer before the all-reduce and one
+    copy back into ``factor`` after it (no per-matrix work). Either way the values round to nearest and overflow to
+    inf, never to a finite wrong value: such a step is non-finite (its memory is kept, GradScaler skips it). The
+    future completes when ``factor`` holds the sum."""
+    wire = wire_dtype(state, buffer, factor.dtype)
+    if wire is None:
+        return dist.all_reduce(factor, group=group, async_op=True).get_future()
+    sent = factor.to(wire)
+    fut = dist.all_reduce(sent, group=group, async_op=True).get_future()
+    return fut.then(lambda f: factor.copy_(f.value()[0]))
+
+
+def check_backend_runs(state, buffer: torch.Tensor) -> None:
+    """``RuntimeError`` when ``backend="triton"`` cannot run on ``buffer``'s device; checked on every hook call
+    from step 0 (warm-up included), so the error comes before training, not at ``start_powerSGD_iter``. Free
+    after the first call per device."""
+    if state.backend != "triton" or buffer.device in state.buckets.backend_devices:
+        return
+    device_backend("triton", buffer.device)
+    state.buckets.backend_devices.add(buffer.device)
+
+
+def wire_dtype(state, buffer: torch.Tensor, factor_dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dtype P and Q of ``buffer``'s bucket are all-reduced in, when it is not ``factor_dtype`` (the
+    memory's); None when the factors are all-reduced as they are."""
+    wire = state.communication_dtype if state.communication_dtype is not None else buffer.dtype
+    return None if wire == factor_dtype else wire
+
+
+def loss_scale(state, buffer: torch.Tensor) -> Optional[torch.Tensor]:
+    """The grad scaler's current scale (one-element float32 tensor on ``buffer``'s device, read without a host
+    synchronization), or None: no scaler, a disabled one, or one that has not scaled a loss yet (scale 1)."""
+    scaler = state.grad_scaler
+    if scaler is None or not scaler.is_enabled():
+        return None
+    check_grad_scaler(scaler)  # the attribute may have been reassigned
+    scale = getattr(scaler, "_scale", None)
+    if scale is None:
+        return None
+    if scale.device != buffer.device:
+        scale = scale.to(buffer.device, non_blocking=True)
+    return scale.reshape(1)
+
+
+_DIST = dist.is_available()  # torch.distributed built in (fixed for the process)
+_PROCESS_GROUP = dist.ProcessGroup if _DIST else ()
+
+
+def process_group(state):
+    """The process group the hooks use: ``process_group``, or WORLD when it is None (resolved at call time:
+    ``dist.group.WORLD``, None until ``init_process_group``)."""
+    group = state.process_group
+    if group is not None:
+        return group
+    group = dist.group.WORLD if _DIST else None
+    if group is None:
+        raise RuntimeError(
+            "PowerSGDState.process_group is None and the default process group is not initialized: "
+            "call torch.distributed.init_process_group() before training"
+        )
+    return group
+
+
+def group_size(group) -> int:
+    """``dist.get_world_size(group)``: for a ProcessGroup (WORLD included) its ``size()``, which is what
+    ``get_world_size`` returns for one, in one call instead of its eight Python calls; anything else through
+    ``get_world_size``."""
+    if isinstance(group, _PROCESS_GROUP):
+        return group.size()
+    return dist.get_world_size(group)
+
+
+def report_compression_stats(state, bucket) -> None:
+    """Log ``state.compression_stats()`` after the last bucket of an iteration, every
+    ``compression_stats_logging_frequency`` iterations (as PyTorch's hook does)."""
+    if bucket.is_last() and state.iter >= state.next_stats_report:
+        rate, before, after = state.compression_stats()
+        logger.info(
+            "Compression stats: iter %s, total before compression %s, total after compression %s, rate %s",
+            state.iter,
+            before,
+            after,
+            rate,
+        )
+        state.next_stats_report = state.iter + state.compression_stats_logging_frequency
+
+
+def skip_bucket(state, bucket) -> None:
+    """A bucket the hook all-reduces as it is after the warm-up (a sparse gradient's): count the iteration and,
+    for the last bucket, end it as :func:`prepare_bucket` does."""
+    state.maybe_increase_iter(bucket)
+    if bucket.is_last():
+        end_of_iteration(state)
+
+
+# What works instead of compiled DDP's python reducer / compiled autograd (torch's own error for compiled autograd with
+# DDP's C++ reducer points at the python reducer; ours must not point back).
+COMPILED_AUTOGRAD_WAY_OUT = (
+    "PowerSGD needs whole DDP buckets, which only DDP's C++ reducer gives; compiled autograd works only with the "
+    "python reducer, so the two cannot be combined: run the backward without compiled autograd "
+    "(torch._dynamo.config.compiled_autograd = False, no torch._dynamo.compiled_autograd.enable()) and keep "
+    "optimize_ddp='ddp_optimizer' (the default: torch.compile of the model with DDPOptimizer, which these hooks "
+    "support) or 'no_optimization'"
+)
+
+
+def check_bucket(bucket) -> None:
+    """Refuse callers that are not DDP's C++ reducer with a clear error (a bucket check of a few isinstance calls)."""
+    if isinstance(bucket, tuple):
+        raise TypeError(
+            "PowerSGD hook called with a (grad, param) tuple instead of a torch.distributed.GradBucket: this is "
+            "compiled DDP's python reducer (torch._dynamo.config.optimize_ddp='python_reducer'), which calls comm "
+            "hooks once per parameter. " + COMPILED_AUTOGRAD_WAY_OUT
+        )
+    if isinstance(bucket, torch.Tensor):
+        raise TypeError(
+            "PowerSGD hook called with a tensor instead of a torch.distributed.GradBucket: this is FSDP's "
+            "register_comm_hook (FullyShardedDataParallel), which is not supported. The powersgd_triton hooks work "
+            "with torch.nn.parallel.DistributedDataParallel only"
+        )
+    if not callable(getattr(bucket, "buffer", None)):
+        raise TypeError(
+            f"PowerSGD hook expects a torch.distributed.GradBucket (DistributedDataParallel.register_comm_hook), "
+            f"got {type(bucket).__name__}"
+        )
+
+
+def check_state(state, hook: str) -> None:
+    """``TypeError`` unless ``state`` is our :class:`PowerSGDState` (PyTorch's own state is the likely mistake)."""
+    if isinstance(state, PowerSGDState):
+        return
+    kind = f"{type(state).__module__}.{type(state).__qualname__}"
+    hint = ""
+    if type(state).__name__ == "PowerSGDState":
+        hint = (
+            " (PyTorch's); import PowerSGDState from powersgd_triton as well, or convert it once with "
+            "powersgd_triton.PowerSGDState.from_torch(state) and register that"
+        )
+    raise TypeError(f"{hook} needs a powersgd_triton.PowerSGDState as its state, got {kind}{hint}")
+
+
+def checked_buffer(bucket) -> torch.Tensor:
+    """The bucket's flat buffer, after the checks every hook makes before it changes anything.
+
+    Raises the caller-mode error of :func:`check_bucket` (compiled DDP's python reducer, FSDP), ``TypeError`` for
+    complex or integer gradients and ``ValueError`` for a dense buffer that is not 1-D. A sparse buffer (DDP gives
+    a sparse gradient, ``nn.Embedding(..., sparse=True)``, a bucket of its own, whose buffer is that gradient) is
+    returned as it is: :func:`warm_up` averages it with a plain all-reduce.
+    """
+    check_bucket(bucket)
+    buffer = bucket.buffer()
+    check_gradient_dtype(buffer.dtype)
+    if buffer.is_sparse:
+        return buffer
+    if buffer.dim() != 1:
+        raise ValueError(f"bucket buffer must be 1-D, got shape {tuple(buffer.shape)}")
+    return buffer
+
+
+def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor, hook: str = "layerwise"):
+    """``(group, world_size, future)``: ``future`` is the plain averaged all-reduce while
+    ``iter < start_powerSGD_iter`` (PyTorch's warm-up) and, at every step, for a sparse bucket (as DDP's default
+    hook averages it: PowerSGD compresses dense matrices); else None and the hook compresses.
+
+    ``hook`` ("layerwise", "batched", "alternating") is recorded with the bucket's dtype in warm-up calls (the first
+    compressed step's Qs drawn ahead for a state dict: :mod:`powersgd_triton.state.predraw`).
+
+    Raises ``RuntimeError`` (before anything is changed, from step 0) when ``backend="triton"`` cannot run on the
+    bucket's device."""
+    check_backend_runs(state, buffer)
+    group = process_group(state)
+    world_size = group_size(group)
+    if not state.buckets.group_checked:
+        check_bucket_group(state, bucket, group)  # the state's group is DDP's: checked once, at the first call
+    if state.iter < state.start_powerSGD_iter:
+        check_one_model(state, bucket)  # a second DDP model on this state: refused at its first call
+        state.buckets.index_dtypes[bucket.index()] = (buffer.dtype, hook)  # for powersgd_triton.state.predraw
+        state.maybe_increase_iter(bucket)
+        return group, world_size, allreduce_average(group, world_size, buffer)
+    if buffer.is_sparse:
+        skip_bucket(state, bucket)
+        return group, world_size, allreduce_average(group, world_size, buffer)
+    return group, world_size, None

@@ -1,0 +1,224 @@
+"""Fused reconstruction with error feedback: ``M_i ← P_i·(s·Q_i)ᵀ`` and ``E_i ← M_i(before) − P_i·(s·Q_i)ᵀ``.
+
+``LOCAL_ERR`` switches the error to the local residual of the alternating hook: ``E_i ← M_i − P_local·Q_iᵀ`` (a
+P step, where P was all-reduced) or ``E_i ← M_i − P_i·Q_localᵀ`` (a Q step), while M_i still receives the
+averaged ``P_i·(s·Q_i)ᵀ``.
+
+One launch for the whole bucket, one program per tile of ``BLOCK_N`` rows and a range of columns of a matrix
+(columns are split freely: every output element is computed by exactly one program). The program keeps its
+``BLOCK_N x R`` slice of P in registers and streams its columns of M in chunks of ``BLOCK_K``: each element of M is
+read once (for the error) and written once, each element of E written once — the bucket is never cloned.
+
+``HAS_FLAG``: ``n_flags`` uint8 step flags (:func:`powersgd_triton.ops.segments._average_kernel`, or one byte
+given by the caller); the step is finite when bit 0 is set in all of them. Where it is not, the error memory is left
+untouched (the state stays valid without a host synchronization). ``COMMIT`` (1: P, 2: Q) also writes the factor
+into the warm-start memory ``kept`` where the step is finite and the matrix's factor is not all zero (bit 1 of its
+flags, ``first[mat]:first[mat + 1]``): the programs holding column range 0 write their P rows, those holding row
+block 0 the Q rows of their columns. No atomics; every output element is computed by one program in a fixed order,
+so results are bitwise reproducible.
+"""
+
+import triton
+import triton.language as tl
+
+from powersgd_triton.ops.common import (
+    RECON_COL0, RECON_COL_END, RECON_MAT, RECON_ROW0, RECON_TILE_WIDTH, _cast_for_store, _flags_all, _flags_any_nonzero, _load_m_and_pad_error, _load_matrix_row, loop_range,
+)
+
+
+@triton.jit
+def _outer(a, b, USE_DOT: tl.constexpr):
+    """a · bᵀ for a [BLOCK_N, R] and b [BLOCK_K, R] tile (float32)."""
+    if USE_DOT:
+        return tl.dot(a, tl.trans(b), input_precision="ieee")
+    else:
+        return tl.sum(a[:, None, :] * b[None, :, :], axis=2)
+
+
+@triton.jit
+def _reconstruct_loads(m_ptr, e_ptr, q_ptr, lf_ptr, rows, row_ok, ranks, rank_ok, k0, c_end, m, numel, r,
+                       HAS_ERROR: tl.constexpr, PAD_ERROR: tl.constexpr, LOCAL_ERR: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """The tiles one reconstruct step reads at columns ``k0:k0 + BLOCK_K`` (masked past ``c_end``), as stored:
+    Q's ``[k, R]``, the local Q (``LOCAL_ERR == 2``), M's ``[rows, k]`` (``HAS_ERROR``) and the padding's error
+    (``PAD_ERROR``); zeros for the ones the variant does not read."""
+    cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+    col_ok = cols < c_end
+    q_mask = col_ok[:, None] & rank_ok[None, :]
+    q = tl.load(q_ptr + cols[:, None] * r + ranks[None, :], mask=q_mask, other=0.0)
+    if LOCAL_ERR == 2 and HAS_ERROR:
+        q_loc = tl.load(lf_ptr + cols[:, None] * r + ranks[None, :], mask=q_mask, other=0.0)
+    else:
+        q_loc = tl.zeros((1, 1), dtype=tl.float32)
+    if HAS_ERROR:
+        x, e = _load_m_and_pad_error(m_ptr, e_ptr, rows, row_ok, cols, col_ok, m, numel, PAD_ERROR)
+    else:
+        x = tl.zeros((1, 1), dtype=tl.float32)
+        e = tl.zeros((1, 1), dtype=tl.float32)
+    return q, q_loc, x, e
+
+
+@triton.jit
+def _reconstruct_step(q_in, ql_in, m_in, e_in, p, p_loc, bp, ep, kp, ls_ptr, rows, row_ok, ranks, rank_ok, keep,
+                      commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR: tl.constexpr, LOCAL_ERR: tl.constexpr,
+                      PAD_ERROR: tl.constexpr, COMMIT: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                      LOSS_SCALE: tl.constexpr):
+    """One step at columns ``k0:k0 + BLOCK_K`` from its loaded tiles (:func:`_reconstruct_loads`): the Q commit
+    (``COMMIT == 2``), the error and the output; every store is masked past ``c_end`` (a step past the range's end,
+    in the last trip of an unrolled loop, stores nothing)."""
+    cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+    col_ok = cols < c_end
+    q_raw = q_in.to(tl.float32)
+    if COMMIT == 2:
+        q_mask = col_ok[:, None] & rank_ok[None, :]
+        tl.store(kp + cols[:, None] * r + ranks[None, :], _cast_for_store(q_raw, kp), mask=q_mask & commit_q)
+    approx = _outer(p, q_raw * scale, USE_DOT)
+    lin = rows[:, None] * m + cols[None, :]
+    inside = row_ok[:, None] & col_ok[None, :]
+    mask = inside & (lin < numel)
+    if HAS_ERROR:
+        before = m_in.to(tl.float32)
+        if PAD_ERROR:  # the padding's M + E is its error memory (the bucket holds no padding)
+            e_pad = e_in.to(tl.float32)
+            if LOSS_SCALE:
+                e_pad = e_pad * tl.load(ls_ptr)
+            before += e_pad
+            e_mask = inside & keep
+        else:
+            e_mask = mask & keep
+        if LOCAL_ERR == 1:
+            approx_e = _outer(p_loc, q_raw, USE_DOT)
+        elif LOCAL_ERR == 2:
+            approx_e = _outer(p, ql_in.to(tl.float32), USE_DOT)
+        else:
+            approx_e = approx
+        e_new = before - approx_e
+        if LOSS_SCALE:  # the error memory is kept in unscaled units
+            e_new = e_new / tl.load(ls_ptr)
+        tl.store(ep + lin, _cast_for_store(e_new, ep), mask=e_mask)
+    tl.store(bp + lin, _cast_for_store(approx, bp), mask=mask)
+
+
+@triton.jit
+def _reconstruct_kernel(
+    buf_ptr,  # bucket buffer, M_i row-major n x m at buf_ptr + off (overwritten with the approximation)
+    p_ptr,  # flat P (float32), P_i row-major n x r
+    q_ptr,  # flat Q (float32), Q_i row-major m x r
+    lf_ptr,  # local factor for the error (LOCAL_ERR 1: P_local like p_ptr, 2: Q_local like q_ptr)
+    e_ptr,  # flat error memory (float32), E_i row-major n x m (unused unless HAS_ERROR)
+    kept_ptr,  # warm-start factor memory (COMMIT 1: like p_ptr, 2: like q_ptr)
+    flags_ptr,  # uint8 step flags: bit 0 finite, bit 1 non-zero (HAS_FLAG / COMMIT)
+    first_ptr,  # int32 [L + 1]: flags of matrix i are first[i]:first[i + 1] (COMMIT)
+    table_ptr,  # int64 [L, TABLE_WIDTH] layout table
+    tiles_ptr,  # int32 [T, RECON_TILE_WIDTH] (matrix, first row, first column, end column)
+    ls_ptr,  # float32 [1] loss scale s (LOSS_SCALE: E is stored divided by s, the padding's M + E is s·E)
+    n_flags,  # number of flags
+    scale,  # float32 factor applied to Q (1 / world size, or 1 when Q was averaged already)
+    HAS_ERROR: tl.constexpr,
+    HAS_FLAG: tl.constexpr,
+    LOCAL_ERR: tl.constexpr,  # 0: E = M - output; 1: E = M - P_local·Qᵀ; 2: E = M - P·Q_localᵀ
+    PAD_ERROR: tl.constexpr,  # batched view: the padding (flat index >= numel) has error memory too
+    COMMIT: tl.constexpr,  # 0: none; 1: kept P <- P; 2: kept Q <- Q (where finite and non-zero)
+    R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,  # broadcast path: 1 (2) more steps' tiles loaded while one step is computed
+    LOSS_SCALE: tl.constexpr = False,
+    CARRY: tl.constexpr = False,  # PREFETCH 1 as a loop-carried register copy (one step per trip; see below)
+):
+    """The broadcast path (``USE_DOT`` false) with ``PREFETCH`` p unrolls its loop p + 1 times, one register set
+    per step: the tiles of the next p steps are loaded before a step is computed, and each loaded register is
+    consumed where it was loaded (no loop-carried copy, which waits for its loads within the trip). A column range
+    that is not a multiple of (p + 1) x ``BLOCK_K`` columns ends with steps past its end: their loads and stores
+    are masked (``c_end``). ``CARRY`` (with ``PREFETCH`` 1) keeps the older form, one step per trip whose next
+    tiles are copied into this step's registers: fewer registers (kept where the unrolled loop would cost a block
+    per SM, :data:`powersgd_triton.ops.lowrank_configs.RECONSTRUCT_TILES`)."""
+    pid = tl.program_id(0)
+    mat = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_MAT).to(tl.int64)
+    row0 = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_ROW0).to(tl.int64)
+    c_begin = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_COL0).to(tl.int64)
+    c_end = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_COL_END).to(tl.int64)
+    off, n, m, numel, r, p_off, q_off, e_off = _load_matrix_row(table_ptr, mat)
+
+    rows = row0 + tl.arange(0, BLOCK_N).to(tl.int64)
+    ranks = tl.arange(0, R)
+    row_ok = rows < n
+    rank_ok = ranks < r
+    p_mask = row_ok[:, None] & rank_ok[None, :]
+    p = tl.load(p_ptr + p_off + rows[:, None] * r + ranks[None, :], mask=p_mask, other=0.0).to(tl.float32)
+    p_loc = p
+    if LOCAL_ERR == 1:
+        p_loc = tl.load(lf_ptr + p_off + rows[:, None] * r + ranks[None, :], mask=p_mask, other=0.0).to(tl.float32)
+    ok = 1
+    if HAS_FLAG:
+        ok = _flags_all(flags_ptr, n_flags, 256)
+    # block masks from scalars (a scalar bool in a mask expression is not portable to the interpreter)
+    keep = (tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32) + ok) != 0
+    commit_q = keep  # unused unless COMMIT == 2
+    if COMMIT != 0:
+        fresh = ok & _flags_any_nonzero(flags_ptr, first_ptr, mat, 64)
+        if COMMIT == 1:
+            mine = fresh * (c_begin == 0).to(tl.int32)
+            commit_p = (tl.zeros((BLOCK_N, R), dtype=tl.int32) + mine) != 0
+            tl.store(kept_ptr + p_off + rows[:, None] * r + ranks[None, :], _cast_for_store(p, kept_ptr),
+                     mask=p_mask & commit_p)
+        else:
+            mine = fresh * (row0 == 0).to(tl.int32)
+            commit_q = (tl.zeros((BLOCK_K, R), dtype=tl.int32) + mine) != 0
+    bp = buf_ptr + off  # this matrix's M, error, Q and local Q
+    ep = e_ptr + e_off
+    qp = q_ptr + q_off
+    lp = lf_ptr + q_off
+    if CARRY:  # this step's tiles arrived during the last step; the next step's go out now
+        q_n, ql_n, m_n, e_n = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, c_begin, c_end, m,
+                                                 numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+        for k0 in loop_range(c_begin, c_end, BLOCK_K):
+            q_a, ql_a, m_a, e_a = q_n, ql_n, m_n, e_n
+            q_n, ql_n, m_n, e_n = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + BLOCK_K,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                              rank_ok, keep, commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR, PAD_ERROR,
+                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+    elif PREFETCH == 0:
+        for k0 in loop_range(c_begin, c_end, BLOCK_K):
+            q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0, c_end, m,
+                                                     numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                              rank_ok, keep, commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR, PAD_ERROR,
+                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+    elif PREFETCH == 1:  # register sets a, b: a's loads go out while b's step is computed, and b's during a's
+        q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, c_begin, c_end, m,
+                                                 numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+        for k0 in loop_range(c_begin, c_end, 2 * BLOCK_K):
+            q_b, ql_b, m_b, e_b = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + BLOCK_K,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                              rank_ok, keep, commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR, PAD_ERROR,
+                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+            q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + 2 * BLOCK_K,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+            _reconstruct_step(q_b, ql_b, m_b, e_b, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                              rank_ok, keep, commit_q, k0 + BLOCK_K, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR,
+                              PAD_ERROR, COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+    else:  # three register sets: two steps' loads in flight while one is computed
+        q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, c_begin, c_end, m,
+                                                 numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+        q_b, ql_b, m_b, e_b = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, c_begin + BLOCK_K,
+                                                 c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+        for k0 in loop_range(c_begin, c_end, 3 * BLOCK_K):
+            q_c, ql_c, m_c, e_c = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + 2 * BLOCK_K,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                              rank_ok, keep, commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR, PAD_ERROR,
+                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+            q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + 3 * BLOCK_K,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+            _reconstruct_step(q_b, ql_b, m_b, e_b, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                              rank_ok, keep, commit_q, k0 + BLOCK_K, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR,
+                              PAD_ERROR, COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+            q_b, ql_b, m_b, e_b = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + 4 * BLOCK_K,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+            _reconstruct_step(q_c, ql_c, m_c, e_c, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                              rank_ok, keep, commit_q, k0 + 2 * BLOCK_K, c_end, m, numel, r, scale, HAS_ERROR,
+                              LOCAL_ERR, PAD_ERROR, COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
