@@ -49,7 +49,7 @@ from powersgd_triton.state.models import check_bucket_group, check_one_model
 from powersgd_triton.layout import check_gradient_dtype
 from powersgd_triton.state.powersgd_state import PowerSGDState, check_grad_scaler
 
-logger = logging.getLogger("powersgd_triton.state.powersgd_state")  # the state's messages, under the state's logger as before
+logger = logging.getLogger("powersgd_triton.state")  # the state's messages, under the state's logger as before
 
 
 # Tests set this to True/False to force the then()-chain / in-body schedule; None: decide by the backend.

@@ -64,14 +64,13 @@ import torch.distributed as dist
 
 from powersgd_triton.compat import env as _env
 from powersgd_triton import ops
-from powersgd_triton.state.memory import drop_next_q
 from powersgd_triton.ops.verify_compare import (
     DEFERRED, KERNEL_OF, OK, WRONG, Differential, compare, compare_orthogonal, tolerance,
 )
 from powersgd_triton.autotune.cache import CacheWarning, atomic_write_json, default_cache_dir
 from powersgd_triton.autotune.keys import DeviceKey, dtype_name, shape_class
 
-logger = logging.getLogger("powersgd_triton.ops.verify")
+logger = logging.getLogger("powersgd_triton.verify")
 
 MODES = ("first", "always", "off")
 VERDICT_FILENAME = "verify-verdicts.json"
@@ -276,7 +275,7 @@ def _device_key(layout) -> DeviceKey:
 
 
 def _switch_to_torch(mem) -> None:
-    drop_next_q(mem)
+    mem.drop_next_q()
     mem.backend = "torch"
     mem.configs = {}
     mem.verify_pending = False
@@ -348,7 +347,7 @@ class Check:
         self.index, self.dk, self.keys, self.local = index, dk, keys, local
         self.prior = prior or {}  # the verdict file's entries as this run first read them
         self.strikes: Dict[str, int] = {}  # kernel -> the strikes its wrong verdict was saved with
-        drop_next_q(mem)  # "always": the Q made ahead is made again, through the checked ops, from the same input
+        mem.drop_next_q()  # "always": the Q made ahead is made again, through the checked ops, from the same input
         self.saved = {name: (None if getattr(mem, name) is None else getattr(mem, name).clone())
                       for name in ("error", "p", "q", "q_work")}
         self.saved_buffer = buffer.clone()
@@ -361,7 +360,7 @@ class Check:
     def restore(self) -> None:
         """The bucket's gradients and memory as they were before the step."""
         mem = self.mem
-        drop_next_q(mem)
+        mem.drop_next_q()
         if self.buffer.device.type == "cuda":  # copied on this stream (NCCL: a callback's), allocated on another
             stream = torch.cuda.current_stream(self.buffer.device)
             for t in [self.saved_buffer, *self.saved.values()]:

@@ -42,7 +42,7 @@ import torch
 
 from powersgd_triton import ops
 
-logger = logging.getLogger("powersgd_triton.ops.verify")
+logger = logging.getLogger("powersgd_triton.verify")
 
 # The ops a hook step launches, and the kernel each one's verdict is kept under.
 KERNEL_OF = {"project": "project", "orthogonalize": "orthogonalize", "project_t": "project_t",

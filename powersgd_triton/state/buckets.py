@@ -34,7 +34,7 @@ from powersgd_triton.state.memory import BucketMemory, adopt_loaded, allocate, f
 from powersgd_triton.state.models import bucket_params, refuse_second_model, registered_module  # noqa: F401 - also the tests' names
 from powersgd_triton.layout import BucketLayout, matrix_segment
 
-logger = logging.getLogger("powersgd_triton.state.powersgd_state")
+logger = logging.getLogger("powersgd_triton.state")
 
 
 def _segments(buffer: torch.Tensor, params, gradients) -> Optional[Dict[int, Tuple[int, int]]]:

@@ -34,6 +34,11 @@ class BucketMemory:
         "verify_pending",
     )
 
+    def drop_next_q(self) -> None:
+        """:func:`drop_next_q` of this memory (what :mod:`powersgd_triton.ops.verify` calls: ops never import
+        state)."""
+        drop_next_q(self)
+
     def __init__(self):
         self.layout: Optional[BucketLayout] = None
         self.signature: Optional[str] = None  # repr(layout.signature); kept when the layout is not (after a load)

@@ -71,7 +71,7 @@ from powersgd_triton.ops.backend import BACKENDS, check_backend, triton_unusable
 from powersgd_triton.state.memory import BucketMemories, BucketMemory  # noqa: F401 - BucketMemory: importable from here as before
 from powersgd_triton.state.torch_interop import KINDS, MemoryDict, written_entries
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("powersgd_triton.state")  # the public module's name, as before the re-seat
 
 _STATE_DICT_VERSION = 1
 _HYPERPARAMETERS = (
