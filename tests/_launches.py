@@ -73,9 +73,9 @@ def synchronous_all_reduce(counter: CountLaunches):
 def counting_bucket_kernels(counter: CountLaunches):
     """Within the block, each call of a bucket step of :mod:`powersgd_triton.ops` counts as one launch (project,
     orthogonalize, project_t, reconstruct, pack_uncompressed, unpack_uncompressed, average, commit_factor), and so
-    does each call of :mod:`powersgd_triton.ops.triton_steps`' (the hooks' unchecked calls on the Triton backend, which go
+    does each call of :class:`powersgd_triton.ops.backend.TritonSteps`' methods (the hooks' unchecked calls on the Triton backend, which go
     to the launchers, not through ``ops``)."""
-    from powersgd_triton.ops import triton_steps as _hook_ops
+    from powersgd_triton.ops.backend import TritonSteps as _hook_ops
 
     saved = {}
     names = ("project", "orthogonalize", "project_t", "reconstruct", "pack_uncompressed", "unpack_uncompressed",

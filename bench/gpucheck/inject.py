@@ -9,7 +9,7 @@ alive (or a wait that is missing) shows as wrong numbers instead of passing by l
 * :func:`sleep_on_side_stream`: every orthogonalization the hooks make while the current stream is one of their
   side streams (the next step's Q, ``powersgd_triton.hooks.driver``) calls ``sleep()`` first, on that stream. Both ways the
   hooks reach it are wrapped: ``powersgd_triton.ops.orthogonalize`` (the torch backend, and any memory not on the
-  Triton backend) and ``powersgd_triton.ops.triton_steps.orthogonalize`` (the Triton backend's unchecked launchers, which
+  Triton backend) and ``powersgd_triton.ops.backend.TritonSteps.orthogonalize`` (the Triton backend's unchecked launchers, which
   never call ``ops``).
 * :func:`next_q_orthogonalizations`: a predicate for ``sleep_on_side_stream`` where there are no side streams (CPU):
   true while ``powersgd_triton.hooks.driver.orthogonalize_next_q`` runs, the call that runs on the side stream on CUDA (and
@@ -114,11 +114,11 @@ def _on_a_side_stream() -> bool:
 def sleep_on_side_stream(sleep: Callable[[], None], counts: Optional[Injected] = None,
                          on_side: Callable[[], bool] = _on_a_side_stream):
     """Within the block, every orthogonalization the hooks make, through ``powersgd_triton.ops.orthogonalize`` (torch
-    backend) or ``powersgd_triton.ops.triton_steps.orthogonalize`` (Triton backend), calls ``sleep()`` first whenever
+    backend) or ``powersgd_triton.ops.backend.TritonSteps.orthogonalize`` (Triton backend), calls ``sleep()`` first whenever
     ``on_side()`` (default: the current CUDA stream is one of ``powersgd_triton.hooks.driver``'s side streams; on CPU
     :func:`next_q_orthogonalizations`' predicate stands in for it). Yields the :class:`Injected` counts (``side``: the
     calls that slept). Both functions are restored on exit."""
-    from powersgd_triton.ops import triton_steps as _hook_ops
+    from powersgd_triton.ops.backend import TritonSteps as _hook_ops
     from powersgd_triton import ops
 
     counts = counts if counts is not None else Injected()

@@ -129,12 +129,12 @@ class _HalfStep:
     """One compressed half-step of one bucket: the work before and after its all-reduce."""
 
     __slots__ = ("state", "mem", "layout", "buffer", "world_size", "backend", "eps", "phase", "factor", "unc", "sent",
-                 "local", "loss_scale", "ops")
+                 "local", "loss_scale", "steps")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, world_size: int, check=None):
         layout = mem.layout
-        # the numeric steps: powersgd_triton.ops, or the first-use check's (powersgd_triton.ops.verify)
-        self.ops = ops if check is None else check.ops
+        # the numeric steps: the bucket memory's (Triton or torch), or the first-use check's (powersgd_triton.ops.verify)
+        self.steps = mem.steps if check is None else check.steps
         self.state = state
         self.mem = mem
         self.layout = layout
@@ -154,8 +154,7 @@ class _HalfStep:
 
     def compute(self) -> None:
         """This rank's factor into ``comm[:F]`` (and ``local``), the uncompressed gradients into ``comm[F:]``."""
-        state, mem, layout, buffer, backend = self.state, self.mem, self.layout, self.buffer, self.backend
-        ops = self.ops
+        state, mem, layout, buffer, steps = self.state, self.mem, self.layout, self.buffer, self.steps
         # A Q that powerSGD_hook orthogonalized ahead in this memory (a state that served it before): this half-step
         # writes q_work (P step) or commits Q (Q step) with kernels that move no version counter, so forget it
         # now, after the current stream waits for its side stream (powersgd_triton.hooks.driver.take_next_q)
@@ -163,23 +162,18 @@ class _HalfStep:
         if self.phase == "p":
             if not mem.q_initialized:
                 _step.draw_q(state, mem, buffer.dtype)
-            ops.orthogonalize(mem.q, layout, "q", self.eps, out=mem.q_work, backend=backend,
-                              config=mem.config("orthogonalize"))
+            steps.orthogonalize(mem.q, layout, "q", self.eps, out=mem.q_work)
             # P_local = (M + E)·Q' into comm and local; the bucket now holds M + E.
-            ops.project(buffer, layout, mem.q_work, self.factor, mem.error, p2=self.local,
-                        loss_scale=self.loss_scale, backend=backend, config=mem.config("project"))
+            steps.project(buffer, layout, mem.q_work, self.factor, mem.error, p2=self.local, loss_scale=self.loss_scale)
         else:
-            ops.orthogonalize(mem.p, layout, "p", self.eps, out=mem.p_work, backend=backend,
-                              config=mem.config("orthogonalize"))
+            steps.orthogonalize(mem.p, layout, "p", self.eps, out=mem.p_work)
             if mem.error is not None:
                 # Fold E into the bucket (project_t has no error input); the P it computes is scratch.
-                ops.project(buffer, layout, mem.q, mem.local[: layout.p_numel], mem.error,
-                            loss_scale=self.loss_scale, backend=backend, config=mem.config("project"))
+                steps.project(buffer, layout, mem.q, mem.local[: layout.p_numel], mem.error, loss_scale=self.loss_scale)
             # Q_local = (M + E)ᵀ·P' into comm and local
-            ops.project_t(buffer, layout, mem.p_work, self.factor, q2=self.local, backend=backend,
-                          config=mem.config("project_t"))
+            steps.project_t(buffer, layout, mem.p_work, self.factor, q2=self.local)
         if self.unc.numel():
-            ops.pack_uncompressed(buffer, layout, self.unc, backend=backend)
+            steps.pack_uncompressed(buffer, layout, self.unc)
 
     def keep_for_callback(self) -> None:
         """Called first in the ``then()`` callback that runs :meth:`finish`: the loss scale (a copy made in the hook
@@ -189,19 +183,19 @@ class _HalfStep:
 
     def finish(self) -> torch.Tensor:
         """Average, write the output and the local residual, commit the kept factor where the step is finite."""
-        mem, layout, buffer, backend, ops = self.mem, self.layout, self.buffer, self.backend, self.ops
+        mem, layout, buffer, steps = self.mem, self.layout, self.buffer, self.steps
         # factor /= world, uncompressed /= world and unpacked, step flags: one launch
-        flags = ops.average(self.factor, layout, self.phase, buffer, self.unc if self.unc.numel() else None,
-                            self.world_size, backend=backend)
+        flags = steps.average(self.factor, layout, self.phase, buffer, self.unc if self.unc.numel() else None,
+                              self.world_size)
         error = mem.error
         local = self.local if error is not None else None
         kept = (self.phase, mem.p if self.phase == "p" else mem.q)
         if self.phase == "p":
-            ops.reconstruct(buffer, layout, self.factor, mem.q_work, 1.0, error, flags, local_p=local, commit=kept,
-                            loss_scale=self.loss_scale, backend=backend, config=mem.config("reconstruct"))
+            steps.reconstruct(buffer, layout, self.factor, mem.q_work, 1.0, error, flags, local_p=local, commit=kept,
+                              loss_scale=self.loss_scale)
         else:
-            ops.reconstruct(buffer, layout, mem.p_work, self.factor, 1.0, error, flags, local_q=local, commit=kept,
-                            loss_scale=self.loss_scale, backend=backend, config=mem.config("reconstruct"))
+            steps.reconstruct(buffer, layout, mem.p_work, self.factor, 1.0, error, flags, local_q=local, commit=kept,
+                              loss_scale=self.loss_scale)
         return buffer
 
 

@@ -41,7 +41,6 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from powersgd_triton.ops import triton_steps as _hook_ops
 from powersgd_triton.ops.backend import device_backend
 from powersgd_triton.state.buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401 - the hooks' entry points
 from powersgd_triton.state.memory import BucketMemory, allocate_alternating, draw_q, drop_next_q, p_comm, p_work, q_comm  # noqa: F401 - the hooks' entry points
@@ -143,24 +142,21 @@ def orthogonalize_next_q(mem: BucketMemory, epsilon: float, done: bool = False) 
     config = mem.configs.get("orthogonalize")
     stream = None if done else _side_stream(mem.q.device)
     event = None
-    steps = _hook_ops.for_memory(mem)  # ops, or its Triton launchers unchecked (the state's own tensors)
+    steps = mem.steps
     if stream is None:
         if not done:
-            steps.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work, backend=mem.backend, config=config)
+            steps.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work)
     else:
         stream.wait_stream(torch.cuda.current_stream(mem.q.device))
         with torch.cuda.stream(stream):
-            steps.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work, backend=mem.backend, config=config)
+            steps.orthogonalize(mem.q, mem.layout, "q", epsilon, out=mem.q_work)
         # the caching allocator must not hand these out to another stream while the side stream uses them: Q, its
         # output, and what the Triton launcher keeps per layout (task tables, Gram workspace), all allocated on
         # other streams and freed without waiting for this one when the memory is dropped (rebuild, load)
         mem.q.record_stream(stream)
         mem.q_work.record_stream(stream)
-        if mem.backend == "triton":
-            from powersgd_triton.ops import triton_ops
-
-            for kept in triton_ops.orthogonalize_kept_tensors(mem.q, mem.layout, "q", mem.q_work, config=config):
-                kept.record_stream(stream)
+        for kept in steps.kept_tensors(mem.q, mem.layout, "q", mem.q_work):
+            kept.record_stream(stream)
         event = stream.record_event()
     mem.q_next = NextQ(mem, epsilon, config, event)
 

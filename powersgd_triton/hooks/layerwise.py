@@ -40,7 +40,6 @@ No ``from __future__ import annotations`` here: DDP checks the hooks' annotation
 import torch
 import torch.distributed as dist
 
-from powersgd_triton.ops import triton_steps as _hook_ops
 from powersgd_triton.hooks import driver as _step
 from powersgd_triton.ops import verify
 from powersgd_triton.state.memory import BucketMemory
@@ -70,7 +69,7 @@ class _Step:
     """
 
     __slots__ = ("state", "mem", "layout", "buffer", "group", "world_size", "unc", "packed", "unc_work", "backend",
-                 "eps", "loss_scale", "p_raw", "p_send", "q_raw", "ops")
+                 "eps", "loss_scale", "p_raw", "p_send", "q_raw", "steps")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int,
                  check=None):
@@ -81,9 +80,8 @@ class _Step:
         self.group = group
         self.world_size = world_size
         self.backend = mem.backend
-        # the numeric steps: powersgd_triton.ops, or on the Triton backend its launchers unchecked (the state's own
-        # tensors), or the first-use check's (powersgd_triton.ops.verify)
-        self.ops = _hook_ops.for_memory(mem) if check is None else check.ops
+        # the numeric steps: the bucket memory's (Triton or torch), or the first-use check's (powersgd_triton.ops.verify)
+        self.steps = mem.steps if check is None else check.steps
         self.eps = float(state.orthogonalization_epsilon)
         # error memory in unscaled units (state.grad_scaler): the scale of this step's gradients, a device tensor
         self.loss_scale = _step.loss_scale(state, buffer) if mem.error is not None else None
@@ -115,7 +113,7 @@ class _Step:
             self.unc = self.buffer[o : o + n]
         else:
             self.packed = self.buffer.new_empty(layout.uncompressed_numel)
-            self.ops.pack_uncompressed(self.buffer, layout, self.packed, backend=self.backend)
+            self.steps.pack_uncompressed(self.buffer, layout, self.packed)
             self.unc = self.packed
         self.unc_work = dist.all_reduce(self.unc, group=self.group, async_op=True)
 
@@ -130,23 +128,17 @@ class _Step:
         if layout.num_matrices == 0:
             return
         if not ahead:
-            self.ops.orthogonalize(
-                mem.q, layout, "q", self.eps, out=mem.q_work, backend=self.backend,
-                config=mem.configs.get("orthogonalize")
-            )
-        self.ops.project(self.buffer, layout, mem.q_work, self.p_send, mem.error, loss_scale=self.loss_scale,
-                    backend=self.backend, config=mem.configs.get("project"))
+            self.steps.orthogonalize(mem.q, layout, "q", self.eps, out=mem.q_work)
+        self.steps.project(self.buffer, layout, mem.q_work, self.p_send, mem.error, loss_scale=self.loss_scale)
 
     def compute_q(self) -> None:
         """Orthogonalize the all-reduced P (``p_raw``) into ``mem.p``; ``Q = (M + E)ᵀ·P`` into ``q_raw``."""
         mem, layout = self.mem, self.layout
         if self.p_send is not self.p_raw:
             self.p_raw.copy_(self.p_send)  # the all-reduced P in float32 (exact)
-        self.ops.orthogonalize(self.p_raw, layout, "p", self.eps, out=mem.p, backend=self.backend,
-                          config=mem.configs.get("orthogonalize"))
-        self.ops.project_t(self.buffer, layout, mem.p, self.q_raw, error=mem.error if layout.batched else None,
-                      loss_scale=self.loss_scale if layout.batched else None, backend=self.backend,
-                      config=mem.configs.get("project_t"))
+        self.steps.orthogonalize(self.p_raw, layout, "p", self.eps, out=mem.p)
+        self.steps.project_t(self.buffer, layout, mem.p, self.q_raw, error=mem.error if layout.batched else None,
+                             loss_scale=self.loss_scale if layout.batched else None)
 
     def finish(self) -> torch.Tensor:
         """Average, reconstruct, update the memory where the step is finite; the bucket buffer is the output."""
@@ -157,14 +149,14 @@ class _Step:
             if self.unc is not None:
                 self.unc.div_(self.world_size)
                 if self.packed is not None:
-                    self.ops.unpack_uncompressed(self.packed, layout, self.buffer, backend=self.backend)
+                    self.steps.unpack_uncompressed(self.packed, layout, self.buffer)
             return self.buffer
         # Q /= world, uncompressed /= world and unpacked, step flags: one launch
-        flags = self.ops.average(self.q_raw, layout, "q", self.buffer, self.packed, self.world_size,
-                                 out=None if self.q_raw is mem.q_work else mem.q_work, backend=self.backend)
+        flags = self.steps.average(self.q_raw, layout, "q", self.buffer, self.packed, self.world_size,
+                                   out=None if self.q_raw is mem.q_work else mem.q_work)
         keep_memory = mem.error is not None or state.warm_start
         next_q = _step.next_q_target(state, mem, self.eps)
-        done = self.ops.reconstruct(
+        done = self.steps.reconstruct(
             self.buffer,
             layout,
             mem.p,
@@ -177,8 +169,6 @@ class _Step:
             # CPU torch backend: the next step's Q orthogonalized here, from the Gram matrices that tell the status
             orthogonalize_kept=next_q,
             loss_scale=self.loss_scale,
-            backend=self.backend,
-            config=mem.configs.get("reconstruct"),
         )
         if state.warm_start:  # the next step's first computation, off its critical path
             _step.orthogonalize_next_q(mem, self.eps, done=done)

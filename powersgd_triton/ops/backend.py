@@ -99,3 +99,127 @@ def triton_unusable_reason() -> Optional[str]:
         "this torch build has no CUDA, and CPU tensors need TRITON_INTERPRET=1 set before triton is imported "
         "(Triton's interpreter, slow)"
     )
+
+
+class TorchSteps:
+    """The numeric steps of one bucket on the torch backend (:mod:`powersgd_triton.ops.reference`): what a bucket's
+    memory holds as ``mem.steps`` when its bucket runs on torch (CPU, float64, no Triton). Each method is the
+    checked :mod:`powersgd_triton.ops` function of the same name with ``backend="torch"``: same arguments (without
+    ``backend`` and ``config``), same shapes, dtypes and errors."""
+
+    __slots__ = ("ops",)
+    backend = "torch"
+
+    def __init__(self):
+        self.ops = _ops()
+
+    def project(self, buffer, layout, q, p, error=None, *, p2=None, loss_scale=None) -> None:
+        self.ops.project(buffer, layout, q, p, error, p2=p2, loss_scale=loss_scale, backend="torch")
+
+    def orthogonalize(self, x, layout, which, epsilon=0.0, out=None):
+        return self.ops.orthogonalize(x, layout, which, epsilon, out, backend="torch")
+
+    def project_t(self, buffer, layout, p, q, *, error=None, q2=None, loss_scale=None) -> None:
+        self.ops.project_t(buffer, layout, p, q, error=error, q2=q2, loss_scale=loss_scale, backend="torch")
+
+    def average(self, factor, layout, which, buffer, unc=None, world_size=1, *, out=None):
+        return self.ops.average(factor, layout, which, buffer, unc, world_size, out=out, backend="torch")
+
+    def reconstruct(self, buffer, layout, p, q, scale=1.0, error=None, update_error=None, *, local_p=None,
+                    local_q=None, commit=None, orthogonalize_kept=None, loss_scale=None) -> bool:
+        return self.ops.reconstruct(buffer, layout, p, q, scale, error, update_error, local_p=local_p, local_q=local_q,
+                                  commit=commit, orthogonalize_kept=orthogonalize_kept, loss_scale=loss_scale,
+                                  backend="torch")
+
+    def pack_uncompressed(self, buffer, layout, dst) -> None:
+        self.ops.pack_uncompressed(buffer, layout, dst, backend="torch")
+
+    def unpack_uncompressed(self, src, layout, buffer, scale=1.0) -> None:
+        self.ops.unpack_uncompressed(src, layout, buffer, scale, backend="torch")
+
+    def kept_tensors(self, x, layout, which, out):
+        """Device tensors an :meth:`orthogonalize` of these arguments keeps across calls besides ``x`` and ``out``
+        (none on torch)."""
+        return ()
+
+
+class TritonSteps:
+    """The numeric steps of one bucket on the Triton backend, with the bucket's kernel configs (``{kernel name:
+    config}`` of :func:`powersgd_triton.autotune.configs_for_layout`): ``mem.steps`` of a bucket that runs on
+    Triton. One launch per step for the whole bucket (project_t and orthogonalize: two when their plan splits a tall
+    matrix over rows).
+
+    The methods call the launchers themselves, unchecked: the hooks' tensors are the state's own (the bucket buffer
+    is matched to its layout every step by :func:`powersgd_triton.state.buckets.prepare_bucket`, P/Q/error memory is
+    allocated for that layout or checked when loaded), whereas :mod:`powersgd_triton.ops` checks every tensor of
+    every call (a dozen Python calls per launch). Same arguments, results and launches as ``ops``' Triton branch
+    (``tests/test_hooks_launches.py``, ``tests/test_direct_launch.py``)."""
+
+    __slots__ = ("configs", "k", "flags_type")
+    backend = "triton"
+
+    def __init__(self, configs: Optional[dict] = None):
+        self.configs = configs if configs is not None else {}
+        self.k = _kernels()  # the launchers' module, looked up per call (tests patch a launcher there)
+        self.flags_type = _ops().StepFlags
+
+    def project(self, buffer, layout, q, p, error=None, *, p2=None, loss_scale=None) -> None:
+        self.k.project(buffer, layout, q, p, error, p2=p2, loss_scale=loss_scale if error is not None else None,
+                           config=self.configs.get("project"))
+
+    def orthogonalize(self, x, layout, which, epsilon=0.0, out=None):
+        out = x if out is None else out
+        self.k.orthogonalize(x, layout, which, float(epsilon), out, config=self.configs.get("orthogonalize"))
+        return out
+
+    def project_t(self, buffer, layout, p, q, *, error=None, q2=None, loss_scale=None) -> None:
+        self.k.project_t(buffer, layout, p, q, error=error, q2=q2,
+                             loss_scale=loss_scale if error is not None and layout.batched else None,
+                             config=self.configs.get("project_t"))
+
+    def average(self, factor, layout, which, buffer, unc=None, world_size=1, *, out=None):
+        flags, first = self.k.average(factor, layout, which, buffer, unc, world_size, out)
+        return self.flags_type(which, flags=flags, first=first)
+
+    def reconstruct(self, buffer, layout, p, q, scale=1.0, error=None, update_error=None, *, local_p=None,
+                    local_q=None, commit=None, orthogonalize_kept=None, loss_scale=None) -> bool:
+        """``update_error``: the :class:`~powersgd_triton.ops.StepFlags` of :meth:`average`, or None; returns False
+        (the kept factor's orthogonalization is the caller's)."""
+        flags = first = None
+        if update_error is not None:
+            flags, first = update_error.flags, update_error.first
+        self.k.reconstruct(buffer, layout, p, q, float(scale), error, flags, local_p=local_p, local_q=local_q,
+                               commit=commit, first=first, loss_scale=loss_scale if error is not None else None,
+                               config=self.configs.get("reconstruct"))
+        return False
+
+    def pack_uncompressed(self, buffer, layout, dst) -> None:
+        if layout.uncompressed_numel:
+            self.k.copy_segments(buffer, dst, layout, to_packed=True)
+
+    def unpack_uncompressed(self, src, layout, buffer, scale=1.0) -> None:
+        if layout.uncompressed_numel:
+            self.k.copy_segments(src, buffer, layout, to_packed=False, scale=scale)
+
+    def kept_tensors(self, x, layout, which, out):
+        """The device tensors :meth:`orthogonalize` of these arguments keeps with the layout across calls (task
+        tables, Gram workspace): a caller running it on a side stream records that stream on them."""
+        return self.k.orthogonalize_kept_tensors(x, layout, which, out, config=self.configs.get("orthogonalize"))
+
+
+def steps_for(backend: str, configs: Optional[dict] = None):
+    """The steps object of a bucket memory: :class:`TritonSteps` (with ``configs``) for ``"triton"``, else
+    :class:`TorchSteps`."""
+    return TritonSteps(configs) if backend == "triton" else TorchSteps()
+
+
+def _ops():
+    """:mod:`powersgd_triton.ops` (the checked functions; imported at first use: it imports this module)."""
+    from powersgd_triton import ops
+
+    return ops
+
+
+def _kernels():
+    """The Triton launchers (imported at first use: triton is optional on CPU)."""
+    return _ops()._kernels()

@@ -67,8 +67,8 @@ from powersgd_triton import ops
 from powersgd_triton.ops.verify_compare import (
     DEFERRED, KERNEL_OF, OK, WRONG, Differential, compare, compare_orthogonal, tolerance,
 )
-from powersgd_triton.autotune.cache import CacheWarning, atomic_write_json, default_cache_dir
-from powersgd_triton.autotune.keys import DeviceKey, dtype_name, shape_class
+from powersgd_triton.cache_files import CacheWarning, atomic_write_json, default_cache_dir
+from powersgd_triton.keys import DeviceKey, device_key_of, dtype_name, shape_class
 
 logger = logging.getLogger("powersgd_triton.verify")
 
@@ -269,9 +269,7 @@ def verdict_key(kernel: str, layout, dtype: torch.dtype, config: Optional[dict])
 
 # ------------------------------------------------------------------------------------------------ the hooks' check
 def _device_key(layout) -> DeviceKey:
-    from powersgd_triton.autotune import get_tuner
-
-    return get_tuner().device_key(layout.device)
+    return device_key_of(layout.device)
 
 
 def _switch_to_torch(mem) -> None:
@@ -339,7 +337,7 @@ def begin(state, mem, buffer: torch.Tensor, group, world_size: int, index: int, 
 
 class Check:
     """One checked compressed step of one bucket (see the module docstring): the copies of what the step changes,
-    the ops the step calls (``ops``: a :class:`Differential` where this rank compares, else :mod:`ops`), the
+    the steps the step calls (``steps``: a :class:`Differential` where this rank compares, else the memory's), the
     verdict at its end (:meth:`end`)."""
 
     def __init__(self, state, mem, buffer, group, world_size, index, dk, keys, local, compare_here, prior=None):
@@ -352,8 +350,8 @@ class Check:
                       for name in ("error", "p", "q", "q_work")}
         self.saved_buffer = buffer.clone()
         self.saved_flags = (mem.q_initialized, mem.q_predrawn, mem.phase, state.rng.get_state())
-        self.diff = Differential(mem.layout, buffer.dtype) if compare_here else None
-        self.ops = self.diff if compare_here else ops
+        self.diff = Differential(mem.layout, buffer.dtype, mem.configs) if compare_here else None
+        self.steps = self.diff if compare_here else mem.steps
         if compare_here:
             stats["checks"] += 1
 

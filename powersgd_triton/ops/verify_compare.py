@@ -210,8 +210,11 @@ class Differential:
     worst error]`` (the module docstring says what is compared). The :class:`~powersgd_triton.ops.StepFlags` of a
     Triton ``average`` stand for its torch twin in later calls."""
 
-    def __init__(self, layout, bucket_dtype: torch.dtype):
+    def __init__(self, layout, bucket_dtype: torch.dtype, configs: Optional[Dict[str, Optional[dict]]] = None):
         self.layout, self.dtype = layout, bucket_dtype
+        # a bucket memory's kernel configs: the calls are a hook's (``mem.steps``' signatures, without backend and
+        # config), run on the Triton backend with the bucket's config; None: the calls name them (the tuner's gate)
+        self.configs = configs
         self.results: Dict[str, list] = {}
         self.twins: Dict[int, object] = {}
 
@@ -221,6 +224,10 @@ class Differential:
         return lambda *args, **kwargs: self.call(name, *args, **kwargs)
 
     def call(self, name: str, *args, **kwargs):
+        if self.configs is not None:
+            kwargs["backend"] = "triton"
+            if "config" in _SIGNATURES[name].parameters:
+                kwargs["config"] = self.configs.get(KERNEL_OF[name])
         bound = _SIGNATURES[name].bind(*args, **kwargs)
         which = bound.arguments.get("which")
         copies: Dict[int, tuple] = {}  # id -> (argument name, live tensor, copy, role)
