@@ -1,4 +1,5 @@
-"""Cache keys of the autotuner: the shape class of a bucket layout, and the device it runs on.
+"""The keys the autotuner's cache and the first-use verdicts are filed under: a bucket layout's shape class, and
+the device it runs on (re-exported by :mod:`powersgd_triton.autotune.keys`).
 
 A tuned config is remembered per (device key, shape class):
 
@@ -23,7 +24,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -152,25 +153,38 @@ def name_matches(tag: str, gpu: str) -> bool:
     return f"_{tag}_" in f"_{gpu}_"
 
 
-# The kernels and the launch modules that decide their configs, splits and launch arguments (split out of
-# triton_ops.py, which now only re-exports them).
-KERNEL_SOURCES = ("lowrank_mm.py", "orthogonalize.py", "reconstruct.py", "triton_ops.py", "launch_common.py",
-                  "lowrank_configs.py", "ortho_configs.py", "configs.py", "lowrank_launch.py", "ortho_launch.py",
-                  "segments_launch.py", "aot_compile.py", "occupancy.py")
+# The sources whose edit makes tuned timings stale: every module of ops/ (the kernels, their launchers, configs and
+# plans) and the per-Triton tile overrides, found by listing the folder (file names change; their contents count).
+KERNEL_SOURCE_DIRS = ("ops",)
+KERNEL_SOURCE_FILES = (os.path.join("compat", "tiles.py"),)
+
+
+def kernel_sources() -> List[str]:
+    """The files :func:`kernel_source_hash` reads, relative to the package folder, in a fixed order."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    names = []
+    for folder in KERNEL_SOURCE_DIRS:
+        try:
+            names += sorted(os.path.join(folder, n) for n in os.listdir(os.path.join(package, folder))
+                            if n.endswith(".py"))
+        except OSError:
+            pass
+    return names + [f for f in KERNEL_SOURCE_FILES if os.path.isfile(os.path.join(package, f))]
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_source_hash() -> str:
-    """First 10 hex digits of the SHA-256 of the kernel sources: a kernel edit invalidates cached timings even when
-    the library version is unchanged (as during development)."""
+    """First 10 hex digits of the SHA-256 of the kernel sources (:func:`kernel_sources`): a kernel edit invalidates
+    cached timings even when the library version is unchanged (as during development)."""
     h = hashlib.sha256()
-    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
-    for name in KERNEL_SOURCES:
+    package = os.path.dirname(os.path.abspath(__file__))
+    for name in kernel_sources():
+        h.update(name.replace(os.sep, "/").encode())
         try:
-            with open(os.path.join(folder, name), "rb") as f:
+            with open(os.path.join(package, name), "rb") as f:
                 h.update(f.read())
         except OSError:
-            h.update(name.encode())
+            pass
     return h.hexdigest()[:10]
 
 
@@ -226,3 +240,19 @@ def device_key(device: Optional[torch.device] = None, gpu_name: Optional[str] = 
         if name is None:
             name = torch.cuda.get_device_name(dev)
     return DeviceKey(normalize_gpu_name(name or "cpu"), capability, _triton_version())
+
+
+_DEVICE_KEYS: Dict[str, DeviceKey] = {}
+
+
+def device_key_of(device) -> DeviceKey:
+    """:func:`device_key` of ``device``, remembered for the process (a CUDA device without an index: the current
+    one). What the first-use verdicts are filed under; a :class:`~powersgd_triton.autotune.Tuner` without a fixed
+    device computes the same key."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    k = str(dev)
+    if k not in _DEVICE_KEYS:
+        _DEVICE_KEYS[k] = device_key(dev)
+    return _DEVICE_KEYS[k]

@@ -79,8 +79,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from powersgd_triton.benchmarking import DTYPES, FakeGradBucket, model_bucket_shapes
+from powersgd_triton.cli_common import RANK_HELP, add_rank_option, positive
 from powersgd_triton.layout import BucketLayout
-from powersgd_triton.shapes import numel
+from powersgd_triton.shapes import MODELS, numel
 
 __all__ = ["GPUSpec", "GPUS", "step_plan", "depth", "makespan", "predict", "predict_step", "predict_measured", "spec_for_device", "model_table",
            "main"]
@@ -169,10 +170,10 @@ def compiled_usage(launch: dict, arch: int) -> dict:
         from tools import aot, aot_compile
     except ImportError as exc:
         raise RuntimeError("compiled_usage needs the repository's tools/ (run from a checkout's root)") from exc
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.layout import padded_rank
 
     key = (launch["kernel"], repr(sorted(launch["config"].items())), repr(sorted(launch["variant"].items())),
-           launch["dtype"], triton_ops.padded_rank(launch["max_rank"], launch["config"].get("USE_DOT", False)), arch)
+           launch["dtype"], padded_rank(launch["max_rank"], launch["config"].get("USE_DOT", False)), arch)
     if key not in _USAGE:
         compiled = aot_compile.compile_aot(launch["kernel"], launch["config"], getattr(torch, launch["dtype"]),
                                           launch["max_rank"], arch, launch["variant"])
@@ -192,7 +193,7 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
     average, reconstruct. Each entry has a ``step`` name besides :func:`triton_ops.plan`'s keys; with
     ``warm_start`` the orthogonalize Q launches are ``overlapped`` (made on a side stream during the step
     before)."""
-    from powersgd_triton.ops import triton_ops as T
+    from powersgd_triton.ops import orthogonalization, plans
 
     configs = configs or {}
     out: List[dict] = []
@@ -203,22 +204,22 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
             out.append(launch)
 
     if len(layout.uncompressed) > 1:
-        add("pack", T.plan("copy_segments", layout, dtype, num_sms=num_sms, variant=dict(to_packed=True)))
+        add("pack", plans.plan("copy_segments", layout, dtype, num_sms=num_sms, variant=dict(to_packed=True)))
     # with warm start made at the end of the last step on a side stream (hooks._Step; _step.orthogonalize_next_q)
     add("orthogonalize Q", [dict(launch, overlapped=warm_start)
-                            for launch in T.orthogonalize_plan(layout, "q", configs.get("orthogonalize"))])
-    add("project", T.plan("project", layout, dtype, configs.get("project"), num_sms=num_sms,
+                            for launch in orthogonalization.orthogonalize_plan(layout, "q", configs.get("orthogonalize"))])
+    add("project", plans.plan("project", layout, dtype, configs.get("project"), num_sms=num_sms,
                           variant=dict(HAS_ERROR=error_feedback)))
     # out of place (the hooks all-reduce P in mem.p_work and orthogonalize it into mem.p): APPLY_ROWS applies
-    add("orthogonalize P", T.orthogonalize_plan(layout, "p", configs.get("orthogonalize")))
-    add("project_t", T.plan("project_t", layout, dtype, configs.get("project_t"), num_sms=num_sms,
+    add("orthogonalize P", orthogonalization.orthogonalize_plan(layout, "p", configs.get("orthogonalize")))
+    add("project_t", plans.plan("project_t", layout, dtype, configs.get("project_t"), num_sms=num_sms,
                             variant=dict(PAD_ERROR=False)))
     for launch in out:
         if launch["kernel"] == "reduce_splits":
             launch["variant"] = dict(HAS_Q2=False)
-    add("average", T.plan("average", layout, dtype, num_sms=num_sms, variant=dict(which="q")))
+    add("average", plans.plan("average", layout, dtype, num_sms=num_sms, variant=dict(which="q")))
     variant = dict(HAS_ERROR=error_feedback, HAS_FLAG=error_feedback or warm_start, COMMIT=2 if warm_start else 0)
-    add("reconstruct", T.plan("reconstruct", layout, dtype, configs.get("reconstruct"), num_sms=num_sms,
+    add("reconstruct", plans.plan("reconstruct", layout, dtype, configs.get("reconstruct"), num_sms=num_sms,
                               variant=variant))
     for launch in out:
         if launch["kernel"] == "average":
@@ -409,15 +410,15 @@ def predict_measured(what: str, *, device, spec: Optional[GPUSpec] = None, usage
     if spec is None:
         return None
     usage = usage or compiled_usage
-    from powersgd_triton.ops import triton_ops as T
+    from powersgd_triton.ops import orthogonalization, plans
 
     if what == "kernel":
         kernel, layout, dtype = kw["kernel"], kw["layout"], kw["dtype"]
         if kernel == "orthogonalize":
-            launches = T.orthogonalize_plan(layout, "p")
+            launches = orthogonalization.orthogonalize_plan(layout, "p")
         elif kernel in _KERNEL_STEPS:
             name, variant = _KERNEL_STEPS[kernel]
-            launches = T.plan(name, layout, dtype, num_sms=spec.sms, variant=variant)
+            launches = plans.plan(name, layout, dtype, num_sms=spec.sms, variant=variant)
         else:
             raise ValueError(f"unknown kernel {kernel!r}")
         for launch in launches:
@@ -510,9 +511,6 @@ def format_table(rows: Sequence[dict]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from powersgd_triton.cli import RANK_HELP, add_rank_option, positive
-    from powersgd_triton.shapes import MODELS
-
     p.add_argument("--models", nargs="+", default=["resnet50", "gpt2", "bert-base"], choices=sorted(MODELS),
                    metavar="MODEL", help=f"models whose 25 MB DDP buckets are modelled, of {', '.join(sorted(MODELS))} "
                                          "(default resnet50 gpt2 bert-base)")

@@ -20,7 +20,7 @@ import powersgd_triton
 
 from powersgd_triton import autotune
 from powersgd_triton.autotune import cache as cache_mod
-from powersgd_triton.autotune import cli as at_cli
+from powersgd_triton.cli import autotune_run as at_cli
 from powersgd_triton.autotune import tuner as tuner_mod
 from powersgd_triton.autotune.cache import CacheWarning, ConfigCache, export_device_file
 from powersgd_triton.autotune.keys import DeviceKey, ShapeClass, device_key, normalize_gpu_name, shape_class
@@ -347,15 +347,15 @@ def test_shipped_defaults_found_by_gpu_name(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------- interpreter, no CUDA
 def test_interpreter_uses_heuristic_and_says_so(monkeypatch, tmp_path):
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import configs as _configs
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     lay = make_layout()
     tuner = Tuner()
     with pytest.warns(AutotuneWarning, match="TRITON_INTERPRET=1"):
         got = tuner.configs_for_layout(lay, torch.float32, autotune=True)
-    assert got == triton_ops.INTERPRETER_CONFIGS
-    assert autotune.configs_for_layout(lay, torch.float32, torch.device("cpu")) == triton_ops.INTERPRETER_CONFIGS
+    assert got == _configs.INTERPRETER_CONFIGS
+    assert autotune.configs_for_layout(lay, torch.float32, torch.device("cpu")) == _configs.INTERPRETER_CONFIGS
     assert not (tmp_path / "user-cache").exists()  # nothing read or written
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert autotune.configs_for_layout(lay, torch.float32, torch.device("cpu")) == {}  # torch backend
@@ -374,9 +374,9 @@ def test_no_cuda_means_no_timing(monkeypatch):
 
 
 def _kernels_interpreted():
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import kernels
 
-    return type(triton_ops.KERNEL_FUNCTIONS["project"]).__name__ == "InterpretedFunction"
+    return type(kernels.KERNEL_FUNCTIONS["project"]).__name__ == "InterpretedFunction"
 
 
 @pytest.mark.skipif(not _kernels_interpreted(), reason="needs TRITON_INTERPRET=1 set before triton is imported")
@@ -485,21 +485,22 @@ def test_candidate_that_computes_wrong_numbers_is_dropped(monkeypatch, capsys):
     dropped before its time counts, the next best wins, the cache entry and ``autotune --show`` say why."""
     from powersgd_triton import cli
     from powersgd_triton.autotune import tuner as tuner_mod
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import projection
+    from powersgd_triton.ops import verify
 
     lay = make_layout(shapes=((16, 8), (8,), (12, 16)), rank=2)
     cands, heuristic = candidates("project", lay, torch.float32)
     few = [c for c in cands if c != heuristic][:2] + [heuristic]
     monkeypatch.setattr(tuner_mod, "candidates", lambda k, layout, dtype: (few, heuristic))
     bad, good = few[0], few[1]
-    real = triton_ops.project
+    real = projection.project
 
     def project(buffer, layout, q, p, error=None, *, config=None, **kw):
         real(buffer, layout, q, p, error, config=config, **kw)
         if config == bad:
             p[3] += 0.5  # one element of P off: what a race or a wrong mask would do
 
-    monkeypatch.setattr(triton_ops, "project", project)
+    monkeypatch.setattr(projection, "project", project)
     order = {json.dumps(bad, sort_keys=True): 1.0, json.dumps(good, sort_keys=True): 2.0}
     calls = []
 
@@ -508,7 +509,7 @@ def test_candidate_that_computes_wrong_numbers_is_dropped(monkeypatch, capsys):
         return order.get(json.dumps(config, sort_keys=True), 3.0)
 
     h200 = DeviceKey("h200", "sm90", "3.9.0")
-    tuner = Tuner(timer=fake_timer, device=h200, check=True)
+    tuner = Tuner(timer=fake_timer, device=h200, check=True, gate=verify.candidate_gate)
     choice = tuner.choose("project", lay, torch.float32, autotune=True)
     assert choice.source == "tuned" and choice.config == good  # the fastest is wrong: the second fastest wins
     assert bad not in calls and len(calls) == len(few) - 1  # the wrong one was never timed

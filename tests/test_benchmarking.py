@@ -46,10 +46,10 @@ def test_model_buckets_cover_the_model_in_reverse_order(rng):
 
 
 def test_model_bucket_layouts_are_the_layouts_of_the_model_buckets(rng):
-    """What the autotuner tunes (``autotune.cli.model_layouts`` builds them with this) is the layout of each bucket
+    """What the autotuner tunes (``cli.autotune_run.model_layouts`` builds them with this) is the layout of each bucket
     of :func:`model_buckets`: the same matrices and device table, layer-wise; one matrix of the whole bucket,
     batched."""
-    from powersgd_triton.autotune.cli import model_layouts
+    from powersgd_triton.cli.autotune_run import model_layouts
 
     kw = dict(bucket_cap_mb=0.2, first_bucket_mb=0.05)
     buckets = B.model_buckets("gpt2", "bf16", shrink=8, generator=rng, **kw)

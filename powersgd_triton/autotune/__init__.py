@@ -10,8 +10,14 @@ Where the configs come from (:class:`~.tuner.Tuner`): memory, the user cache fil
 or the user cache dir), shipped ``configs/<gpu>.json`` defaults, live tuning with ``autotune=True`` (CUDA only),
 the nearest tuned size class, the heuristic. Under ``TRITON_INTERPRET=1`` the fixed interpreter configs, no timing.
 
-Modules: :mod:`.keys` (shape classes, device keys), :mod:`.cache` (JSON files), :mod:`.tuner` (selection, timing,
-broadcast), :mod:`.cli` (``powersgd-triton autotune``), :mod:`.aot` (compile every candidate for sm_80/sm_90).
+Live tuning checks each candidate with the correctness gate its caller passes (``gate=``; the hooks and
+``powersgd-triton autotune`` pass :func:`powersgd_triton.ops.verify.candidate_gate`): the tuner sits beside the
+kernels (it imports their config spaces and launchers to time them) and imports neither the first-use check nor the
+hooks nor the state.
+
+Modules: :mod:`.keys` (shape classes, device keys: re-exported from :mod:`powersgd_triton.keys`), :mod:`.cache`
+(JSON files), :mod:`.tuner` (selection, timing, broadcast). The command ``powersgd-triton autotune`` is
+:mod:`powersgd_triton.cli.autotune_run`; the AOT compile of every candidate is ``tools/aot.py`` of the repository.
 """
 
 import threading
@@ -23,7 +29,7 @@ from powersgd_triton.compat import env as _env
 from powersgd_triton.layout import BucketLayout
 from powersgd_triton.autotune.cache import CacheWarning, ConfigCache
 from powersgd_triton.autotune.keys import DeviceKey, ShapeClass, device_key, normalize_gpu_name, shape_class
-from powersgd_triton.autotune.tuner import KERNELS, AutotuneWarning, Choice, Tuner
+from powersgd_triton.autotune.tuner import KERNELS, AutotuneWarning, Choice, GateFactory, Tuner
 
 __all__ = [
     "KERNELS",
@@ -69,6 +75,7 @@ def configs_for_layout(
     device: torch.device,
     process_group=None,
     autotune: bool = False,
+    gate: Optional[GateFactory] = None,
 ) -> Dict[str, Optional[dict]]:
     """Config per kernel for this bucket layout; identical on every rank of ``process_group``.
 
@@ -79,7 +86,10 @@ def configs_for_layout(
         process_group: the hook's group; with more than one rank, group rank 0's choice is broadcast (collective).
         autotune: time the candidates on the device when no tuned config is known (first call of a shape class
             then costs seconds); otherwise shipped/cached configs or the heuristic.
+        gate: ``gate(kernel, layout, dtype) -> (config -> None | why)``, the correctness check a candidate passes
+            before its time counts (the hooks pass :func:`powersgd_triton.ops.verify.candidate_gate`; this package
+            does not import the check); None: the tuner's own (none by default).
     """
     if not _env.triton_can_run(torch.device(device)):
         return {}
-    return get_tuner().configs_for_layout(layout, dtype, process_group=process_group, autotune=autotune)
+    return get_tuner().configs_for_layout(layout, dtype, process_group=process_group, autotune=autotune, gate=gate)

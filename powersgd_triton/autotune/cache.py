@@ -26,30 +26,17 @@ is a run of its words (``h200.json`` serves ``h200_nvl``).
 
 import json
 import os
-import tempfile
 import time
 import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from powersgd_triton.compat import env as _env
-from powersgd_triton.autotune.keys import DeviceKey, name_matches
+from powersgd_triton.cache_files import CacheWarning, atomic_write_json, default_cache_dir  # noqa: F401 - re-exported
+from powersgd_triton.keys import DeviceKey, name_matches
 
 FORMAT = 1
 CACHE_FILENAME = "autotune-cache.json"
 PACKAGE_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-
-
-class CacheWarning(UserWarning):
-    """A cache or shipped config file could not be read or written; the tuner carries on without it."""
-
-
-def default_cache_dir() -> str:
-    """``$POWERSGD_TRITON_CACHE_DIR``, else the user cache dir for ``powersgd_triton`` (platformdirs' when installed,
-    else ``$XDG_CACHE_HOME/powersgd_triton`` or ``~/.cache/powersgd_triton``)."""
-    env = os.environ.get("POWERSGD_TRITON_CACHE_DIR")
-    if env:
-        return os.path.expanduser(env)
-    return _env.user_cache_dir("powersgd_triton")
 
 
 def default_config_dirs() -> List[str]:
@@ -135,27 +122,6 @@ def _drop_bad_entries(data: dict) -> List[str]:
         dev["entries"], b = _split_bad_entries(dev["entries"])
         bad += [f"{dkey} / {x}" for x in b]
     return bad
-
-
-def atomic_write_json(path: str, data, sort_keys: bool = True) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (temporary file in the same folder + ``os.replace``); the
-    temporary file is removed if writing fails."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=sort_keys)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def _set_aside(path: str, reason: str, what: str = "is unreadable", then: str = "tuning starts again") -> None:

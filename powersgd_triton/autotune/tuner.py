@@ -6,14 +6,15 @@ Lookup order for one kernel of one bucket layout (:meth:`Tuner.choose`):
 2. the user cache file (:class:`~.cache.ConfigCache`), exact shape class,
 3. the shipped ``configs/<gpu>.json`` (or ``$POWERSGD_TRITON_CONFIG_DIR``), exact shape class,
 4. live tuning, only when asked (``autotune=True``) and possible (CUDA, not ``TRITON_INTERPRET=1``): every candidate
-   of :func:`~powersgd_triton.ops.triton_ops.config_space` plus the heuristic config is timed with
+   of :func:`~powersgd_triton.ops.configs.config_space` plus the heuristic config is timed with
    ``triton.testing.do_bench`` (median, warm-up) on scratch copies of the layout's buffers, rotating through enough
    copies to exceed the L2 cache; the fastest wins and is written to the user cache. Before its time counts, each
-   candidate's outputs on seeded inputs are compared with the torch backend's on the same inputs
-   (:func:`powersgd_triton.ops.verify.candidate_gate`, the first-use check's tolerances): one that disagrees is dropped,
-   and the cache entry lists it with the reason (``rejected``; ``powersgd-triton autotune --show``),
+   candidate passes the correctness gate it was given (``gate``: the hooks and ``powersgd-triton autotune`` pass
+   :func:`powersgd_triton.ops.verify.candidate_gate`, which compares its outputs on seeded inputs with the torch
+   backend's, at the first-use check's tolerances; this package does not import the check): one that fails is
+   dropped, and the cache entry lists it with the reason (``rejected``; ``powersgd-triton autotune --show``),
 5. the nearest size class of the same kernel/dtype/rank/hook kind in the user cache, then in the shipped file,
-6. the heuristic (:func:`~powersgd_triton.ops.triton_ops.heuristic_config`).
+6. the heuristic (:func:`~powersgd_triton.ops.configs.heuristic_config`).
 
 A cached config that is not a candidate any more (config space changed) is ignored. Under ``TRITON_INTERPRET=1``
 nothing is timed, read or written: the interpreter config is used, and a one-time log line (a warning if tuning was
@@ -40,14 +41,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from powersgd_triton.compat import env as _env
-from powersgd_triton.layout import KERNELS, BucketLayout
+from powersgd_triton.layout import KERNELS, BucketLayout, padded_rank
 from powersgd_triton.autotune import cache as _cache
-from powersgd_triton.autotune.keys import DeviceKey, ShapeClass, device_key, shape_class
+from powersgd_triton.keys import DeviceKey, ShapeClass, device_key, shape_class
 
 logger = logging.getLogger("powersgd_triton.autotune")
 
 Timer = Callable[[str, dict, ShapeClass], float]
 Bench = Callable[[Callable[[], None]], float]
+Gate = Callable[[dict], Optional[str]]  # config -> None (agrees) | why it does not
+GateFactory = Callable[[str, BucketLayout, torch.dtype], Gate]  # (kernel, layout, dtype) -> its gate
 
 
 class AutotuneWarning(UserWarning):
@@ -99,18 +102,19 @@ class Choice:
                    raw=dict(entry))
 
 
-def _triton_ops():
-    from powersgd_triton.ops import triton_ops
+def _configs():
+    """:mod:`powersgd_triton.ops.configs` (config spaces, heuristics), imported on first use."""
+    from powersgd_triton.ops import configs
 
-    return triton_ops
+    return configs
 
 
 def candidates(kernel: str, layout: BucketLayout, dtype: torch.dtype) -> Tuple[List[dict], dict]:
     """``(candidate configs, heuristic config)`` for ``kernel`` on ``layout``; the heuristic is always a candidate."""
-    ops = _triton_ops()
-    rank = ops.padded_rank(layout.max_rank)
-    space = [dict(c) for c in ops.config_space(kernel, rank, dtype)]
-    heuristic = dict(ops.heuristic_config(kernel, layout, dtype))
+    configs = _configs()
+    rank = padded_rank(layout.max_rank)
+    space = [dict(c) for c in configs.config_space(kernel, rank, dtype)]
+    heuristic = dict(configs.heuristic_config(kernel, layout, dtype))
     if heuristic not in space:
         space.append(heuristic)
     return space, heuristic
@@ -152,23 +156,24 @@ class _Workload:
         self.calls = 0
 
     def runner(self, kernel: str, config: dict) -> Callable[[], None]:
-        ops = _triton_ops()
+        from powersgd_triton.ops import orthogonalization, projection, projection_t, reconstruction
+
         layout = self.layout
 
         def run() -> None:
             s = self.sets[self.calls % len(self.sets)]
             self.calls += 1
             if kernel == "project":
-                ops.project(s["buffer"], layout, s["q"], s["p"], s["error"], config=config)
+                projection.project(s["buffer"], layout, s["q"], s["p"], s["error"], config=config)
             elif kernel == "project_t":
-                ops.project_t(s["buffer"], layout, s["p"], s["q"], config=config)
+                projection_t.project_t(s["buffer"], layout, s["p"], s["q"], config=config)
             elif kernel == "orthogonalize":
                 # out of place, as the hooks call it (in place ignores APPLY_ROWS)
                 if "p_out" not in s:
                     s["p_out"] = torch.empty_like(s["p"])
-                ops.orthogonalize(s["p"], layout, "p", 0.0, s["p_out"], config=config)
+                orthogonalization.orthogonalize(s["p"], layout, "p", 0.0, s["p_out"], config=config)
             elif kernel == "reconstruct":
-                ops.reconstruct(s["buffer"], layout, s["p"], s["q"], 0.5, s["error"], self.flag, config=config)
+                reconstruction.reconstruct(s["buffer"], layout, s["p"], s["q"], 0.5, s["error"], self.flag, config=config)
             else:
                 raise ValueError(f"unknown kernel {kernel!r}")
 
@@ -221,8 +226,11 @@ class Tuner:
         warmup_ms, rep_ms: ``do_bench`` warm-up and measurement time per candidate.
         rotate_bytes: scratch data cycled through per measurement (default 4x the L2 cache, at least 64 MiB).
         nearest_distance: largest size-class distance accepted by the nearest-class lookup (0 disables it).
-        check: compare each candidate's outputs with the torch backend before timing it (default: when the kernels
-            really run, i.e. without ``timer``; ``True`` also with a ``timer``, the kernels then run for the check).
+        gate: ``gate(kernel, layout, dtype) -> (config -> None | why)``, the correctness check each candidate
+            passes before its time counts (:func:`powersgd_triton.ops.verify.candidate_gate`); None: candidates are
+            not checked, unless the call passes one (:meth:`configs_for_layout`, :meth:`choose`, :meth:`tune`).
+        check: run the gate before timing (default: when the kernels really run, i.e. without ``timer``; ``True``
+            also with a ``timer``, the kernels then run for the check).
     """
 
     def __init__(
@@ -237,8 +245,10 @@ class Tuner:
         rotate_bytes: Optional[int] = None,
         nearest_distance: int = 3,
         check: Optional[bool] = None,
+        gate: Optional[GateFactory] = None,
     ):
         self.check = check
+        self.gate = gate
         self._cache = cache
         self.config_dirs = config_dirs
         self.timer = timer
@@ -336,17 +346,18 @@ class Tuner:
         return (best[0][1], best[1]) if best else None
 
     def choose(
-        self, kernel: str, layout: BucketLayout, dtype: torch.dtype, autotune: bool = False, force: bool = False
+        self, kernel: str, layout: BucketLayout, dtype: torch.dtype, autotune: bool = False, force: bool = False,
+        gate: Optional[GateFactory] = None,
     ) -> Choice:
-        """The config for ``kernel`` on ``layout`` (lookup order in the module docstring); ``force`` re-tunes."""
+        """The config for ``kernel`` on ``layout`` (lookup order in the module docstring); ``force`` re-tunes;
+        ``gate``: the correctness gate of live tuning (default: the tuner's)."""
         with self._lock:
             sc = shape_class(kernel, layout, dtype)
-            ops = _triton_ops()
             if self.interpreter_mode():
                 if autotune or force:
                     self._say_once("powersgd_triton autotune: TRITON_INTERPRET=1, no timing; interpreter configs used",
                                    warn=True)
-                return Choice(kernel, sc, ops.heuristic_config(kernel, layout, dtype), "interpreter",
+                return Choice(kernel, sc, _configs().heuristic_config(kernel, layout, dtype), "interpreter",
                               note="TRITON_INTERPRET=1")
             dk = self.device_key(layout.device)
             mkey = (dk.key, sc.key)
@@ -364,7 +375,7 @@ class Tuner:
             if autotune or force:
                 ok, reason = self.timing_available(layout.device)
                 if ok:
-                    choice = self.tune(kernel, layout, dtype, sc=sc, cands=cands, heuristic=heuristic)
+                    choice = self.tune(kernel, layout, dtype, sc=sc, cands=cands, heuristic=heuristic, gate=gate)
                     self.memory[mkey] = choice  # also a failed tuning: not retried in this process
                     if choice.source == "tuned":
                         c = self.cache
@@ -421,8 +432,11 @@ class Tuner:
         cands: Optional[List[dict]] = None,
         heuristic: Optional[dict] = None,
         workload: Optional[_Workload] = None,
+        gate: Optional[GateFactory] = None,
     ) -> Choice:
         """Time every candidate of ``kernel`` on ``layout`` now; the fastest wins (ties: the earlier candidate).
+
+        Each candidate first passes ``gate`` (default: the tuner's; see :class:`Tuner`), when checking is on.
 
         Candidates that fail (out of resources, compile error) count as infinitely slow; if all fail the heuristic is
         returned with a warning. Nothing is stored (see :meth:`choose`).
@@ -439,12 +453,11 @@ class Tuner:
                 return Choice(kernel, sc, dict(heuristic), "heuristic", note="no scratch memory")
         timings: List[Tuple[dict, float]] = []
         rejected: List[Tuple[dict, str]] = []
+        make_gate = gate if gate is not None else self.gate
         gate = None
-        if self.check if self.check is not None else self.timer is None:
-            from powersgd_triton.ops.verify import candidate_gate  # imported here: verify imports this package
-
+        if make_gate is not None and (self.check if self.check is not None else self.timer is None):
             try:
-                gate = candidate_gate(kernel, layout, dtype)
+                gate = make_gate(kernel, layout, dtype)
             except Exception as exc:  # noqa: BLE001 - e.g. no memory for its inputs: the hooks' first-use check remains
                 self._say_once(f"powersgd_triton autotune: candidates of {sc} not checked against the torch backend "
                                f"({type(exc).__name__}: {exc})", warn=True)
@@ -480,11 +493,12 @@ class Tuner:
 
     # ------------------------------------------------------------------ per layout, all ranks
     def select(
-        self, layout: BucketLayout, dtype: torch.dtype, autotune: bool = False, force: bool = False, kernels=KERNELS
+        self, layout: BucketLayout, dtype: torch.dtype, autotune: bool = False, force: bool = False, kernels=KERNELS,
+        gate: Optional[GateFactory] = None,
     ) -> Dict[str, Choice]:
         """:meth:`choose` for each kernel of ``layout`` (this rank only)."""
         with self.session():
-            return {k: self.choose(k, layout, dtype, autotune=autotune, force=force) for k in kernels}
+            return {k: self.choose(k, layout, dtype, autotune=autotune, force=force, gate=gate) for k in kernels}
 
     @contextlib.contextmanager
     def session(self):
@@ -499,9 +513,11 @@ class Tuner:
                     self._scratch = None
 
     def configs_for_layout(
-        self, layout: BucketLayout, dtype: torch.dtype, process_group=None, autotune: bool = False
+        self, layout: BucketLayout, dtype: torch.dtype, process_group=None, autotune: bool = False,
+        gate: Optional[GateFactory] = None,
     ) -> Dict[str, dict]:
-        """``{kernel: config}`` for ``layout``; identical on every rank of ``process_group`` (rank 0's choice).
+        """``{kernel: config}`` for ``layout``; identical on every rank of ``process_group`` (rank 0's choice);
+        ``gate``: the correctness gate of live tuning (default: the tuner's).
 
         With more than one rank this is a collective over ``process_group`` the first time a layout brings a new
         shape class (one ``broadcast_object_list``); afterwards it is a dictionary lookup.
@@ -509,10 +525,10 @@ class Tuner:
         with self.session():
             if self.interpreter_mode() or layout.num_matrices == 0:
                 # Same on every rank by construction (the interpreter configs / nothing to launch): no broadcast.
-                return {k: dict(self.choose(k, layout, dtype, autotune=autotune).config) for k in KERNELS}
+                return {k: dict(self.choose(k, layout, dtype, autotune=autotune, gate=gate).config) for k in KERNELS}
             world, rank, group, gkey = _group_info(process_group)
             if world <= 1:
-                return {k: dict(c.config) for k, c in self.select(layout, dtype, autotune=autotune).items()}
+                return {k: dict(c.config) for k, c in self.select(layout, dtype, autotune=autotune, gate=gate).items()}
             classes = {k: shape_class(k, layout, dtype).key for k in KERNELS}
             missing = [k for k in KERNELS if (gkey, classes[k]) not in self._agreed]
             if missing:
@@ -521,11 +537,12 @@ class Tuner:
                     payload = {}
                     for k in missing:
                         try:
-                            payload[classes[k]] = dict(self.choose(k, layout, dtype, autotune=autotune).config)
+                            payload[classes[k]] = dict(
+                                self.choose(k, layout, dtype, autotune=autotune, gate=gate).config)
                         except Exception as exc:  # noqa: BLE001 - the other ranks wait in the broadcast
                             self._say_once(f"powersgd_triton autotune: choosing {k} failed ({exc}); heuristic used",
                                            warn=True)
-                            payload[classes[k]] = dict(_triton_ops().heuristic_config(k, layout, dtype))
+                            payload[classes[k]] = dict(_configs().heuristic_config(k, layout, dtype))
                 device = None
                 if layout.device.type == "cuda" and "nccl" in str(_backend(group)).lower():
                     device = layout.device

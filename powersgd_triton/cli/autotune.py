@@ -1,16 +1,16 @@
 """The parser of ``powersgd-triton autotune``, built without torch; the command itself is
-:func:`powersgd_triton.autotune.cli.run` (imported when it runs)."""
+:func:`powersgd_triton.cli.autotune_run.run` (imported when it runs: it imports torch)."""
 
 import argparse
 
-from powersgd_triton.cli import RANK_HELP, add_rank_option, positive
+from powersgd_triton.cli_common import RANK_HELP, add_rank_option, positive
 from powersgd_triton.shapes import MODELS
 
 
 def _run(args: argparse.Namespace) -> int:
-    from powersgd_triton.autotune import cli
+    from powersgd_triton.cli import autotune_run
 
-    return cli.run(args)
+    return autotune_run.run(args)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

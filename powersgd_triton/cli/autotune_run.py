@@ -1,4 +1,5 @@
-"""``powersgd-triton autotune``: tune the shape classes of a model's gradients, show or clear the cache.
+"""``powersgd-triton autotune``: tune the shape classes of a model's gradients, show or clear the cache (the
+command; its parser, built without torch, is :mod:`powersgd_triton.cli.autotune`).
 
 ::
 
@@ -24,23 +25,22 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from powersgd_triton.compat import env as _env
-from powersgd_triton.cli import text_table
-from powersgd_triton.layout import BucketLayout
 from powersgd_triton.autotune.cache import ConfigCache, export_device_file
-from powersgd_triton.autotune.keys import DTYPE_NAMES, ShapeClass, parse_dtype, shape_class
 from powersgd_triton.autotune.tuner import KERNELS, Choice, Tuner
+from powersgd_triton.benchmarking import model_bucket_layouts
+from powersgd_triton.cli_common import text_table
+from powersgd_triton.compat import env as _env
+from powersgd_triton.keys import DTYPE_NAMES, ShapeClass, parse_dtype, shape_class
+from powersgd_triton.layout import BucketLayout
+from powersgd_triton.ops.verify import candidate_gate, store
 
 HOOKS = ("layerwise", "batched")
 
-# The parser lives in a module without torch (``powersgd-triton autotune --help`` answers without importing it);
-# its ``func`` calls :func:`run` below.
-from powersgd_triton.cli.autotune import add_parser  # noqa: E402,F401
-
 
 def make_tuner(args) -> Tuner:
-    """The tuner the command uses (a seam for tests)."""
-    return Tuner(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    """The tuner the command uses (a seam for tests): each candidate is checked against the torch backend
+    (:func:`powersgd_triton.ops.verify.candidate_gate`) before its time counts."""
+    return Tuner(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, gate=candidate_gate)
 
 
 def model_layouts(
@@ -55,8 +55,6 @@ def model_layouts(
 ) -> List[BucketLayout]:
     """Bucket layouts of ``model``'s gradients as DDP would bucket them (``hook``: layerwise or batched); see
     :func:`powersgd_triton.benchmarking.model_bucket_layouts`, which builds them."""
-    from powersgd_triton.benchmarking import model_bucket_layouts  # imported when used, like bench_cli: keeps the CLI's start light
-
     return model_bucket_layouts(model, rank, dtype, device, batched=hook == "batched", bucket_cap_mb=bucket_cap_mb,
                                 first_bucket_mb=first_bucket_mb, min_compression_rate=min_compression_rate)
 
@@ -117,8 +115,6 @@ def _show(out) -> int:
 
 def _show_verdicts(out) -> None:
     """The hooks' first-use verdicts (:mod:`powersgd_triton.ops.verify`), per device: kernel, shape class, config."""
-    from powersgd_triton.ops.verify import store
-
     verdicts = store()
     devices = sorted(verdicts.load(refresh=True)["devices"].items())
     print(f"\nfirst-use verdicts: {verdicts.path}", file=out)
@@ -147,8 +143,6 @@ def run(args, out=None) -> int:
         n = cache.clear()
         print(f"cleared {n} entries from {cache.path}", file=out)
     if args.clear_verdicts:
-        from powersgd_triton.ops.verify import store
-
         verdicts = store()
         n = verdicts.clear()
         print(f"cleared {n} verdicts from {verdicts.path}", file=out)

@@ -10,7 +10,7 @@ tables see ``bench/``; for a full GPU check ``bench/gpu_check.py``.
 
 import json
 
-from powersgd_triton.cli import RANK_HELP, add_rank_option, comma_list, positive
+from powersgd_triton.cli_common import RANK_HELP, add_rank_option, comma_list, positive
 from powersgd_triton.shapes import MODELS  # no torch: the parser is built without it
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")  # powersgd_triton.benchmarking.DTYPES (tests/test_cli_help.py checks)

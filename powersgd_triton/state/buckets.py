@@ -178,8 +178,10 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
     mem.verify_pending = True  # new kernels or configs: powersgd_triton.ops.verify decides at the next step
     if mem.backend == "triton":
         from powersgd_triton.autotune import configs_for_layout
+        from powersgd_triton.ops.verify import candidate_gate  # the tuner's correctness gate (it does not import verify)
 
-        mem.configs = configs_for_layout(layout, buffer.dtype, buffer.device, group, autotune=state.autotune)
+        mem.configs = configs_for_layout(layout, buffer.dtype, buffer.device, group, autotune=state.autotune,
+                                         gate=candidate_gate)
     else:
         mem.configs = {}
     if bucket.is_last():

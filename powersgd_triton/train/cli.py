@@ -10,7 +10,8 @@ import sys
 import tempfile
 from typing import Any, Dict, List
 
-from powersgd_triton.cli import add_rank_option, positive, text_table
+from powersgd_triton.cli_common import add_rank_option, positive, text_table
+from powersgd_triton.train.config import FSDP_LABELS, parse_mesh
 from powersgd_triton.train.names import COMPARE_HOOKS, FSDP_HOOKS, HOOKS, WORKLOAD_DEFAULTS
 
 # The parser is built without torch (``powersgd-triton train --help`` answers in well under a second); the
@@ -27,13 +28,6 @@ def _hook_list(text: str) -> List[str]:
     if len(set(hooks)) != len(hooks):
         raise argparse.ArgumentTypeError(f"a hook is listed twice in {text!r}")
     return hooks
-
-
-def parse_mesh(text: str):
-    """``--fsdp RxS``: :func:`powersgd_triton.train.fsdp.parse_mesh`, imported when the option is given."""
-    from powersgd_triton.train.fsdp import parse_mesh as parse
-
-    return parse(text)
 
 
 def _port(text: str) -> int:
@@ -73,7 +67,7 @@ def _check_out_path(path: str) -> None:
         raise ValueError(f"--out {path}: its directory {parent} {what}")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"--out {path}: its directory {parent} is not writable")
-    try:  # the temporary file of autotune.cache.atomic_write_json
+    try:  # the temporary file of cache_files.atomic_write_json
         fd, probe = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=parent)
     except OSError as exc:
         raise ValueError(f"--out {path}: cannot create a file in {parent} ({exc.strerror or exc})") from None
@@ -228,7 +222,6 @@ def _buckets(run: Dict[str, Any]) -> str:
 
 def format_table(result: Dict[str, Any]) -> str:
     """The side-by-side table (markdown) of every run in ``result["runs"]``."""
-    from powersgd_triton.train.fsdp import LABELS as FSDP_LABELS
     from powersgd_triton.train.loop import HOOK_LABELS
 
     runs = result["runs"]
@@ -295,7 +288,7 @@ def format_table(result: Dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """The ``train`` sub-command: 0 on success, 1 when a rank failed or timed out, 2 for a bad option."""
-    from powersgd_triton.autotune.cache import atomic_write_json
+    from powersgd_triton.cache_files import atomic_write_json
     from powersgd_triton.train import launch
     from powersgd_triton.train.data import DataUnavailable
     from powersgd_triton.train.loop import run_training, validate

@@ -4,6 +4,7 @@
 depend on the machine. :mod:`powersgd_triton.train.loop` re-exports these names.
 """
 
+import argparse
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Tuple
@@ -93,8 +94,6 @@ class TrainConfig:
         if cfg.world_size < 1:  # before --fsdp R x S replaces it: the option is refused, not silently ignored
             raise ValueError(f"--world-size must be at least 1, got {cfg.world_size}")
         if cfg.fsdp is not None:
-            from powersgd_triton.train.fsdp import check_fsdp_config
-
             check_fsdp_config(cfg)  # sets world_size = R * S
         if cfg.matrix_approximation_rank < 1:
             raise ValueError("--matrix-approximation-rank must be at least 1, got "
@@ -143,3 +142,43 @@ class TrainConfig:
         out["hooks"] = list(self.hooks)
         out["fsdp"] = None if self.fsdp is None else list(self.fsdp)
         return out
+
+
+# ------------------------------------------------------------------------------- --fsdp RxS (see train.fsdp)
+FSDP_LABELS = {
+    "powersgd": "powersgd_triton.powerSGD_hook over the replicate group",
+    "alternating": "powersgd_triton.alternating_powerSGD_hook over the replicate group",
+    "allreduce": "native HSDP (2-D mesh) all-reduce",
+}
+
+
+def parse_mesh(text: str) -> Tuple[int, int]:
+    """``"2x2"`` (or ``2×2``) -> ``(R, S)``; ``argparse.ArgumentTypeError`` otherwise."""
+    parts = str(text).lower().replace("×", "x").split("x")
+    try:
+        r, s = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RxS (replicas x shards), e.g. 2x2; got {text!r}") from None
+    if r < 2 or s < 1:
+        raise argparse.ArgumentTypeError(
+            f"--fsdp {text}: needs at least 2 replicas (R) to have a replicate all-reduce to compress, and S >= 1"
+        )
+    return r, s
+
+
+def check_fsdp_config(cfg) -> None:
+    """Validate the FSDP fields of a resolved :class:`TrainConfig` (``ValueError``) and
+    set ``world_size = R * S``."""
+    try:
+        r, s = (int(v) for v in cfg.fsdp)
+    except (TypeError, ValueError):
+        raise ValueError(f"fsdp must be (R, S), got {cfg.fsdp!r}") from None
+    if r < 2 or s < 1:
+        raise ValueError(f"--fsdp {r}x{s}: needs R >= 2 replicas and S >= 1 shards")
+    bad = [h for h in cfg.hooks if h not in FSDP_HOOKS]
+    if bad:
+        raise ValueError(f"--fsdp runs the hooks {', '.join(FSDP_HOOKS)} (allreduce: native HSDP); not {', '.join(bad)}")
+    if cfg.bucket_cap_mb is not None:
+        raise ValueError("--bucket-cap-mb is a DDP option; with --fsdp each FSDP module is one group")
+    cfg.fsdp = (r, s)
+    cfg.world_size = r * s

@@ -13,52 +13,14 @@ the all-reduces over the replicate group (what crosses between replicas: nodes),
 hooks and not counted. Rank 0's shard group (ranks ``0..S-1``) runs the evaluation forward, rank 0 records it.
 """
 
-import argparse
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-LABELS = {
-    "powersgd": "powersgd_triton.powerSGD_hook over the replicate group",
-    "alternating": "powersgd_triton.alternating_powerSGD_hook over the replicate group",
-    "allreduce": "native HSDP (2-D mesh) all-reduce",
-}
-
-
-def parse_mesh(text: str) -> Tuple[int, int]:
-    """``"2x2"`` (or ``2×2``) -> ``(R, S)``; ``argparse.ArgumentTypeError`` otherwise."""
-    parts = str(text).lower().replace("×", "x").split("x")
-    try:
-        r, s = (int(p) for p in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected RxS (replicas x shards), e.g. 2x2; got {text!r}") from None
-    if r < 2 or s < 1:
-        raise argparse.ArgumentTypeError(
-            f"--fsdp {text}: needs at least 2 replicas (R) to have a replicate all-reduce to compress, and S >= 1"
-        )
-    return r, s
-
-
-def check_fsdp_config(cfg) -> None:
-    """Validate the FSDP fields of a resolved :class:`~powersgd_triton.train.loop.TrainConfig` (``ValueError``) and
-    set ``world_size = R * S``."""
-    from powersgd_triton.train.loop import FSDP_HOOKS
-
-    try:
-        r, s = (int(v) for v in cfg.fsdp)
-    except (TypeError, ValueError):
-        raise ValueError(f"fsdp must be (R, S), got {cfg.fsdp!r}") from None
-    if r < 2 or s < 1:
-        raise ValueError(f"--fsdp {r}x{s}: needs R >= 2 replicas and S >= 1 shards")
-    bad = [h for h in cfg.hooks if h not in FSDP_HOOKS]
-    if bad:
-        raise ValueError(f"--fsdp runs the hooks {', '.join(FSDP_HOOKS)} (allreduce: native HSDP); not {', '.join(bad)}")
-    if cfg.bucket_cap_mb is not None:
-        raise ValueError("--bucket-cap-mb is a DDP option; with --fsdp each FSDP module is one group")
-    cfg.fsdp = (r, s)
-    cfg.world_size = r * s
+# The mesh option's parsing and checks live with the rest of the configuration (torch-free); re-exported here.
+from powersgd_triton.train.config import FSDP_LABELS as LABELS, check_fsdp_config, parse_mesh  # noqa: F401
 
 
 @dataclass
