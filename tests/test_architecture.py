@@ -1,0 +1,117 @@
+"""The architecture contract: ``lint-imports`` (import-linter, ``[tool.importlinter]`` in pyproject.toml) keeps every
+contract, and it does catch what it is there to catch (a copy of the package with one bad import fails it); module
+names and sizes.
+
+The contracts: hooks above state above ops (layers), ops never imports hooks or state, nothing in the package
+imports the repository's ``tools/``, no import cycle between the modules and folders of any folder of the package.
+"""
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "powersgd_triton")
+MAX_LINES = 600
+
+# lint-imports' own entry point, run by this interpreter (the venv's import-linter, whatever PATH holds)
+LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
+        "sys.exit(lint_imports_command())"]
+
+
+def lint_imports(cwd: str) -> subprocess.CompletedProcess:
+    """``lint-imports --no-cache pyproject.toml`` in ``cwd``, with ``cwd`` first on the import path (so the package
+    analysed is ``cwd``'s ``powersgd_triton``, not the installed one)."""
+    env = dict(os.environ, PYTHONPATH=cwd + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(LINT + ["--no-cache", "--no-logo", os.path.join(cwd, "pyproject.toml")], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_every_contract_is_kept():
+    run = lint_imports(ROOT)
+    assert run.returncode == 0, f"lint-imports failed (exit {run.returncode}):\n{run.stdout}\n{run.stderr}"
+    assert "0 broken" in run.stdout, run.stdout
+
+
+@pytest.fixture
+def package_copy(tmp_path):
+    """A copy of the package (and pyproject.toml, tools/) in a temporary folder, for one deliberate bad import."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(PACKAGE, tmp_path / "powersgd_triton", ignore=ignore)
+    shutil.copytree(os.path.join(ROOT, "tools"), tmp_path / "tools", ignore=ignore)
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def _add_import(path, line: str) -> None:
+    with open(path, "a") as f:
+        f.write(f"\n{line}  # the deliberate bad import of tests/test_architecture.py\n")
+
+
+def test_ops_importing_hooks_breaks_the_contract(package_copy):
+    _add_import(package_copy / "powersgd_triton" / "ops" / "reference.py", "import powersgd_triton.hooks")
+    run = lint_imports(str(package_copy))
+    assert run.returncode != 0, run.stdout
+    assert "powersgd_triton.ops.reference -> powersgd_triton.hooks" in run.stdout, run.stdout
+    assert "hooks above state above ops BROKEN" in run.stdout, run.stdout
+
+
+def test_an_import_cycle_breaks_the_contract(package_copy):
+    # layout is below everything (ops, state, hooks, benchmarking, train import it): importing train closes cycles
+    _add_import(package_copy / "powersgd_triton" / "layout.py", "import powersgd_triton.train")
+    run = lint_imports(str(package_copy))
+    assert run.returncode != 0, run.stdout
+    assert "no import cycle: between the modules and folders of every folder of the package BROKEN" in run.stdout
+    assert "No cycles are allowed in powersgd_triton." in run.stdout, run.stdout
+    assert ".layout -> .train" in run.stdout or ".train ->" in run.stdout, run.stdout
+
+
+def _modules():
+    for folder, dirs, files in os.walk(PACKAGE):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if name.endswith(".py"):
+                yield os.path.join(folder, name)
+
+
+def test_top_level_module_names_are_public():
+    private = [n for n in os.listdir(PACKAGE) if n.endswith(".py") and n.startswith("_")
+               and n not in ("__init__.py", "__main__.py")]
+    private += [n for n in os.listdir(PACKAGE) if os.path.isdir(os.path.join(PACKAGE, n)) and n.startswith("_")
+                and n != "__pycache__"]
+    assert not private, f"modules directly under powersgd_triton/ named with a leading underscore: {private}"
+
+
+def test_no_module_over_the_line_limit():
+    long = {}
+    for path in _modules():
+        with open(path, encoding="utf-8") as f:
+            n = sum(1 for _ in f)
+        if n > MAX_LINES:
+            long[os.path.relpath(path, ROOT)] = n
+    assert not long, f"modules over {MAX_LINES} lines (split them by what they hold): {long}"
+
+
+def test_the_package_does_not_import_tools():
+    """The forbidden contract says so through import-linter; this reads the sources too (``tools`` is outside the
+    package, so import-linter sees it only as an external name)."""
+    allowed = {os.path.join("powersgd_triton", "perfmodel.py")}  # the one listed in pyproject's ignore_imports
+    found = []
+    for path in _modules():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            if any(n == "tools" or n.startswith("tools.") for n in names):
+                rel = os.path.relpath(path, ROOT)
+                if rel not in allowed:
+                    found.append(f"{rel}:{node.lineno}")
+    assert not found, f"the package imports the repository's tools/: {found}"
