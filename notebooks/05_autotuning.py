@@ -50,7 +50,7 @@ import torch
 
 from powersgd_triton.autotune import KERNELS, ConfigCache, Tuner, device_key
 from powersgd_triton.autotune.cache import PACKAGE_CONFIG_DIR, find_device_file, load_device_file
-from powersgd_triton.autotune.cli import format_config, model_layouts
+from powersgd_triton.cli.autotune_run import format_config, model_layouts
 from powersgd_triton.autotune.keys import DeviceKey, ShapeClass, parse_dtype
 from powersgd_triton.autotune.tuner import candidates
 from powersgd_triton.ops import triton_ops
