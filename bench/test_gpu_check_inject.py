@@ -92,11 +92,11 @@ def test_futures_keep_their_interface(chain_world):
 
 def _kernel_layer(backend, monkeypatch, events):
     """Record every orthogonalization where it computes, below both ways the hooks reach it: the torch backend's
-    ``reference.orthogonalize``, the Triton backend's launcher ``triton_ops.orthogonalize``."""
+    ``reference.orthogonalize``, the Triton backend's launcher ``orthogonalization.orthogonalize``."""
     if backend == "torch":
         module = reference
     else:
-        from powersgd_triton.ops import triton_ops as module
+        from powersgd_triton.ops import orthogonalization as module
     original = module.orthogonalize
 
     def orthogonalize(*args, **kwargs):

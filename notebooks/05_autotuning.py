@@ -53,7 +53,7 @@ from powersgd_triton.autotune.cache import PACKAGE_CONFIG_DIR, find_device_file,
 from powersgd_triton.cli.autotune_run import format_config, model_layouts
 from powersgd_triton.autotune.keys import DeviceKey, ShapeClass, parse_dtype
 from powersgd_triton.autotune.tuner import candidates
-from powersgd_triton.ops import triton_ops
+from powersgd_triton.ops import configs
 from powersgd_triton.layout import BucketLayout
 
 torch.set_num_threads(1)
@@ -134,7 +134,7 @@ for k in KERNELS:
         dtype, cells = parse_dtype(dname), []
         for r in RANKS:
             probe = BucketLayout.batched(4096 * 4096, r, "cpu", dtype)  # the heuristic reads only the rank
-            cells.append(f"{format_config(triton_ops.heuristic_config(k, probe, dtype))} "
+            cells.append(f"{format_config(configs.heuristic_config(k, probe, dtype))} "
                          f"({len(candidates(k, probe, dtype)[0])})")
         print(f"{k:13s} {dname:5s} " + " ".join(f"{c:>28s}" for c in cells))
 

@@ -1,4 +1,4 @@
-"""Bucket layouts: which gradients of a DDP bucket are compressed, where they live, and the kernel tables.
+"""Bucket layouts: which gradients of a DDP bucket are compressed, where they live, and the layout table.
 
 A DDP bucket is one flat 1-D buffer holding every gradient of the bucket back to back. PowerSGD views each
 gradient as a matrix ``(shape[0], numel // shape[0])`` (PyTorch's ``tensor.view(shape[0], -1)``) and
@@ -15,12 +15,12 @@ grouped by shape in order of first appearance (``shape_to_tensors`` in ``powerSG
 same numbers in the same places as PyTorch's ``p_memory_dict`` / ``q_memory_dict``.
 
 The kernels read one small ``int64`` device table (:attr:`BucketLayout.table`, one row of :data:`TABLE_COLUMNS` per
-matrix) and, per launch, a tile table with one row per program (``*_TILE_COLUMNS`` below: :meth:`BucketLayout.tiles`,
-:meth:`~BucketLayout.project_t_tiles`, :meth:`~BucketLayout.reconstruct_tiles`, :meth:`~BucketLayout.average_tiles`),
-all built once and cached. The batched view (``batched_powerSGD_hook``) is a layout with a single virtual ``s x s``
-matrix, ``s = ceil(sqrt(N))``, whose elements past ``N`` are masked (``NUMEL`` column), so the bucket is never
-resized. As in PyTorch's batched hook, the error memory covers the whole padded matrix (``s * s`` floats, at most
-``2s - 1`` more than the bucket): the padding's ``M + E`` is its error memory.
+matrix), built once. The per-launch tile and task tables derived from a layout are kernel plans, built by
+:mod:`powersgd_triton.ops.tables` and kept with the layout in its :meth:`~BucketLayout.memo` store (this module
+imports nothing of :mod:`powersgd_triton.ops`). The batched view (``batched_powerSGD_hook``) is a layout with a
+single virtual ``s x s`` matrix, ``s = ceil(sqrt(N))``, whose elements past ``N`` are masked (``NUMEL`` column), so
+the bucket is never resized. As in PyTorch's batched hook, the error memory covers the whole padded matrix (``s * s``
+floats, at most ``2s - 1`` more than the bucket): the padding's ``M + E`` is its error memory.
 """
 
 import math
@@ -34,45 +34,6 @@ import torch
 OFF, ROWS, COLS, NUMEL, RANK, P_OFF, Q_OFF, E_OFF = range(8)
 TABLE_COLUMNS = ("offset", "n", "m", "numel", "rank", "p_offset", "q_offset", "e_offset")
 TABLE_WIDTH = len(TABLE_COLUMNS)
-
-# Columns of the tile tables: one row per program of a launch, built (and cached) by the BucketLayout method named.
-# The kernels read them through the constexprs of powersgd_triton.ops.common; each table has its own names.
-# project: tiles("rows", BLOCK_N), int32 (T, 2).
-TILE_COLUMNS = ("matrix", "first")  # first row ("rows") or column ("cols") of the tile
-TILE_MAT, TILE_FIRST = range(2)
-TILE_WIDTH = len(TILE_COLUMNS)
-# project_t: project_t_tiles(...)[0], int32 (T, 5); workspace offset -1: the program writes Q itself.
-PROJECT_T_TILE_COLUMNS = ("matrix", "first_col", "first_row", "end_row", "ws_offset")
-PROJECT_T_MAT, PROJECT_T_COL0, PROJECT_T_ROW0, PROJECT_T_ROW_END, PROJECT_T_WS_OFF = range(5)
-PROJECT_T_TILE_WIDTH = len(PROJECT_T_TILE_COLUMNS)
-# reduce_splits (the second launch of project_t for split matrices): project_t_tiles(...)[1], int32 (T, 4).
-REDUCE_TILE_COLUMNS = ("matrix", "first_col", "ws_offset", "splits")
-REDUCE_MAT, REDUCE_COL0, REDUCE_WS_OFF, REDUCE_SPLITS = range(4)
-REDUCE_TILE_WIDTH = len(REDUCE_TILE_COLUMNS)
-# reconstruct: reconstruct_tiles(...), int32 (T, 4).
-RECON_TILE_COLUMNS = ("matrix", "first_row", "first_col", "end_col")
-RECON_MAT, RECON_ROW0, RECON_COL0, RECON_COL_END = range(4)
-RECON_TILE_WIDTH = len(RECON_TILE_COLUMNS)
-# average: average_tiles(...)[0], int64 (T, 4); matrix -1: an uncompressed chunk.
-AVERAGE_TILE_COLUMNS = ("matrix", "src_offset", "dst_offset", "count")
-AVERAGE_MAT, AVERAGE_SRC, AVERAGE_DST, AVERAGE_COUNT = range(4)
-AVERAGE_TILE_WIDTH = len(AVERAGE_TILE_COLUMNS)
-
-# orthogonalize's task tables (triton_ops._OrthoPlan), int64. orthogonalize_gram: one program per GRAM_ROWS rows of a
-# tall factor; "slot": its Gram partial's slot in the float64 workspace, "head_slot": the matrix's head slot (-1 but
-# in the first task), "completion": completion vectors (the smallest power of two >= the matrix's rank).
-ORTHO_GRAM_TASK_COLUMNS = ("matrix", "first_row", "slot", "head_slot", "completion", "rows", "rank", "offset")
-GRAM_MAT, GRAM_ROW0, GRAM_SLOT, GRAM_HEAD, GRAM_RM, GRAM_N, GRAM_R, GRAM_OFF = range(8)
-ORTHO_GRAM_TASK_WIDTH = len(ORTHO_GRAM_TASK_COLUMNS)
-# orthogonalize: one program per short factor (rows 0..end, no slots: "slots" 0, "head_slot" -1) or per SPLIT_ROWS
-# rows of a tall one ("first_slot".."first_slot" + "slots": its Gram partials). Both tables also carry the factor's
-# row count, rank and offset in the flat factor ("rows", "rank", "offset"), so that a program reads its whole
-# task in one load instead of following "matrix" into the layout table (one DRAM latency less per program).
-ORTHO_TASK_COLUMNS = ("matrix", "first_row", "end_row", "first_slot", "slots", "head_slot", "completion", "rows",
-                      "rank", "offset")
-ORTHO_MAT, ORTHO_ROW0, ORTHO_ROW_END, ORTHO_SLOT0, ORTHO_SLOTS, ORTHO_HEAD, ORTHO_RM, ORTHO_N, ORTHO_R, ORTHO_OFF = (
-    range(10))
-ORTHO_TASK_WIDTH = len(ORTHO_TASK_COLUMNS)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The bucket kernels that take a block-size config (tuned per shape class; the other launches are fixed).
@@ -359,140 +320,6 @@ class BucketLayout:
             self._tiles[key] = build()
         return self._tiles[key]
 
-    def tiles(self, kind: str, block: int) -> torch.Tensor:
-        """Device ``int32`` table of shape ``(T, 2)``: ``(matrix index, first row or column)`` of each tile
-        (:data:`TILE_COLUMNS`).
-
-        ``kind="rows"`` tiles every M_i into blocks of ``block`` rows (project, reconstruct); ``kind="cols"`` into
-        blocks of ``block`` columns (project_t). Cached per (kind, block).
-        """
-        key = (kind, int(block))
-        t = self._tiles.get(key)
-        if t is None:
-            if kind not in ("rows", "cols"):
-                raise ValueError(f"unknown tile kind {kind!r}")
-            mats, starts = [], []
-            for i, s in enumerate(self.matrices):
-                extent = s.n if kind == "rows" else s.m
-                count = -(-extent // block)
-                mats.append(np.full(count, i, dtype=np.int32))
-                starts.append(np.arange(count, dtype=np.int64) * block)
-            if mats:
-                arr = np.zeros((sum(len(x) for x in mats), TILE_WIDTH), dtype=np.int32)
-                arr[:, TILE_MAT] = np.concatenate(mats)
-                arr[:, TILE_FIRST] = np.concatenate(starts)
-            else:
-                arr = np.zeros((0, TILE_WIDTH), dtype=np.int32)
-            t = torch.from_numpy(np.ascontiguousarray(arr)).to(self.device)
-            self._tiles[key] = t
-        return t
-
-    def project_t_tiles(self, block: int, split_rows: int = 0, reduce_block: Optional[int] = None):
-        """Tile tables of project_t for ``block`` columns per tile and at most ``split_rows`` rows per program.
-
-        Returns ``(tiles, reduce_tiles, workspace_numel)``: ``tiles`` is a device ``int32 (T, 5)`` table
-        (:data:`PROJECT_T_TILE_COLUMNS`: matrix, first column, first row, end row, workspace offset or -1);
-        matrices with ``n > split_rows`` (when ``split_rows > 0``) are split over rows and write partial sums to a
-        float32 workspace of ``workspace_numel`` elements, which the reduce_splits launch sums in a fixed order from
-        ``reduce_tiles`` (``int32 (T2, 4)``, :data:`REDUCE_TILE_COLUMNS`: matrix, first column, workspace offset,
-        number of splits; one per ``reduce_block`` columns of a split matrix, default ``block``; None when nothing
-        is split). Cached per arguments. Raises ``ValueError`` when the workspace would exceed int32 offsets.
-        """
-        reduce_block = int(reduce_block or block)
-        key = ("cols5", int(block), int(split_rows), reduce_block)
-        cached = self._tiles.get(key)
-        if cached is None:
-            tiles, reduce_tiles = [], []
-            ws = 0
-
-            def tile(mat, col0, row0, row_end, ws_off):
-                return table_row(PROJECT_T_TILE_WIDTH, {PROJECT_T_MAT: mat, PROJECT_T_COL0: col0,
-                                                         PROJECT_T_ROW0: row0, PROJECT_T_ROW_END: row_end,
-                                                         PROJECT_T_WS_OFF: ws_off})
-
-            for i, s in enumerate(self.matrices):
-                nsplit = -(-s.n // split_rows) if split_rows > 0 and s.n > split_rows else 1
-                for c in range(0, s.m, block):
-                    if nsplit == 1:
-                        tiles.append(tile(i, c, 0, s.n, -1))
-                    else:
-                        for k in range(nsplit):
-                            end = min(s.n, (k + 1) * split_rows)
-                            tiles.append(tile(i, c, k * split_rows, end, ws + k * s.m * s.rank))
-                if nsplit > 1:
-                    for c in range(0, s.m, reduce_block):
-                        reduce_tiles.append(table_row(REDUCE_TILE_WIDTH, {REDUCE_MAT: i, REDUCE_COL0: c,
-                                                                           REDUCE_WS_OFF: ws, REDUCE_SPLITS: nsplit}))
-                    ws += nsplit * s.m * s.rank
-            if ws >= 2**31:
-                raise ValueError("project_t workspace exceeds int32 offsets; use a larger split_rows")
-
-            def dev(rows, width):
-                return torch.tensor(rows, dtype=torch.int32).reshape(-1, width).to(self.device)
-
-            cached = (dev(tiles, PROJECT_T_TILE_WIDTH), dev(reduce_tiles, REDUCE_TILE_WIDTH) if reduce_tiles else None,
-                      ws)
-            self._tiles[key] = cached
-        return cached
-
-    def reconstruct_tiles(self, block: int, split_cols: int = 0) -> torch.Tensor:
-        """Tile table of reconstruct: device ``int32 (T, 4)`` (:data:`RECON_TILE_COLUMNS`: matrix, first row, first
-        column, end column), ``block`` rows per tile and at most ``split_cols`` columns per program (0: whole
-        rows). Cached."""
-        key = ("rows4", int(block), int(split_cols))
-        t = self._tiles.get(key)
-        if t is None:
-            rows = []
-            for i, s in enumerate(self.matrices):
-                chunk = split_cols if 0 < split_cols < s.m else s.m
-                for r0 in range(0, s.n, block):
-                    for c in range(0, s.m, chunk):
-                        rows.append(table_row(RECON_TILE_WIDTH, {RECON_MAT: i, RECON_ROW0: r0, RECON_COL0: c,
-                                                                  RECON_COL_END: min(s.m, c + chunk)}))
-            t = torch.tensor(rows, dtype=torch.int32).reshape(-1, RECON_TILE_WIDTH).to(self.device)
-            self._tiles[key] = t
-        return t
-
-    def average_tiles(self, which: str, packed: bool, block: int):
-        """Tile tables of the average launch: ``(tiles, first)``.
-
-        ``tiles``: device ``int64 (T, 4)`` (:data:`AVERAGE_TILE_COLUMNS`: matrix or -1, source offset, destination
-        offset, count <= block):
-        first the factor (``which`` = "p" or "q") of every matrix in chunks of ``block`` (source = destination, in
-        place), then the uncompressed gradients: from a packed buffer (``packed``) into their bucket positions, or in
-        place in the bucket (one range or none). ``first``: device ``int32 (L + 1,)``, the factor chunks of matrix i
-        are rows ``first[i]:first[i + 1]``. Cached.
-        """
-        if which not in ("p", "q"):
-            raise ValueError(f"which must be 'p' or 'q', got {which!r}")
-        if packed is False and len(self.uncompressed) > 1:
-            raise ValueError("uncompressed gradients in several ranges must be packed")
-        key = ("average", which, bool(packed), int(block))
-        cached = self._tiles.get(key)
-        if cached is None:
-            rows, first = [], [0]
-            for i, s in enumerate(self.matrices):
-                start = s.p_offset if which == "p" else s.q_offset
-                count = (s.n if which == "p" else s.m) * s.rank
-                for c in range(0, count, block):
-                    rows.append(table_row(AVERAGE_TILE_WIDTH, {AVERAGE_MAT: i, AVERAGE_SRC: start + c,
-                                                                AVERAGE_DST: start + c,
-                                                                AVERAGE_COUNT: min(block, count - c)}))
-                first.append(len(rows))
-            pos = 0
-            for off, n in self.uncompressed:
-                for c in range(0, n, block):
-                    src = (pos if packed else off) + c
-                    rows.append(table_row(AVERAGE_TILE_WIDTH, {AVERAGE_MAT: -1, AVERAGE_SRC: src, AVERAGE_DST: off + c,
-                                                                AVERAGE_COUNT: min(block, n - c)}))
-                pos += n
-            cached = (
-                torch.tensor(rows, dtype=torch.int64).reshape(-1, AVERAGE_TILE_WIDTH).to(self.device),
-                torch.tensor(first, dtype=torch.int32).to(self.device),
-            )
-            self._tiles[key] = cached
-        return cached
-
     def workspace(self, numel: int) -> torch.Tensor:
         """A float32 scratch buffer of at least ``numel`` elements on the layout's device, kept for reuse."""
         ws = self._workspace
@@ -500,23 +327,6 @@ class BucketLayout:
             ws = torch.empty(max(numel, 1), dtype=torch.float32, device=self.device)
             self._workspace = ws
         return ws
-
-    def segment_tiles(self, block: int, to_packed: bool) -> torch.Tensor:
-        """Device ``int64 (T, 3)`` table ``(source offset, destination offset, count)`` of the uncompressed segments
-        in chunks of at most ``block`` elements: bucket -> packed buffer (``to_packed``) or back. Cached."""
-        key = ("segments", int(block), bool(to_packed))
-        t = self._tiles.get(key)
-        if t is None:
-            rows = []
-            packed = 0
-            for off, n in self.uncompressed:
-                for c in range(0, n, block):
-                    count = min(block, n - c)
-                    rows.append((off + c, packed + c, count) if to_packed else (packed + c, off + c, count))
-                packed += n
-            t = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(self.device)
-            self._tiles[key] = t
-        return t
 
     def uncompressed_index(self) -> Optional[torch.Tensor]:
         """Device ``int64`` index of every uncompressed element (None if the segments are one range or none)."""

@@ -7,7 +7,7 @@ waves, blocks per SM, registers, spills, bytes moved, the predicted time and the
 reaches, and the whole step against the 7-pass floor (``project`` reads g and e and writes g, ``project_t`` reads g,
 ``reconstruct`` reads g and writes g and e: five passes over the gradient dtype and two over the float32 error).
 
-Inputs of the model, per launch: the tile plan (:func:`powersgd_triton.ops.triton_ops.plan` and
+Inputs of the model, per launch: the tile plan (:func:`powersgd_triton.ops.plans.plan` and
 ``orthogonalize_plan``: a list of dicts with ``kernel``, ``programs``, ``iterations`` (loop trips of the longest
 program), ``bytes_read``, ``bytes_written``, ``config``, ``variant``; optional ``flops``, ``l2_bytes``, ``serial``),
 the compiled kernel's metadata for ``sm_<arch>`` (registers and spills from ``ptxas -v``, shared memory, warps,
@@ -144,7 +144,7 @@ class HostSpec:
 # Measured on this project's CPU machine by `powersgd-triton bench --host-overhead` (bench/RESULTS.md, "C-level
 # stand-ins, and P and Q written in the communication dtype", 2026-12-02): AMD EPYC, 2 cores, idle (load average
 # < 1.6), the C launch entry a C no-op and the collectives' futures torch's C futures; medians of 7 runs (triton 3.9,
-# torch 2.13 CPU) and 5 runs (triton 3.6, torch 2.11). launch_s: one triton_ops.project through its launch plan;
+# torch 2.13 CPU) and 5 runs (triton 3.6, torch 2.11). launch_s: one projection.project through its launch plan;
 # step_s: ResNet-50 r4 fp32's mean host time per bucket step (3.9: 54 us, 3.6: 68 us) less its 7.8 launches;
 # collective_s: a gloo all_reduce call of one element with its future, world size 1.
 HOSTS: Dict[str, HostSpec] = {
@@ -190,7 +190,7 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
               warm_start: bool = True, configs: Optional[Dict[str, dict]] = None) -> List[dict]:
     """The launches of one compressed step of ``powerSGD_hook`` on ``layout`` (Triton backend, heuristic configs
     unless ``configs`` gives some): pack, orthogonalize Q, project, orthogonalize P, project_t (+ reduce),
-    average, reconstruct. Each entry has a ``step`` name besides :func:`triton_ops.plan`'s keys; with
+    average, reconstruct. Each entry has a ``step`` name besides :func:`plans.plan`'s keys; with
     ``warm_start`` the orthogonalize Q launches are ``overlapped`` (made on a side stream during the step
     before)."""
     from powersgd_triton.ops import orthogonalization, plans

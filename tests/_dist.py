@@ -248,9 +248,9 @@ def bucket_numel(shapes) -> int:
 def triton_backend_skip_reason():
     """Why the "triton" backend cannot be tested here (None when it can)."""
     try:
-        from powersgd_triton.ops import triton_ops  # noqa: F401
+        from powersgd_triton.ops import kernels  # noqa: F401
     except Exception as exc:  # noqa: BLE001
-        return f"powersgd_triton.ops.triton_ops is not importable ({type(exc).__name__}: {exc})"
+        return f"powersgd_triton.ops.kernels is not importable ({type(exc).__name__}: {exc})"
     from powersgd_triton.compat import env as _env
 
     if not _env.triton_can_run(torch.device("cpu")):

@@ -24,6 +24,7 @@ import triton  # noqa: E402
 
 from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from powersgd_triton.compat import versions as _compat  # noqa: E402
+from powersgd_triton.ops import launch as _launch  # noqa: E402
 from powersgd_triton.benchmarking import host  # noqa: E402
 from powersgd_triton.benchmarking.buckets import model_bucket_shapes  # noqa: E402
 from powersgd_triton.benchmarking.hooks import ensure_process_group  # noqa: E402
@@ -53,10 +54,10 @@ def param_sizes(signature) -> list:
 
 def compiled_kernels():
     """Every kernel Triton compiled (or loaded) in this process for our kernel functions."""
-    from powersgd_triton.ops import triton_ops as T
+    from powersgd_triton.ops import kernels as _kernels
 
     out = []
-    for fn in T.KERNEL_FUNCTIONS.values():
+    for fn in _kernels.KERNEL_FUNCTIONS.values():
         jit = fn if hasattr(fn, "device_caches") else getattr(fn, "fn", None)
         for caches in getattr(jit, "device_caches", {}).values():
             out += [k for k in caches[0].values() if hasattr(k, "function")]
@@ -126,18 +127,18 @@ def main(stub_dir):
         out["launcher"] = sorted({type(k.run).__module__ + "." + type(k.run).__name__ for k in kernels})
         take_log()
 
-        plain_call = _compat.DirectLaunch.__call__
+        plain_call = _launch.DirectLaunch.__call__
 
         def both(self, *args):  # each launch twice with the same arguments: the JIT call, then the direct one
-            _compat.DIRECT_LAUNCH = False
+            _launch.DIRECT_LAUNCH = False
             plain_call(self, *args)
-            _compat.DIRECT_LAUNCH = True
+            _launch.DIRECT_LAUNCH = True
             plain_call(self, *args)
 
         results = {}
         for swap in (False, True):
             used["swap"] = swap
-            _compat.DirectLaunch.__call__ = both
+            _launch.DirectLaunch.__call__ = both
             try:
                 for name, hook, state, buckets in cases:
                     used["calls"] = 0
@@ -152,7 +153,7 @@ def main(stub_dir):
                         streams=sorted({ln.split(" stream=")[1].split()[0] for ln in log}),
                         sample=log[0] if log else None)
             finally:
-                _compat.DirectLaunch.__call__ = plain_call
+                _launch.DirectLaunch.__call__ = plain_call
                 used["swap"] = False
         out["cases"] = results
         out["stub_launches"] = stub.psgd_stub_launches()

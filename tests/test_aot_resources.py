@@ -56,14 +56,14 @@ SCRIPT = textwrap.dedent(
     """
     import json, os, subprocess, sys, tempfile
     import torch
-    from powersgd_triton.ops import triton_ops as T
+    from powersgd_triton.ops import configs
     from tools import aot_compile
     from tools.aot import _nvidia_tool, resource_usage
 
     class _Layout:
         max_rank = 4
 
-    light = T.heuristic_config("project", _Layout(), torch.float32)
+    light = configs.heuristic_config("project", _Layout(), torch.float32)
     # twice the tile, without the heuristic's register cap (maxnreg: ptxas would spill at it instead)
     heavy = {k: (2 * v if k.startswith("BLOCK") else v) for k, v in light.items() if k != "maxnreg"}
     out = {}

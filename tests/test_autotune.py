@@ -72,7 +72,7 @@ def tile(c):
 
 def _project_t_broadcast(kernel, c):
     """project_t's broadcast space (padded rank <= 8) has only 4 warps and 256-1024 column tiles
-    (``triton_ops._PROJECT_T_TILES``): the preferences below take one of its configs, present at every rank <= 8."""
+    (``configs._PROJECT_T_TILES``): the preferences below take one of its configs, present at every rank <= 8."""
     return kernel == "project_t" and not c.get("USE_DOT", False)
 
 

@@ -44,9 +44,10 @@ def _config_key(c):
 @pytest.mark.aot_matrix
 @pytest.mark.timeout(900)
 def test_every_candidate_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
-    from powersgd_triton.ops import triton_ops as ops
+    from powersgd_triton.ops import configs
+    from powersgd_triton.compat import env as _env
 
-    monkeypatch.setattr(ops._env, "interpreter_enabled", lambda: False)  # the GPU heuristic, not the interpreter's
+    monkeypatch.setattr(_env, "interpreter_enabled", lambda: False)  # the GPU heuristic, not the interpreter's
 
     proc, results = _run_aot(tmp_path, "--matrix-approximation-ranks", "4", "8", "16", "--ranks-for",
                             "orthogonalize=1,2,4,8,16,32")
@@ -59,9 +60,9 @@ def test_every_candidate_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
     for kernel in KERNELS:
         for rank in (3, 4, 5, 8, 16) if kernel != "orthogonalize" else (1, 2, 3, 4, 8, 16, 32):
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
-                space = list(ops.config_space(kernel, rank, dtype))
+                space = list(configs.config_space(kernel, rank, dtype))
                 fake_layout = type("L", (), {"max_rank": rank})()
-                space.append(ops.heuristic_config(kernel, fake_layout, dtype))
+                space.append(configs.heuristic_config(kernel, fake_layout, dtype))
                 for cfg in space:
                     for arch in (80, 90):
                         assert (kernel, _config_key(cfg), arch) in compiled, (kernel, rank, dtype, cfg, arch)
@@ -78,8 +79,8 @@ def test_every_candidate_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
 def test_orthogonalize_candidates_compile_at_rank16(tmp_path):
     """Orthogonalize's candidates at R=16 (its serial Gram-Schmidt steps are a loop, not unrolled: a few seconds
     each, like at R=4)."""
-    from powersgd_triton.ops import triton_ops as ops
+    from powersgd_triton.ops import configs
 
     proc, results = _run_aot(tmp_path, "--kernels", "orthogonalize", "--matrix-approximation-ranks", "16")
     assert proc.returncode == 0 and all(r["ok"] for r in results), proc.stdout[-4000:]
-    assert len(results) == 2 * len(ops.config_space("orthogonalize", 16, torch.bfloat16))
+    assert len(results) == 2 * len(configs.config_space("orthogonalize", 16, torch.bfloat16))

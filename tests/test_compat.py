@@ -221,18 +221,19 @@ def test_dot_min_k_follows_the_installed_triton():
 
 def test_older_triton_tiles_are_keyed_by_version(monkeypatch):
     """A tile that spills under an older Triton is swapped for that Triton only (triton 3.6: reconstruct at R 8)."""
-    from powersgd_triton.ops import lowrank_configs as L
+    from powersgd_triton.compat import tiles as CT
+    from powersgd_triton.ops import configs as L
 
-    older = L.OLDER_TRITON_TILES[(3, 6)][("reconstruct", 8, 4)]
+    older = CT.OLDER_TRITON_TILES[(3, 6)][("reconstruct", 8, 4)]
     assert older != L.RECONSTRUCT_TILES[(8, 4)]
     for version, expected in (((3, 4), older), ((3, 6), older), ((3, 8), L.RECONSTRUCT_TILES[(8, 4)]),
                               ((3, 9), L.RECONSTRUCT_TILES[(8, 4)]), (None, L.RECONSTRUCT_TILES[(8, 4)])):
-        monkeypatch.setattr(L, "_triton_minor", lambda version=version: version)
+        monkeypatch.setattr(CT, "_triton_minor", lambda version=version: version)
         assert L.broadcast_tile("reconstruct", L.RECONSTRUCT_TILES, 8, 4) == expected, version
         assert L.broadcast_tile("project", L.PROJECT_TILES, 8, 4) == L.PROJECT_TILES[(8, 4)]
         # triton 3.4's own entry wins over 3.6's; 3.6 and newer keep the table's R 2 fp32 project_t tile
-        t34, table = L.OLDER_TRITON_TILES[(3, 4)][("project_t", 2, 4)], L.PROJECT_T_TILES[(2, 4)]
+        t34, table = CT.OLDER_TRITON_TILES[(3, 4)][("project_t", 2, 4)], L.PROJECT_T_TILES[(2, 4)]
         assert L.broadcast_tile("project_t", L.PROJECT_T_TILES, 2, 4) == (t34 if version == (3, 4) else table), version
-        p1 = L.OLDER_TRITON_TILES[(3, 6)][("project_t", 1, 4)]
+        p1 = CT.OLDER_TRITON_TILES[(3, 6)][("project_t", 1, 4)]
         assert L.broadcast_tile("project_t", L.PROJECT_T_TILES, 1, 4) == (
             p1 if version in ((3, 4), (3, 6)) else L.PROJECT_T_TILES[(1, 4)]), version

@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(
     import torch
     from tools import aot_compile as A
     from tools import aot
-    from powersgd_triton.ops.launch_common import STREAMING_KERNELS
+    from powersgd_triton.ops.configs import STREAMING_KERNELS
 
     def job(args):
         kernel, cfg, dtype, rank, variant = args
@@ -178,7 +178,8 @@ WIRE_SCRIPT = textwrap.dedent(
     import json, sys
     from concurrent.futures import ProcessPoolExecutor
     import torch
-    from powersgd_triton.ops import triton_ops as T
+    from powersgd_triton.ops import configs, kernels
+    from powersgd_triton.layout import KERNELS
     from tools import aot_compile
 
     class _Layout:
@@ -188,7 +189,7 @@ WIRE_SCRIPT = textwrap.dedent(
     def job(args):
         kernel, variant = args
         tuned = {"reduce_splits": "project_t"}.get(kernel, kernel)
-        cfg = T.heuristic_config(tuned, _Layout(4), torch.bfloat16, 132) if tuned in T.KERNELS else {}
+        cfg = configs.heuristic_config(tuned, _Layout(4), torch.bfloat16, 132) if tuned in KERNELS else {}
         try:
             c = aot_compile.compile_aot(kernel, cfg, torch.bfloat16, 4, 90, variant)
             return dict(ok=True, kernel=kernel, variant=variant, shared=c.metadata.shared)
@@ -196,7 +197,7 @@ WIRE_SCRIPT = textwrap.dedent(
             return dict(ok=False, kernel=kernel, variant=variant, config=cfg, error=repr(e)[:2000])
 
     if __name__ == "__main__":
-        jobs = [(k, v) for k in T.KERNEL_FUNCTIONS for v in aot_compile.variants(k) if v.get("wire")]
+        jobs = [(k, v) for k in kernels.KERNEL_FUNCTIONS for v in aot_compile.variants(k) if v.get("wire")]
         with ProcessPoolExecutor(max_workers=2) as pool:
             json.dump(list(pool.map(job, jobs)), sys.stdout)
     """

@@ -1,4 +1,4 @@
-"""Launch plans and the direct launch of compiled kernels (powersgd_triton.compat.versions.DirectLaunch), on CPU with the
+"""Launch plans and the direct launch of compiled kernels (powersgd_triton.ops.launch.DirectLaunch), on CPU with the
 host benchmark's driver stub (powersgd_triton.benchmarking.host.FakeDriver: Triton's Python runs, the C launch
 records its arguments instead of launching). A subprocess without TRITON_INTERPRET: the kernels are compiled for
 sm_90 (once; Triton's disk cache), never run."""
@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(r"""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import torch
     from powersgd_triton import PowerSGDState, powerSGD_hook
-    from powersgd_triton.compat import versions as _compat
+    from powersgd_triton.ops import launch as _launch
     from powersgd_triton.benchmarking import count_triton_launches, host
     from powersgd_triton.benchmarking.buckets import model_bucket_shapes
     from powersgd_triton.benchmarking.hooks import ensure_process_group
@@ -48,12 +48,12 @@ SCRIPT = textwrap.dedent(r"""
         # each launch twice with the same arguments: the JIT call (DIRECT_LAUNCH off), then the direct one
         fake.utils.record = rec = []
         jit_calls = []
-        plain_call, plain_jit = _compat.DirectLaunch.__call__, _compat.DirectLaunch._jit
+        plain_call, plain_jit = _launch.DirectLaunch.__call__, _launch.DirectLaunch._jit
 
         def both(self, *args):
-            _compat.DIRECT_LAUNCH = False
+            _launch.DIRECT_LAUNCH = False
             plain_call(self, *args)
-            _compat.DIRECT_LAUNCH = True
+            _launch.DIRECT_LAUNCH = True
             n = len(jit_calls)
             plain_call(self, *args)
             jit_calls.append(len(jit_calls) - n)  # JIT calls made by the direct call: none expected
@@ -62,9 +62,9 @@ SCRIPT = textwrap.dedent(r"""
             jit_calls.append(None)
             return plain_jit(self, args)
 
-        _compat.DirectLaunch.__call__, _compat.DirectLaunch._jit = both, jit
+        _launch.DirectLaunch.__call__, _launch.DirectLaunch._jit = both, jit
         step()
-        _compat.DirectLaunch.__call__, _compat.DirectLaunch._jit = plain_call, plain_jit
+        _launch.DirectLaunch.__call__, _launch.DirectLaunch._jit = plain_call, plain_jit
         fake.utils.record = None
         pairs, mismatches = len(rec) // 2, []
         for i in range(pairs):
@@ -85,11 +85,11 @@ SCRIPT = textwrap.dedent(r"""
             step()
         out.update(counted=counted["n"], launched=fake.utils.launches - before)
         # and DIRECT_LAUNCH = False: every launch through JITFunction.run
-        _compat.DIRECT_LAUNCH = False
+        _launch.DIRECT_LAUNCH = False
         with count_triton_launches() as counted:
             step()
         out["counted_jit"] = counted["n"]
-        _compat.DIRECT_LAUNCH = True
+        _launch.DIRECT_LAUNCH = True
         # Python calls of one bucket step (deterministic), per compressed bucket, with the C no-op launch
         fake.utils.set_counting(False)
         calls = [host.python_calls(lambda b=b: powerSGD_hook(state, b).wait()) for b in buckets]
@@ -138,7 +138,7 @@ FACTS_SCRIPT = textwrap.dedent(r"""
     import torch
     import triton
     import triton.language as tl
-    from powersgd_triton.compat import versions as _compat
+    from powersgd_triton.ops import launch as _launch
     from powersgd_triton.benchmarking import host
 
     @triton.jit
@@ -149,16 +149,16 @@ FACTS_SCRIPT = textwrap.dedent(r"""
     out = {}
     with host.fake_gpu() as fake:
         jit_calls = []
-        plain_jit = _compat.DirectLaunch._jit
+        plain_jit = _launch.DirectLaunch._jit
 
         def jit(self, args):
             jit_calls.append(1)
             return plain_jit(self, args)
 
-        _compat.DirectLaunch._jit = jit
+        _launch.DirectLaunch._jit = jit
         fake.utils.record = rec = []
         x, y = torch.randn(64), torch.randn(64)
-        launch = _compat.DirectLaunch(_axpy, (4,), dict(BLOCK=16))
+        launch = _launch.DirectLaunch(_axpy, (4,), dict(BLOCK=16))
 
         def calls(*args):  # the JIT calls the launch made (a failed JIT call raises, counted as 10)
             before = len(jit_calls)
@@ -186,7 +186,7 @@ FACTS_SCRIPT = textwrap.dedent(r"""
         out["first_args"] = [list(map(str, kernel_args(rec[0])))]
         # a first call with an unaligned tensor: direct again with the same facts (the kernel compiled for them),
         # the JIT call for an aligned one
-        un = _compat.DirectLaunch(_axpy, (4,), dict(BLOCK=16))
+        un = _launch.DirectLaunch(_axpy, (4,), dict(BLOCK=16))
         before = len(jit_calls)
         for _ in range(3):
             un(x[1:], y, 63, 1.5)

@@ -57,7 +57,7 @@ def _tensors(obj, depth=0, layouts=True):
 
 def _owned(state, bucket) -> set:
     """Storages the state (every bucket memory, its layout and the layout's kernel caches) and the bucket hold."""
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import orthogonalization
 
     found = {_ptr(bucket.buffer())}
     for mem in list(state.buckets.values()):
@@ -67,7 +67,7 @@ def _owned(state, bucket) -> set:
                 found.add(_ptr(value))
         layout = mem.layout
         if layout is not None:
-            for t in _tensors([vars(layout), triton_ops._ORTHO_PLANS.get(layout, {})]):
+            for t in _tensors([vars(layout), orthogonalization._ORTHO_PLANS.get(layout, {})]):
                 found.add(_ptr(t))
     return found
 

@@ -86,14 +86,14 @@ def test_prefetch_out_of_range_is_refused_before_anything_is_written(kernel, pre
     """The kernels unroll at most three register sets (``PREFETCH`` 0-2) and the plans count trips of ``1 +
     PREFETCH`` steps: any other value (a hand-written or damaged config) is a ``ValueError`` naming it, raised
     before any launch (the bucket, the factors and the error memory keep their values)."""
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import configs as _configs, launch
 
     buf, _, grads = make_bucket(SHAPE_SETS[next(iter(SHAPE_SETS))], torch.float32, rng)
     layout = layerwise(buf, grads, 2)
     p, q = _factor(layout, "p", rng), _factor(layout, "q", rng)
     err = torch.randn(layout.e_numel, generator=rng)
     before = [t.clone() for t in (buf, p, q, err)]
-    cfg = dict(triton_ops.INTERPRETER_CONFIGS[kernel], PREFETCH=prefetch)
+    cfg = dict(_configs.INTERPRETER_CONFIGS[kernel], PREFETCH=prefetch)
     with pytest.raises(ValueError, match="PREFETCH"):
         if kernel == "project":
             ops.project(buf, layout, q, p, err, backend="triton", config=cfg)
@@ -102,7 +102,7 @@ def test_prefetch_out_of_range_is_refused_before_anything_is_written(kernel, pre
         else:
             ops.reconstruct(buf, layout, p, q, 1.0, error=err, backend="triton", config=cfg)
     with pytest.raises(ValueError, match="PREFETCH"):
-        triton_ops.steps_per_trip(cfg)
+        launch.steps_per_trip(cfg)
     assert all(torch.equal(a, b) for a, b in zip((buf, p, q, err), before))
 
 
@@ -481,9 +481,11 @@ def test_pack_unpack_uncompressed(backend, dtype, rng):
 
 def test_heuristic_config_is_a_candidate(monkeypatch):
     """The untuned GPU default is one of the configs the autotuner times and the AOT tests compile."""
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import configs as _configs
+    from powersgd_triton.layout import KERNELS
+    from powersgd_triton.compat import env as _env
 
-    monkeypatch.setattr(triton_ops._env, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(_env, "interpreter_enabled", lambda: False)
 
     class _Layout:
         max_rank = 1
@@ -491,8 +493,8 @@ def test_heuristic_config_is_a_candidate(monkeypatch):
     for rank in range(1, 33):
         _Layout.max_rank = rank
         for dtype in DTYPES:
-            for kernel in triton_ops.KERNELS:
-                assert triton_ops.heuristic_config(kernel, _Layout, dtype) in triton_ops.config_space(kernel, rank, dtype)
+            for kernel in KERNELS:
+                assert _configs.heuristic_config(kernel, _Layout, dtype) in _configs.config_space(kernel, rank, dtype)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

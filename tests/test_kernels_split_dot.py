@@ -50,7 +50,7 @@ def test_project_t_split_dot_float32_accuracy(dtype, config, view, rng):
     split into three bfloat16 pieces (a float16 M into two), so the error is about 1e-7, where one bfloat16 rounding
     of P gives about 2e-3 -- the tolerance is checked to fail for that (the oracle on P rounded to bfloat16). The
     batched view's padding error (float32 M + E) takes the float32 ``ieee`` dot's config instead
-    (``triton_ops.padding_error_config``). In the
+    (``configs.padding_error_config``). In the
     interpreter the bfloat16 pieces are multiplied as float32 (exact products either way: see
     ``common.SPLIT_OPERAND``); the tensor cores' own rounding is not modelled here."""
     cfg = SPLIT_DOT_CONFIGS[config]
@@ -80,9 +80,9 @@ def test_project_t_split_dot_float32_accuracy(dtype, config, view, rng):
     assert_per_matrix(q, q64, layout, "q", FP32_TOL, scale=scale)
     assert guards_intact(q_whole, layout.q_numel)
     if config == "heuristic":
-        from powersgd_triton.ops import triton_ops
+        from powersgd_triton.ops import configs
 
-        assert cfg == triton_ops.PROJECT_T_SPLIT_CONFIG
+        assert cfg == configs.PROJECT_T_SPLIT_CONFIG
     # both tolerances fail for P rounded to bfloat16 (one bfloat16 dot): by more than 30x and 10x
     q_bf16 = torch.zeros(layout.q_numel, dtype=torch.float64)
     reference.project_t(buf.double(), layout, p.bfloat16().double(), q_bf16, torch.float64,
@@ -95,15 +95,16 @@ def test_project_t_split_dot_float32_accuracy(dtype, config, view, rng):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_project_t_split_dot_at_rank_8(dtype, rng):
     """The GPU heuristic of project_t on 2-byte gradients takes the split tensor-core path from padded rank 8 on
-    (``triton_ops.PROJECT_T_SPLIT_MIN_RANK``: R padded to 16, rank columns 8-15 masked): float32 accuracy at max rank
+    (``configs.PROJECT_T_SPLIT_MIN_RANK``: R padded to 16, rank columns 8-15 masked): float32 accuracy at max rank
     8, ranks 1-8 (the heuristic's own config, run in the interpreter)."""
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import configs
+    from powersgd_triton.layout import padded_rank
 
-    cfg = dict(triton_ops.PROJECT_T_SPLIT_CONFIG)
+    cfg = dict(configs.PROJECT_T_SPLIT_CONFIG)
     buf, whole, grads = make_bucket([(300, 40), (70, 33), (5, 200), (20, 17), (9, 3)], dtype, rng)
     layout = layerwise(buf, grads, 8)
     assert layout.max_rank == 8 and min(s.rank for s in layout.matrices) < 8
-    assert triton_ops.PROJECT_T_SPLIT_MIN_RANK <= triton_ops.padded_rank(8)
+    assert configs.PROJECT_T_SPLIT_MIN_RANK <= padded_rank(8)
     p = _factor(layout, "p", rng)
     q64 = torch.zeros(layout.q_numel, dtype=torch.float64)
     reference.project_t(buf.double(), layout, p.double(), q64, torch.float64)

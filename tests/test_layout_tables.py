@@ -1,4 +1,4 @@
-"""The kernel tables read by column name (powersgd_triton.layout's ``*_COLUMNS``) describe the bucket they were built
+"""The kernel tables read by column name (powersgd_triton.ops.tables' ``*_COLUMNS``) describe the bucket they were built
 for: the layout table holds each matrix's MatrixSpec, and every tile table covers each element it is for exactly once.
 
 Host-side only (no kernel runs): the kernels read the same columns through the constexprs of
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from powersgd_triton import layout as L
+from powersgd_triton.ops import tables as L
 from powersgd_triton.layout import BucketLayout
 
 
@@ -59,14 +59,14 @@ def test_tables_by_column_name_cover_the_bucket(batched, rng):
         block = (4, 8, 16)[_randint(rng, 0, 3)]
         split = (0, 4, 8)[_randint(rng, 0, 3)]
         # project: every row of every matrix in one tile
-        t = lay.tiles("rows", block).numpy()
+        t = L.tiles(lay, "rows", block).numpy()
         assert t.shape[1] == L.TILE_WIDTH
         for i, s in enumerate(mats):
             firsts = sorted(t[t[:, L.TILE_MAT] == i, L.TILE_FIRST])
             assert firsts == list(range(0, s.n, block))
 
         # reconstruct: every element of every matrix in exactly one (row block, column range)
-        t = lay.reconstruct_tiles(block, split).numpy()
+        t = L.reconstruct_tiles(lay, block, split).numpy()
         assert t.shape[1] == L.RECON_TILE_WIDTH
         for i, s in enumerate(mats):
             hits = np.zeros((s.n, s.m), dtype=np.int64)
@@ -79,7 +79,7 @@ def test_tables_by_column_name_cover_the_bucket(batched, rng):
         # project_t: every element in exactly one (column block, row range); the reduce tiles (reduce_block
         # columns each, at most the column block) cover every column of a split matrix once, with its splits
         reduce_block = (block, max(1, block // 2), 3)[_randint(rng, 0, 3)]
-        t, red, ws = lay.project_t_tiles(block, split, reduce_block)
+        t, red, ws = L.project_t_tiles(lay, block, split, reduce_block)
         t = t.numpy()
         assert t.shape[1] == L.PROJECT_T_TILE_WIDTH
         red = np.zeros((0, L.REDUCE_TILE_WIDTH), dtype=np.int32) if red is None else red.numpy()
@@ -112,7 +112,7 @@ def test_tables_by_column_name_cover_the_bucket(batched, rng):
 
         # average: each factor element and each uncompressed element in exactly one chunk
         for which in ("p", "q"):
-            t, first = lay.average_tiles(which, True, block)
+            t, first = L.average_tiles(lay, which, True, block)
             t, first = t.numpy(), first.numpy()
             assert t.shape[1] == L.AVERAGE_TILE_WIDTH
             numel = lay.p_numel if which == "p" else lay.q_numel
@@ -136,33 +136,33 @@ def test_table_row_needs_every_column_once():
 
 
 def test_factor_columns_name_the_factor_and_reject_others(rng):
-    from powersgd_triton.ops import triton_ops as T
+    from powersgd_triton.ops import launch, orthogonalization, segments
 
-    assert T.factor_columns("p") == dict(ROWS_COL=L.ROWS, OFF_COL=L.P_OFF)
-    assert T.factor_columns("q") == dict(ROWS_COL=L.COLS, OFF_COL=L.Q_OFF)
+    assert launch.factor_columns("p") == dict(ROWS_COL=L.ROWS, OFF_COL=L.P_OFF)
+    assert launch.factor_columns("q") == dict(ROWS_COL=L.COLS, OFF_COL=L.Q_OFF)
     lay = _random_layout(rng, False)
     new = torch.randn(lay.q_numel, generator=rng) + 1.0
     kept = torch.randn(lay.q_numel, generator=rng)
     before = kept.clone()
     with pytest.raises(ValueError, match="'p' or 'q'"):
-        T.commit_factor(new, kept, lay, "x", torch.ones(1, dtype=torch.uint8))
+        segments.commit_factor(new, kept, lay, "x", torch.ones(1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="'p' or 'q'"):
-        T.orthogonalize(new, lay, "Q", 0.0, kept)
+        orthogonalization.orthogonalize(new, lay, "Q", 0.0, kept)
     assert torch.equal(kept, before)
 
 
 @pytest.mark.parametrize("which", ["p", "q"])
 def test_orthogonalize_task_tables_by_column_name_cover_each_factor(which, rng):
-    """orthogonalize's task tables (``layout.ORTHO_GRAM_TASK_COLUMNS``, ``ORTHO_TASK_COLUMNS``): a short factor is one
+    """orthogonalize's task tables (``tables.ORTHO_GRAM_TASK_COLUMNS``, ``ORTHO_TASK_COLUMNS``): a short factor is one
     task over all its rows without Gram slots; a tall one has Gram tasks over consecutive GRAM_ROWS row blocks, each in
     its own slot (the first naming the matrix's head slot), and finish tasks that cover its rows once and read all
     those slots; completion vectors are the rank's next power of two."""
-    from powersgd_triton.ops import triton_ops as ops
+    from powersgd_triton.ops import orthogonalization
 
     cfg = dict(BLOCK=16, SHORT_ROWS=16, GRAM_ROWS=32, SPLIT_ROWS=16, num_warps=4, num_stages=1)
     for _ in range(4):
         lay = _random_layout(rng, batched=False)
-        plan = ops._ortho_plan(lay, which, cfg)
+        plan = orthogonalization._ortho_plan(lay, which, cfg)
         gram, tasks = (t.numpy() if t is not None else np.zeros((0, L.ORTHO_GRAM_TASK_WIDTH), np.int64)
                        for t in plan.device_tables("cpu"))
         assert gram.shape[1] == L.ORTHO_GRAM_TASK_WIDTH and tasks.shape[1] == L.ORTHO_TASK_WIDTH
@@ -199,10 +199,10 @@ def test_a_layout_pickles_without_its_derived_plans():
 
     rng = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     layout = _random_layout(rng, batched=False)
-    tiles = layout.tiles("rows", 4).clone()
+    tiles = L.tiles(layout, "rows", 4).clone()
     layout.memo(("a plan",), lambda: (lambda: None))  # like a launch plan: not picklable
     back = pickle.loads(pickle.dumps(layout))
     assert back.signature == layout.signature and back.num_matrices == layout.num_matrices
     assert back.memo(("a plan",), lambda: 7) == 7  # rebuilt, not carried
-    assert torch.equal(back.tiles("rows", 4), tiles)
+    assert torch.equal(L.tiles(back, "rows", 4), tiles)
     assert ("a plan",) in layout._tiles  # the original keeps its plans

@@ -62,7 +62,7 @@ SCRIPT = textwrap.dedent(
     from powersgd_triton.autotune.cache import default_cache_dir
     from powersgd_triton.autotune.keys import DeviceKey
     from powersgd_triton.autotune.tuner import Tuner, candidates
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import configs
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
     for name in blocked:
@@ -78,7 +78,7 @@ SCRIPT = textwrap.dedent(
     heuristic = {}
 
     def timer(kernel, config, sc):  # the interpreter's own config wins: the hook then runs it
-        return 1.0 if config == triton_ops.heuristic_config(kernel, None, torch.float32) else 2.0
+        return 1.0 if config == configs.heuristic_config(kernel, None, torch.float32) else 2.0
 
     autotune.set_tuner(Tuner(timer=timer, device=device))  # default cache: the fallback folder and lock
     B.ensure_process_group("gloo")

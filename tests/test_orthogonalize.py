@@ -60,10 +60,10 @@ def recorded_launches(execute=True):
 
 
 def _planned(layout, which, config):
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import kernels, orthogonalization
 
-    plan = triton_ops.orthogonalize_plan(layout, which, config)
-    return [(triton_ops.KERNEL_FUNCTIONS[d["kernel"]].fn.__name__, d["programs"]) for d in plan], plan
+    plan = orthogonalization.orthogonalize_plan(layout, which, config)
+    return [(kernels.KERNEL_FUNCTIONS[d["kernel"]].fn.__name__, d["programs"]) for d in plan], plan
 
 
 # ----------------------------------------------------------------------------------------- split factors
@@ -160,10 +160,10 @@ def test_short_factors_apply_split_in_place(which, rng):
         ops.orthogonalize(y, layout, which, backend="triton", config=cfg)
     assert torch.equal(y, out), (y - out).abs().max()
     assert calls == [("_orthogonalize_kernel", layout.num_matrices)], calls
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import kernels, orthogonalization
 
-    planned = triton_ops.orthogonalize_plan(layout, which, cfg, in_place=True)
-    assert [(triton_ops.KERNEL_FUNCTIONS[d["kernel"]].fn.__name__, d["programs"]) for d in planned] == calls
+    planned = orthogonalization.orthogonalize_plan(layout, which, cfg, in_place=True)
+    assert [(kernels.KERNEL_FUNCTIONS[d["kernel"]].fn.__name__, d["programs"]) for d in planned] == calls
 
 
 @pytest.mark.parametrize("which", ["p", "q"])
@@ -172,17 +172,17 @@ def test_gram_launch_tiles_narrower_than_apply_tiles(which, monkeypatch, rng):
     apply tiles would spill there): with 8-row Gram tiles under a 16-row config the plan counts 4 tiles per 32-row
     slot and the result still matches float64 Gram-Schmidt."""
     pytest.importorskip("triton")
-    from powersgd_triton.ops import ortho_configs
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import configs
+    from powersgd_triton.ops import orthogonalization
 
-    monkeypatch.setattr(ortho_configs, "ORTHO_GRAM_BLOCK", 8)  # its home: triton_ops re-exports the value
+    monkeypatch.setattr(configs, "ORTHO_GRAM_BLOCK", 8)  # its home, read by the launch plans
     buf, _, grads = make_bucket(SPLIT_SHAPES, torch.float32, rng)
     layout = layerwise(buf, grads, 3)
     x = _random_factor(layout, which, rng, cond=100.0)
     out, whole = guarded(x.numel())
     cfg = SPLIT_CONFIGS[0]
     ops.orthogonalize(x, layout, which, out=out, backend="triton", config=cfg)
-    plan = triton_ops.orthogonalize_plan(layout, which, cfg)
+    plan = orthogonalization.orthogonalize_plan(layout, which, cfg)
     assert plan[0]["kernel"] == "orthogonalize_gram" and plan[0]["iterations"] == cfg["GRAM_ROWS"] // 8
     assert guards_intact(whole, x.numel())
     for f_out, f_in in zip(_factors(out, layout, which), _factors(x, layout, which)):
@@ -222,7 +222,7 @@ def test_split_factors_zero_dependent_and_non_finite(epsilon, rng):
 
 def test_launches_match_plan_and_split_only_tall_factors(rng):
     pytest.importorskip("triton")
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import configs
 
     buf, _, grads = make_bucket(SPLIT_SHAPES, torch.float32, rng)
     layout = layerwise(buf, grads, 4)
@@ -239,7 +239,7 @@ def test_launches_match_plan_and_split_only_tall_factors(rng):
         shapes = B.model_bucket_shapes(model)[bucket]
         buf = torch.zeros(bucket_numel(shapes))
         lay = BucketLayout.from_gradients(buf, FakeBucket(buf, shapes).gradients(), rank, 2.0)
-        cfg = triton_ops._ortho_heuristic(padded_rank(rank))
+        cfg = configs._ortho_heuristic(padded_rank(rank))
         with recorded_launches(execute=False) as calls:
             ops.orthogonalize(torch.zeros(lay.p_numel), lay, "p", backend="triton", config=cfg)
         with B.count_triton_launches(execute=False) as count:
@@ -249,7 +249,7 @@ def test_launches_match_plan_and_split_only_tall_factors(rng):
         assert plan[-1]["bytes_written"] == 4 * lay.p_numel
         if launches == 2:
             assert plan[-1]["programs"] >= 2 * 132 or rank > 8  # >= 2 programs per SM of an H100/H200
-            assert plan[0]["iterations"] == cfg["GRAM_ROWS"] // min(cfg["BLOCK"], triton_ops.ORTHO_GRAM_BLOCK)
+            assert plan[0]["iterations"] == cfg["GRAM_ROWS"] // min(cfg["BLOCK"], configs.ORTHO_GRAM_BLOCK)
 
 
 # --------------------------------------------------------------------------------- ill-conditioned factors
@@ -519,7 +519,7 @@ def test_kept_tensors_are_the_ones_the_launches_use(in_place, rng):
     pytest.importorskip("triton")
     from triton.runtime.interpreter import GridExecutor  # every interpreted launch (triton 3.4 to 3.9)
 
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import orthogonalization
 
     buf, _, grads = make_bucket(SPLIT_SHAPES, torch.float32, rng)
     layout = layerwise(buf, grads, 3)
@@ -537,7 +537,7 @@ def test_kept_tensors_are_the_ones_the_launches_use(in_place, rng):
         ops.orthogonalize(x, layout, "p", out=out, backend="triton", config=cfg)
     finally:
         GridExecutor.__call__ = original
-    kept = triton_ops.orthogonalize_kept_tensors(x, layout, "p", out, config=cfg)
+    kept = orthogonalization.orthogonalize_kept_tensors(x, layout, "p", out, config=cfg)
     others = {id(t): t for t in used if t is not x and t is not out}
     assert len(others) == 3  # Gram task table (tall factors: split), task table, workspace
     assert {id(t) for t in kept} == set(others)

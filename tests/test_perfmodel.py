@@ -15,7 +15,9 @@ import torch
 from _deadline import scaled
 
 from powersgd_triton import perfmodel as M
-from powersgd_triton.ops import triton_ops as T
+from powersgd_triton.ops import configs, kernels, orthogonalization, plans, projection_t, tables
+from powersgd_triton.layout import padded_rank
+from powersgd_triton.compat import env as _env
 from powersgd_triton.layout import BucketLayout
 
 SPEC = M.GPUSpec("test", 90, sms=10, hbm_bandwidth=1e12, copy_fraction=1.0, l2_bandwidth=1e13, fp32_flops=1e15,
@@ -57,7 +59,7 @@ def test_table_lookups_before_the_loop():
     assert two - one == pytest.approx(2 * 1e-6)  # two rounds of programs, one latency each
     layout = _layout([(300, 70), (20000, 40)], rank=4)
     cfg = dict(BLOCK=16, SHORT_ROWS=64, GRAM_ROWS=32, SPLIT_ROWS=16, num_warps=4, num_stages=1)
-    assert [launch["lookups"] for launch in T.orthogonalize_plan(layout, "p", cfg)] == [1, 1]
+    assert [launch["lookups"] for launch in orthogonalization.orthogonalize_plan(layout, "p", cfg)] == [1, 1]
 
 
 def test_compute_and_l2_bound_launches():
@@ -87,18 +89,18 @@ def test_project_t_split_plan_counts_tensor_and_fma_flops(dtype, dots, m_ops):
     P once per column tile (and float16 M once), 2 flops per instruction. float32 gradients, configs without
     SPLIT_BF16 and the padding error keep the FMA dot's 2 R n m."""
     layout = _layout([(512, 4608), (2048, 512), (300, 70)], rank=16)
-    cfg = T.PROJECT_T_SPLIT_CONFIG
+    cfg = configs.PROJECT_T_SPLIT_CONFIG
     nm = 512 * 4608 + 2048 * 512 + 300 * 70
     tiles = 512 * 72 + 2048 * 8 + 300 * 2  # rows x 64-column tiles
-    (main, *_), R = T.plan("project_t", layout, dtype, cfg, num_sms=132), 16
+    (main, *_), R = plans.plan("project_t", layout, dtype, cfg, num_sms=132), 16
     assert main["tensor_flops"] == dots * 2 * R * nm
-    assert main["flops"] == 2 * T.SPLIT_OPS_P * R * tiles + 2 * m_ops * nm
-    fma_dot = [(torch.float32, cfg, {}), (dtype, T.PROJECT_T_FP32_DOT_CONFIG, {}), (dtype, cfg, {"PAD_ERROR": True})]
+    assert main["flops"] == 2 * configs.SPLIT_OPS_P * R * tiles + 2 * m_ops * nm
+    fma_dot = [(torch.float32, cfg, {}), (dtype, configs.PROJECT_T_FP32_DOT_CONFIG, {}), (dtype, cfg, {"PAD_ERROR": True})]
     for d, c, v in fma_dot:
-        other = T.plan("project_t", layout, d, c, num_sms=132, variant=v)[0]
+        other = plans.plan("project_t", layout, d, c, num_sms=132, variant=v)[0]
         assert other["tensor_flops"] == 0 and other["flops"] == 2 * R * nm
-    padded = T.plan("project_t", layout, dtype, cfg, num_sms=132, variant={"PAD_ERROR": True})[0]
-    assert padded["config"] == T.PROJECT_T_FP32_DOT_CONFIG  # padding_error_config
+    padded = plans.plan("project_t", layout, dtype, cfg, num_sms=132, variant={"PAD_ERROR": True})[0]
+    assert padded["config"] == configs.PROJECT_T_FP32_DOT_CONFIG  # padding_error_config
 
 
 def test_overlapped_launch_is_charged_its_sm_time():
@@ -135,11 +137,11 @@ def test_step_plan_is_the_hooks_launch_sequence_and_moves_the_floor_bytes():
     steps = [p["step"] for p in plan]
     order = [st for i, st in enumerate(steps) if i == 0 or steps[i - 1] != st]  # a split factor: two launches
     assert order == ["pack", "orthogonalize Q", "project", "orthogonalize P", "project_t", "average", "reconstruct"]
-    assert all(p["kernel"] in T.KERNEL_FUNCTIONS for p in plan)
+    assert all(p["kernel"] in kernels.KERNEL_FUNCTIONS for p in plan)
     by = {p["kernel"]: p for p in plan}
     g = sum(s.numel for s in layout.matrices)
     # the streaming launches move at least the 7-pass floor: 5 passes of bf16 gradients, 2 of float32 error
-    streaming = sum(by[k]["bytes_read"] + by[k]["bytes_written"] for k in T.STREAMING_KERNELS)
+    streaming = sum(by[k]["bytes_read"] + by[k]["bytes_written"] for k in configs.STREAMING_KERNELS)
     assert streaming >= M.floor_bytes(layout, torch.bfloat16) == 5 * 2 * g + 2 * 4 * g
     assert by["project_t"]["programs"] >= 2 * 132 and by["reconstruct"]["programs"] >= 2 * 132
 
@@ -190,7 +192,7 @@ def test_depth_from_pipelining_or_prefetch():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_plan_program_iterations_follow_the_tile_tables(dtype, monkeypatch):
     """The per-program loop trips the model reads are those of the tables the launchers build, in launch order."""
-    monkeypatch.setattr(T._env, "interpreter_enabled", lambda: False)  # the GPU heuristics
+    monkeypatch.setattr(_env, "interpreter_enabled", lambda: False)  # the GPU heuristics
     shapes = [(512, 4608), (512,), (2048, 512), (30, 7000), (4096, 2048), (300, 3)]
     total = sum(torch.Size(s).numel() for s in shapes)
     buf = torch.zeros(total, dtype=dtype)
@@ -200,27 +202,27 @@ def test_plan_program_iterations_follow_the_tile_tables(dtype, monkeypatch):
         grads.append(buf[off : off + n].view(sh))
         off += n
     layout = BucketLayout.from_gradients(buf, grads, 4, 2.0)
-    for kernel in T.STREAMING_KERNELS:
-        launches = T.plan(kernel, layout, dtype, num_sms=132)
+    for kernel in configs.STREAMING_KERNELS:
+        launches = plans.plan(kernel, layout, dtype, num_sms=132)
         cfg, main = launches[0]["config"], launches[0]
         bk = cfg["BLOCK_K"]
         if kernel == "project":  # whole trips of the unrolled loop over a row's columns
-            tiles = layout.tiles("rows", cfg["BLOCK_N"]).tolist()
+            tiles = tables.tiles(layout, "rows", cfg["BLOCK_N"]).tolist()
             trip = main["steps_per_trip"]
             assert trip == (1 if cfg["USE_DOT"] or cfg.get("CARRY") else 1 + cfg.get("PREFETCH", 0))
             want = [-(-layout.matrices[i].m // (bk * trip)) * trip for i, _ in tiles]
         elif kernel == "reconstruct":
-            tiles = layout.reconstruct_tiles(cfg["BLOCK_N"], main["split_cols"]).tolist()
+            tiles = tables.reconstruct_tiles(layout, cfg["BLOCK_N"], main["split_cols"]).tolist()
             trip = main["steps_per_trip"]
             assert trip == (1 if cfg["USE_DOT"] else 1 + cfg.get("PREFETCH", 0))
             want = [-(-(c1 - c0) // (bk * trip)) * trip for _, _, c0, c1 in tiles]
         else:  # the loop runs whole trips of steps_per_trip steps (the last trip's extra steps are masked)
-            R = T.padded_rank(layout.max_rank, cfg["USE_DOT"])
-            tiles, reduce_tiles, _ = layout.project_t_tiles(cfg["BLOCK_M"], main["split_rows"], T.reduce_block_m(cfg, R))
+            R = padded_rank(layout.max_rank, cfg["USE_DOT"])
+            tiles, reduce_tiles, _ = tables.project_t_tiles(layout, cfg["BLOCK_M"], main["split_rows"], projection_t.reduce_block_m(cfg, R))
             trip = main["steps_per_trip"]
             assert trip == (1 if cfg["USE_DOT"] else 1 + cfg.get("PREFETCH", 0))
             want = [-(-(r1 - r0) // (bk * trip)) * trip for _, _, r0, r1, _ in tiles.tolist()]
-            sb = T.reduce_split_block(T.reduce_block_m(cfg, R), R)
+            sb = projection_t.reduce_split_block(projection_t.reduce_block_m(cfg, R), R)
             assert launches[1]["program_iterations"] == [-(-ns // sb) for *_, ns in reduce_tiles.tolist()]
         assert main["program_iterations"] == want and main["programs"] == len(want)
         assert main["programs"] >= 2 * 132  # >= 2 programs per SM of an H100/H200
@@ -229,12 +231,12 @@ def test_plan_program_iterations_follow_the_tile_tables(dtype, monkeypatch):
 @pytest.mark.parametrize("model", ["resnet50", "gpt2", "bert-base"])
 def test_bench_buckets_get_two_programs_per_sm(model, monkeypatch):
     """Every streaming launch of every full 25 MB bucket at ranks 1/4/16, fp32 and bf16: >= 2 programs per SM."""
-    monkeypatch.setattr(T._env, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(_env, "interpreter_enabled", lambda: False)
     for dname in ("fp32", "bf16"):
         for rank in (1, 4, 16):
             for layout in M.model_layouts(model, rank, M.DTYPES[dname]):
                 for launch in M.step_plan(layout, M.DTYPES[dname], num_sms=132):
-                    if launch["kernel"] in T.STREAMING_KERNELS:
+                    if launch["kernel"] in configs.STREAMING_KERNELS:
                         assert launch["programs"] >= 2 * 132, (model, dname, rank, launch["kernel"])
 
 
@@ -291,7 +293,7 @@ def _check_targets(rows):
         assert ortho[key] <= 0.10 * total, (key, ortho[key] / total)
     for r in rows:
         key = (r["model"], r["dtype"], r["rank"], r["kernel"])
-        if r["kernel"] not in T.STREAMING_KERNELS:
+        if r["kernel"] not in configs.STREAMING_KERNELS:
             continue
         assert r["spills"] == 0 and r["programs"] >= 2 * 132, key
         if r["rank"] <= 8:
@@ -319,7 +321,7 @@ def test_sm90_streaming_kernels_reach_60_percent_of_copy_bandwidth(tmp_path):
     work in-thread and have 1 + PREFETCH steps of loads in flight in their SASS; orthogonalization <= 10 % of the
     step."""
     rows = _predicted(tmp_path, ["gpt2,fp32,1,1", "gpt2,bf16,1,1", "gpt2,bf16,4,1"])
-    assert {r["kernel"] for r in rows} >= set(T.STREAMING_KERNELS)
+    assert {r["kernel"] for r in rows} >= set(configs.STREAMING_KERNELS)
     _check_targets(rows)
 
 

@@ -4,7 +4,7 @@ bitwise the same results when each launch runs its programs in reversed or in a 
 any order and at once: a result that depends on their order is a race there.
 
 The fixture is shown to work: the orthogonalization of a short factor split over ``APPLY_ROWS`` programs, run in place
-(the launcher refuses that combination: ``triton_ops._in_place_config``; here that guard is bypassed), reads rows other
+(the launcher refuses that combination: ``orthogonalization._in_place_config``; here that guard is bypassed), reads rows other
 programs already overwrote, and the check fails (``xfail(strict=True)``: the test fails if it ever passes).
 """
 
@@ -21,7 +21,7 @@ from powersgd_triton import ops
 from powersgd_triton.layout import BucketLayout
 
 pytest.importorskip("triton")
-from powersgd_triton.ops import triton_ops  # noqa: E402
+from powersgd_triton.ops import configs, orthogonalization  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -121,11 +121,11 @@ def test_project_t(config, dtype, rng):
 def test_project_t_split_bf16(config, dtype, rng):
     """The split tensor-core path (``SPLIT_BF16``) at rank 8 (R padded to 16), 2-byte gradients: the GPU heuristic's
     config and one over 48-row splits (its fixed-order reduction launch)."""
-    cfg = dict(triton_ops.PROJECT_T_SPLIT_CONFIG)
+    cfg = dict(configs.PROJECT_T_SPLIT_CONFIG)
     if config == "row_split":
         cfg = dict(BLOCK_M=32, BLOCK_K=16, SPLIT_ROWS=48, USE_DOT=True, SPLIT_BF16=True, num_warps=4, num_stages=3)
     buf, layout = _bucket(dtype, rng, rank=8, shapes=[(60, 20), (20, 9), (5, 40), (16,)])
-    assert triton_ops.split_bf16_dot(cfg, dtype)
+    assert configs.split_bf16_dot(cfg, dtype)
     p = _randn(layout.p_numel, rng)
 
     def run():
@@ -200,8 +200,8 @@ def test_orthogonalize(config, which, rng):
 
 
 def _in_place_config_module():
-    """The module whose functions call ``_in_place_config`` (``kernels/triton_ops.py``, or the room it moved to)."""
-    return sys.modules[triton_ops._in_place_config.__module__]
+    """The module whose functions call ``_in_place_config`` (``ops/orthogonalization.py``, or the room it moved to)."""
+    return sys.modules[orthogonalization._in_place_config.__module__]
 
 
 @pytest.mark.xfail(strict=True, raises=OrderDependenceError,
@@ -340,7 +340,7 @@ def test_hook_steps(hook_name, chain, world1, monkeypatch, rng):
     from powersgd_triton.hooks import driver as _step
 
     for kernel, cfg in HOOK_CONFIGS.items():
-        monkeypatch.setitem(triton_ops.INTERPRETER_CONFIGS, kernel, cfg)
+        monkeypatch.setitem(configs.INTERPRETER_CONFIGS, kernel, cfg)
     monkeypatch.setattr(_step, "FORCE_CALLBACK_CHAIN", chain)
     hook = HOOKS[hook_name]
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))

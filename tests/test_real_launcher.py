@@ -3,7 +3,7 @@
 ``cuLaunchKernelEx`` records each launch: function, grid, block, shared memory, stream, attributes and every kernel
 parameter's bytes. The hooks' real launch plans (ResNet-50 buckets shrunk 8x: ``powerSGD_hook`` fp32 and bf16,
 ``batched_powerSGD_hook`` fp32, fp32 with P and Q in bf16 on the wire) launch each kernel twice with the same
-arguments, through ``JITFunction.run`` and through :class:`powersgd_triton.compat.versions.DirectLaunch`'s direct C call:
+arguments, through ``JITFunction.run`` and through :class:`powersgd_triton.ops.launch.DirectLaunch`'s direct C call:
 byte for byte the same launch, and with the direct call's first two arguments swapped, a different one (the check
 can fail). A fresh interpreter per run (``tests/_real_launcher.py``: TRITON_INTERPRET unset, the stub first on
 LD_LIBRARY_PATH); kernels compiled for sm_90 (Triton's disk cache), never run.

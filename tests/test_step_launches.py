@@ -25,10 +25,10 @@ def _bucket(rng):
 @pytest.mark.parametrize("hook", list(HOOKS))
 @pytest.mark.parametrize("error_feedback", [True, False], ids=["ef", "no-ef"])
 def test_device_ops_per_compressed_step(hook, error_feedback, rng, world1, monkeypatch):
-    from powersgd_triton.ops import launch_common
+    from powersgd_triton.ops import launch
 
     # plan as on an H100/H200 (132 SMs: project_t splits tall matrices, a second launch); nothing is executed
-    monkeypatch.setattr(launch_common, "DEFAULT_NUM_SMS", 132)
+    monkeypatch.setattr(launch, "DEFAULT_NUM_SMS", 132)
     bucket = _bucket(rng)
     state = PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2, backend="triton",
                           use_error_feedback=error_feedback, verify="off")  # kernels not run: nothing to verify

@@ -16,7 +16,7 @@ from _dist import FakeBucket, bucket_numel, run_ranks, triton_backend_skip_reaso
 from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
 from powersgd_triton.ops import verify
 from powersgd_triton.autotune.cache import CacheWarning
-from powersgd_triton.ops import triton_ops
+from powersgd_triton.ops import projection, projection_t, reconstruction
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(triton_backend_skip_reason() is not None, reason=str(triton_backend_skip_reason()))]
@@ -58,10 +58,14 @@ def _same(a, b):
     return len(a) == len(b) and all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
 
 
+# the module of each launcher, where the Triton steps look it up (and the tests patch it)
+_LAUNCHERS = {"project": projection, "project_t": projection_t, "reconstruct": reconstruction}
+
+
 def _perturb(name, how="perturb"):
-    """A replacement of ``triton_ops.<name>`` that computes wrong numbers: its first output off by 1 (``perturb``)
+    """A replacement of the launcher ``<name>`` (in its module, :data:`_LAUNCHERS`) that computes wrong numbers: its first output off by 1 (``perturb``)
     or nothing launched at all (``noop``); ``calls`` counts its calls."""
-    real = getattr(triton_ops, name)
+    real = getattr(_LAUNCHERS[name], name)
     calls = []
 
     def wrong(*args, **kwargs):
@@ -157,7 +161,7 @@ def test_wrong_kernel_falls_back_to_torch(world1, monkeypatch, hook_name, kernel
     hook = HOOKS[hook_name]
     want = _steps(_state(backend="torch"), hook, range(6))
     wrong = _perturb(kernel, how)
-    monkeypatch.setattr(triton_ops, kernel, wrong)
+    monkeypatch.setattr(_LAUNCHERS[kernel], kernel, wrong)
     st = _state()
     with pytest.warns(RuntimeWarning) as record:
         got = _steps(st, hook, range(6))
@@ -195,7 +199,7 @@ def _one_rank_wrong_worker(rank, world_size, cache_dir, hook_name):
     hook = HOOKS[hook_name]
     want = _steps(_state(backend="torch"), hook, range(5), rank=rank)
     if rank == 1:
-        triton_ops.reconstruct = _perturb("reconstruct")
+        reconstruction.reconstruct = _perturb("reconstruct")
     st = _state()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -247,7 +251,7 @@ def _layout():
 def test_autotune_show_lists_verdicts(world1, monkeypatch, capsys):
     from powersgd_triton import cli
 
-    monkeypatch.setattr(triton_ops, "reconstruct", _perturb("reconstruct"))
+    monkeypatch.setattr(reconstruction, "reconstruct", _perturb("reconstruct"))
     with pytest.warns(RuntimeWarning):
         _steps(_state(), powerSGD_hook, range(3))
     assert cli.main(["autotune", "--show"]) == 0

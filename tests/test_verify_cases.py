@@ -17,7 +17,7 @@ import torch.distributed as dist
 from _dist import FakeBucket, bucket_numel, run_ranks, triton_backend_skip_reason
 from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from powersgd_triton.ops import verify
-from powersgd_triton.ops import triton_ops
+from powersgd_triton.ops import orthogonalization, projection, projection_t, reconstruction
 from test_verify import _fresh  # noqa: F401 - autouse: a verdict cache of the test's own, forgotten around it
 
 pytestmark = [pytest.mark.timeout(300),
@@ -169,7 +169,7 @@ def _late_uncompressed_worker(rank, world_size, cache_dir, seed):
     inside the checked launch, between the check's copies and its comparison."""
     os.environ["POWERSGD_TRITON_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
     verify.forget()
-    real_all_reduce, real_project = dist.all_reduce, triton_ops.project
+    real_all_reduce, real_project = dist.all_reduce, projection.project
 
     def all_reduce(tensor, *args, async_op=False, **kwargs):
         if async_op and tensor._base is not None:  # the uncompressed range of the bucket
@@ -187,7 +187,7 @@ def _late_uncompressed_worker(rank, world_size, cache_dir, seed):
         return out
 
     project.landed = 0
-    dist.all_reduce, triton_ops.project = all_reduce, project
+    dist.all_reduce, projection.project = all_reduce, project
     buckets = [[(24, 32), (8,), (16, 12)]]  # one uncompressed range: all-reduced in place, in the bucket
     data = [[_grad(buckets[0], seed, step, rank)] for step in range(5)]
     got, msgs = _checked(_state(), powerSGD_hook, buckets, data)
@@ -212,7 +212,7 @@ def test_fault_on_one_bucket_table_is_caught(world1, monkeypatch):
     seed = _seed()
     data = [[_grad(shapes, seed, step) for shapes in buckets] for step in range(5)]
     want = _run(_state(backend="torch"), powerSGD_hook, buckets, data)
-    real = triton_ops.reconstruct
+    real = reconstruction.reconstruct
 
     def wrong(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -221,7 +221,7 @@ def test_fault_on_one_bucket_table_is_caught(world1, monkeypatch):
             args[0][8:16].mul_(3.0)
         return out
 
-    monkeypatch.setattr(triton_ops, "reconstruct", wrong)
+    monkeypatch.setattr(reconstruction, "reconstruct", wrong)
     st = _state()
     got, msgs = _checked(st, powerSGD_hook, buckets, data)
     assert len(msgs) == 1 and "bucket 1" in msgs[0] and "reconstruct" in msgs[0], msgs
@@ -273,18 +273,18 @@ def test_wrong_verdict_checked_again_and_cleared(world1, monkeypatch, capsys):
     buckets = [[(24, 32), (8,), (16, 12), (5,)]]
     seed = _seed()
     data = [[_grad(buckets[0], seed, step)] for step in range(4)]
-    real = triton_ops.project_t
+    real = projection_t.project_t
 
     def wrong(*args, **kwargs):
         out = real(*args, **kwargs)
         args[3].view(-1)[0] += 1.0
         return out
 
-    monkeypatch.setattr(triton_ops, "project_t", wrong)
+    monkeypatch.setattr(projection_t, "project_t", wrong)
     _, msgs = _checked(_state(), powerSGD_hook, buckets, data)
     assert len(msgs) == 1 and "the next run checks again" in msgs[0] and verify.CLEAR_COMMAND in msgs[0]
     # a flaky fault: the next run agrees, the verdict is replaced, the bucket stays on Triton
-    monkeypatch.setattr(triton_ops, "project_t", real)
+    monkeypatch.setattr(projection_t, "project_t", real)
     verify.forget()
     st = _state()
     got, msgs = _checked(st, powerSGD_hook, buckets, data)
@@ -294,7 +294,7 @@ def test_wrong_verdict_checked_again_and_cleared(world1, monkeypatch, capsys):
     assert cli.main(verify.CLEAR_COMMAND.split()[1:]) == 0
     out = capsys.readouterr().out
     assert out.startswith("cleared ") and int(out.split()[1]) >= 5 and not os.path.exists(verify.store().path), out
-    monkeypatch.setattr(triton_ops, "project_t", wrong)
+    monkeypatch.setattr(projection_t, "project_t", wrong)
     for expected in ("the next run checks again", "found wrong in 2 runs"):
         verify.forget()
         _, msgs = _checked(_state(), powerSGD_hook, buckets, data)
@@ -316,7 +316,7 @@ def test_wrong_orthogonalize_is_caught(world1, monkeypatch):
     """Compared by span and Gram matrix instead of element by element, a wrong orthogonalization is still caught:
     one output column scaled (not unit), or two columns mixed (not orthogonal)."""
     buckets = [[(24, 32), (8,), (16, 12), (5,)]]
-    real = triton_ops.orthogonalize
+    real = orthogonalization.orthogonalize
     for how in ("scale", "mix"):
         seed = _seed()
         data = [[_grad(buckets[0], seed, step)] for step in range(4)]
@@ -331,10 +331,10 @@ def test_wrong_orthogonalize_is_caught(world1, monkeypatch):
                 o[:, 2] += 0.5 * o[:, 0]
             return out
 
-        monkeypatch.setattr(triton_ops, "orthogonalize", wrong)
+        monkeypatch.setattr(orthogonalization, "orthogonalize", wrong)
         verify.forget()
         st = _state()
         got, msgs = _checked(st, powerSGD_hook, buckets, data)
-        monkeypatch.setattr(triton_ops, "orthogonalize", real)
+        monkeypatch.setattr(orthogonalization, "orthogonalize", real)
         assert len(msgs) == 1 and "orthogonalize with config" in msgs[0] and "span and Gram" in msgs[0], (how, msgs)
         assert _same(got, want) and st.buckets[0].backend == "torch", (how, seed)

@@ -7,8 +7,8 @@
 compiles what a list of bucket cases launches instead (:func:`plan_jobs`; used by ``bench/gpu_check.py``), one JSON
 line per compilation as it finishes, with :func:`resource_usage` when ``--usage``.
 
-Runs :func:`~powersgd_triton.ops.triton_ops.compile_aot` for each kernel, each config of
-:func:`~powersgd_triton.ops.triton_ops.config_space` at each rank (rank 4 covers the broadcast-multiply path,
+Runs :func:`~tools.aot_compile.compile_aot` for each kernel, each config of
+:func:`~powersgd_triton.ops.configs.config_space` at each rank (rank 4 covers the broadcast-multiply path,
 rank 16 the ``tl.dot`` path; together they cover every config the space offers at any rank) plus the heuristic
 config, and each target ``sm_<arch>``, in a pool of processes. A config fails when Triton/ptxas raises or when its
 shared memory exceeds what one block may use on that target. By default each config is compiled with its kernel's
@@ -136,7 +136,7 @@ def sass_loops(sass: str, trips: int = 16) -> List[dict]:
 
 
 def main_loop(compiled, arch: int) -> Optional[dict]:
-    """:func:`sass_loops` of a kernel compiled by ``triton_ops.compile_aot`` for ``sm_<arch>`` (its cubin through
+    """:func:`sass_loops` of a kernel compiled by ``aot_compile.compile_aot`` for ``sm_<arch>`` (its cubin through
     the ``cuobjdump`` Triton ships), the loop with the most instructions (the streaming loop of the bucket
     kernels); None when the kernel has no loop. Raises ``RuntimeError`` when cuobjdump is missing or fails."""
     tool = _nvidia_tool("cuobjdump", arch)
@@ -154,7 +154,7 @@ def main_loop(compiled, arch: int) -> Optional[dict]:
 
 
 def resource_usage(compiled, arch: int) -> dict:
-    """Registers, spills, shared memory and occupancy of a kernel compiled by ``triton_ops.compile_aot`` (no GPU).
+    """Registers, spills, shared memory and occupancy of a kernel compiled by ``aot_compile.compile_aot`` (no GPU).
 
     ``compiled`` is Triton's ``CompiledKernel`` for ``sm_<arch>`` (``arch`` 80 or 90). Runs ``ptxas -v`` (the one
     Triton ships for that arch) on the kernel's PTX for the register count and the spill bytes, reads the shared
@@ -220,7 +220,7 @@ def jobs(
 
     ``ranks_for`` overrides ``ranks`` per kernel (e.g. ``{"orthogonalize": [4]}``).
     """
-    from powersgd_triton.ops import triton_ops as ops
+    from powersgd_triton.layout import padded_rank
     from tools import aot_compile
     from powersgd_triton.autotune.keys import parse_dtype
     from powersgd_triton.autotune.tuner import KERNELS, candidates
@@ -234,7 +234,7 @@ def jobs(
             for rank in (ranks_for or {}).get(kernel, ranks):
                 configs, _ = candidates(kernel, _FakeLayout(rank), dtype)  # exactly what the tuner times
                 for cfg in configs:
-                    R = ops.padded_rank(rank, cfg.get("USE_DOT", False))
+                    R = padded_rank(rank, cfg.get("USE_DOT", False))
                     for variant in variants:
                         for arch in archs:
                             key = (kernel, json.dumps(cfg, sort_keys=True), R, dname, json.dumps(variant), arch)
@@ -275,16 +275,17 @@ def plan_jobs(cases: Sequence[dict], archs: Sequence[int] = (90,)) -> List[dict]
     """The distinct compilations that launching every kernel on every case needs, most important first.
 
     A case is ``{"label", "dtype" (e.g. "bf16"), "rank", "shapes": [[...], ...], "min_compression_rate"}`` or
-    ``{"label", "dtype", "rank", "batched": true, "numel"}``. Per case and kernel of ``triton_ops.KERNEL_FUNCTIONS``:
+    ``{"label", "dtype", "rank", "batched": true, "numel"}``. Per case and kernel of ``ops.kernels.KERNEL_FUNCTIONS``:
     the config the launcher uses by default (``heuristic_config`` on the case's real layout) and the one the tuner
-    would pick (shipped files / heuristic; no user cache), every feature variant of ``triton_ops.variants`` the
+    would pick (shipped files / heuristic; no user cache), every feature variant of ``aot_compile.variants`` the
     layout launches (the batched view's ``PADDED``/``PAD_ERROR`` variants on batched cases only). Helper
     kernels outside the tuner's list get ``{}``, or, if they need block sizes, those of the first tuned kernel whose
     config compiles them (``reduce_splits`` takes ``project_t``'s). Order: every kernel's first variant on the first
     case, then the other variants, then the other cases; duplicates (same kernel, config, padded rank, dtype, variant,
     arch) once. Must run with ``TRITON_INTERPRET`` unset (else the interpreter's configs are returned).
     """
-    from powersgd_triton.ops import triton_ops as ops
+    from powersgd_triton.ops import configs as _configs, kernels as _kernels
+    from powersgd_triton.layout import padded_rank
     from tools import aot_compile
     from powersgd_triton.autotune.keys import parse_dtype
     from powersgd_triton.autotune.tuner import KERNELS as TUNED, Tuner
@@ -295,9 +296,9 @@ def plan_jobs(cases: Sequence[dict], archs: Sequence[int] = (90,)) -> List[dict]
         layout = _case_layout(case)
         dtype = parse_dtype(case["dtype"])
         configs: Dict[str, List[dict]] = {}
-        for kernel in ops.KERNEL_FUNCTIONS:
+        for kernel in _kernels.KERNEL_FUNCTIONS:
             if kernel in TUNED:
-                cands = [dict(ops.heuristic_config(kernel, layout, dtype))]
+                cands = [dict(_configs.heuristic_config(kernel, layout, dtype))]
                 try:
                     chosen = dict(tuner.choose(kernel, layout, dtype).config)
                 except Exception:  # noqa: BLE001 - no tuner view of this layout: the heuristic alone
@@ -305,7 +306,7 @@ def plan_jobs(cases: Sequence[dict], archs: Sequence[int] = (90,)) -> List[dict]
                 if chosen not in cands:
                     cands.append(chosen)
                 configs[kernel] = cands
-        for kernel in ops.KERNEL_FUNCTIONS:
+        for kernel in _kernels.KERNEL_FUNCTIONS:
             if kernel in TUNED:
                 cfgs = configs[kernel]
             elif kernel == "orthogonalize_gram" and "orthogonalize" in configs:  # orthogonalize's first launch
@@ -318,7 +319,7 @@ def plan_jobs(cases: Sequence[dict], archs: Sequence[int] = (90,)) -> List[dict]
             for vi, variant in enumerate(launched):
                 for cfg in cfgs:
                     try:
-                        R = ops.padded_rank(layout.max_rank, bool(cfg.get("USE_DOT", False)))
+                        R = padded_rank(layout.max_rank, bool(cfg.get("USE_DOT", False)))
                     except Exception:  # noqa: BLE001
                         R = layout.max_rank
                     for arch in archs:
@@ -340,7 +341,6 @@ def compile_one(job: dict, usage: bool = False) -> dict:
     """Compile one job; returns it with ``ok``, ``error``, ``shared`` (bytes), ``seconds`` and, with ``usage``,
     ``usage`` (:func:`resource_usage`, or ``usage_error``). A job with ``fallback_configs`` (a helper kernel) is
     retried with each of them when its own config lacks a block size the kernel needs (``KeyError``)."""
-    from powersgd_triton.ops import triton_ops as ops
     from tools import aot_compile
     from powersgd_triton.autotune.keys import parse_dtype
 

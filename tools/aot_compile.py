@@ -13,16 +13,14 @@ import triton
 
 from powersgd_triton.compat import env as _env
 from powersgd_triton.layout import COLS, Q_OFF, padded_rank
-from powersgd_triton.ops.launch_common import _launch_options, _tile_key, factor_columns
-from powersgd_triton.ops.lowrank_configs import padding_error_config
-from powersgd_triton.ops.lowrank_launch import reduce_block_m, reduce_split_block
-from powersgd_triton.ops.lowrank_mm import _project_kernel, _project_t_kernel, _reduce_splits_kernel
-from powersgd_triton.ops.ortho_configs import _ortho_constexprs
-from powersgd_triton.ops.orthogonalization import _commit_factor_kernel, _ortho_gram_kernel, _orthogonalize_kernel
+from powersgd_triton.ops.configs import _ortho_constexprs, _tile_key, padding_error_config
+from powersgd_triton.ops.kernels import KERNEL_FUNCTIONS
+from powersgd_triton.ops.launch import _launch_options, factor_columns
+from powersgd_triton.ops.orthogonalization import _ortho_gram_kernel, _orthogonalize_kernel
+from powersgd_triton.ops.projection import _project_kernel
+from powersgd_triton.ops.projection_t import _project_t_kernel, _reduce_splits_kernel, reduce_block_m, reduce_split_block
 from powersgd_triton.ops.reconstruction import _reconstruct_kernel
-from powersgd_triton.ops.segments import _average_kernel, _copy_segments_kernel
-from powersgd_triton.ops.segments_launch import AVERAGE_BLOCK, SEGMENT_BLOCK
-from powersgd_triton.ops.triton_ops import KERNEL_FUNCTIONS
+from powersgd_triton.ops.segments import AVERAGE_BLOCK, SEGMENT_BLOCK, _average_kernel, _commit_factor_kernel, _copy_segments_kernel
 
 
 

@@ -118,10 +118,10 @@ def _assign(items, n):
 
 def _jit_binaries():
     """``{(kernel name, hash): compiled kernel}`` of everything Triton's JIT compiled (or loaded) in this process."""
-    from powersgd_triton.ops import triton_ops as T
+    from powersgd_triton.ops import kernels
 
     out = {}
-    for name, fn in T.KERNEL_FUNCTIONS.items():
+    for name, fn in kernels.KERNEL_FUNCTIONS.items():
         jit = fn if hasattr(fn, "device_caches") else getattr(fn, "fn", None)  # a JITFunction, maybe wrapped
         for caches in getattr(jit, "device_caches", {}).values():
             for k in list(caches[0].values()):
@@ -132,9 +132,9 @@ def _jit_binaries():
 
 def _describe(name, k):
     """Constexprs, gradient dtype, warps/stages of a JIT-compiled binary (best effort across Triton versions)."""
-    from powersgd_triton.ops import triton_ops as T
+    from powersgd_triton.ops import kernels
 
-    fn = T.KERNEL_FUNCTIONS[name]
+    fn = kernels.KERNEL_FUNCTIONS[name]
     names = list(getattr(fn, "arg_names", []))
 
     def arg(key):

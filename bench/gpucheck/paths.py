@@ -48,14 +48,14 @@ CASES = [("project_t split-bf16", BF16, 8), ("project_t split-bf16", F16, 16), (
 
 
 def gpu_config(kernel: str, layout, dtype) -> dict:
-    """The GPU heuristic's config for ``kernel`` on ``layout`` (:func:`triton_ops.heuristic_config` as on a GPU, also
+    """The GPU heuristic's config for ``kernel`` on ``layout`` (:func:`configs.heuristic_config` as on a GPU, also
     under the interpreter)."""
-    from powersgd_triton.ops import triton_ops as T
+    from powersgd_triton.ops import configs
 
     saved = _env.interpreter_enabled
     _env.interpreter_enabled = lambda: False
     try:
-        return T.heuristic_config(kernel, layout, dtype)
+        return configs.heuristic_config(kernel, layout, dtype)
     finally:
         _env.interpreter_enabled = saved
 
@@ -68,7 +68,7 @@ def case_shapes(case: str, rank: int):
 
 
 def check_path(case: str, dtype, rank: int, gen) -> dict:
-    from powersgd_triton.ops import triton_ops as T
+    from powersgd_triton.ops import configs, orthogonalization
 
     f64 = torch.float64
     nan = float("nan")
@@ -82,7 +82,7 @@ def check_path(case: str, dtype, rank: int, gen) -> dict:
     checks, path = {}, {}
     if case.startswith("project_t"):
         cfg = gpu_config("project_t", lay, dtype)
-        path["SPLIT_BF16"] = T.split_bf16_dot(cfg, dtype)
+        path["SPLIT_BF16"] = configs.split_bf16_dot(cfg, dtype)
         out = torch.full_like(q, nan)
         ops.project_t(buf, lay, p, out, backend="triton", config=cfg)
         sync()
@@ -115,7 +115,7 @@ def check_path(case: str, dtype, rank: int, gen) -> dict:
             cfg = dict(cfg, **DRY_ORTHO[which])
         x = p if which == "p" else q
         in_place = which == "p"
-        plan = T.orthogonalize_plan(lay, which, cfg, in_place=in_place)
+        plan = orthogonalization.orthogonalize_plan(lay, which, cfg, in_place=in_place)
         names = [d["kernel"] for d in plan]
         if which == "p":
             path["float64 Gram launch"] = "orthogonalize_gram" in names

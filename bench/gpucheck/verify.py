@@ -77,7 +77,7 @@ def section_verify():
         skip("verify: the first-use check", "PowerSGDState takes no `verify` argument in this checkout (issue 24 "
              "item 2 not merged)")
         return
-    from powersgd_triton.ops import triton_ops as T
+    from powersgd_triton.ops import projection_t
 
     _pg_backend()
     gen = generator()
@@ -85,7 +85,7 @@ def section_verify():
              for shapes in BUCKETS] for _ in range(STEPS)]
     rows = sec.setdefault("cases", [])
     want = _run("torch", data)
-    original = T.project_t
+    original = projection_t.project_t
 
     def wrong_project_t(buffer, layout, p, q, *args, **kwargs):
         original(buffer, layout, p, q, *args, **kwargs)
@@ -99,7 +99,7 @@ def section_verify():
             os.environ["POWERSGD_TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpu_check_verify_")
             _forget()
             if case != "correct":
-                T.project_t = wrong_project_t
+                projection_t.project_t = wrong_project_t
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 got = _run("triton", data, verify="first")
@@ -108,7 +108,7 @@ def section_verify():
             rows.append(dict(case=case, ok=False, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             continue
         finally:
-            T.project_t = original
+            projection_t.project_t = original
             if saved_dir is None:
                 os.environ.pop("POWERSGD_TRITON_CACHE_DIR", None)
             else:

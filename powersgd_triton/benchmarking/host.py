@@ -160,10 +160,10 @@ def fake_gpu():
     from triton.runtime import driver
 
     from powersgd_triton.state import powersgd_state as state_module
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import launch as _launch
 
     fake = FakeDriver()
-    sms_globals = triton_ops.device_sms.__globals__
+    sms_globals = _launch.device_sms.__globals__
     saved = (driver._active, _env.triton_can_run, sms_globals["DEFAULT_NUM_SMS"], state_module.triton_unusable_reason)
     driver.set_active(fake)
     _env.triton_can_run = lambda device: True
@@ -317,10 +317,10 @@ def host_overhead(model: str, rank: int, dtype="fp32", *, rounds: int = 30, shri
 
 
 def launch_call_us(reps: int = 400) -> float:
-    """Host time of one launch through its launch plan: ``triton_ops.project`` (error feedback) on ResNet-50's
-    second bucket at rank 4, fp32 (plan lookup, :class:`~powersgd_triton.compat.versions.DirectLaunch`, the stubbed C
+    """Host time of one launch through its launch plan: ``projection.project`` (error feedback) on ResNet-50's
+    second bucket at rank 4, fp32 (plan lookup, :class:`~powersgd_triton.ops.launch.DirectLaunch`, the stubbed C
     launch), median in microseconds. Call inside :func:`fake_gpu`."""
-    from powersgd_triton.ops import triton_ops
+    from powersgd_triton.ops import projection
     from powersgd_triton.layout import BucketLayout
 
     bucket = _buckets(model_bucket_shapes("resnet50", torch.float32)[1:2], torch.float32)[0]
@@ -328,14 +328,14 @@ def launch_call_us(reps: int = 400) -> float:
     q, p, e = torch.randn(layout.q_numel), torch.empty(layout.p_numel), torch.zeros(layout.e_numel)
     buf = bucket.buffer()
     for _ in range(3):
-        triton_ops.project(buf, layout, q, p, e)
+        projection.project(buf, layout, q, p, e)
     from triton.runtime import driver
 
     driver.active.utils.set_counting(False)  # the C no-op launch, as timed in host_overhead
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        triton_ops.project(buf, layout, q, p, e)
+        projection.project(buf, layout, q, p, e)
         times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
 
@@ -406,7 +406,7 @@ def _run(models, ranks, dtypes, rounds, shrink, history, record) -> int:
           f"torch {env['torch']}, triton {triton.__version__}; fake sm_{FAKE_ARCH} GPU ({FAKE_SMS} SMs); process "
           f"group {pg}; {rounds} rounds, the two hooks interleaved; medians per bucket\n{STUBBED}\ncollective call "
           f"(gloo all_reduce of 1 element + get_future + wait, world 1): {coll:.1f} us; one launch through its "
-          f"launch plan (triton_ops.project, ResNet-50 bucket 1): {launch:.1f} us\n")
+          f"launch plan (projection.project, ResNet-50 bucket 1): {launch:.1f} us\n")
     for r in rows:
         for k in ("ours_us", "pytorch_us"):
             r[k + "_h"] = f"{r[k]:.0f}"

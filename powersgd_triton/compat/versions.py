@@ -15,7 +15,7 @@ floors in ``pyproject.toml`` (``torch>=2.8``, ``triton>=3.4``) are the tested mi
 | smallest inner dimension ``K`` of ``tl.dot`` on NVIDIA (float64: 16 in triton 3.6, 4 in 3.9) | triton 3.7-3.9 | :func:`dot_min_k` (the orthogonalization kernel's float64 products broadcast below it) |
 | float64 operands of ``tl.dot`` (the orthogonalization kernel's Gram and products) | after triton 3.4 (3.6 has them) | :func:`dot_float64_supported` (without: broadcast and sum) |
 | ``FSDPModule.set_all_reduce_hook`` (FSDP2 over the replicate group of HSDP) | torch 2.7 | :func:`fsdp_all_reduce_hook_missing` |
-| ``JITFunction.run``'s last call, ``kernel.run(grid, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)`` (the launch of a compiled kernel, bypassing the binding) | read in triton 3.6.0, 3.8.0 and 3.9.0 (``runtime/jit.py``): the same call | :class:`DirectLaunch` (other versions: the JIT call) |
+| ``JITFunction.run``'s last call, ``kernel.run(grid, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)`` (the launch of a compiled kernel, bypassing the binding) | read in triton 3.6.0, 3.8.0 and 3.9.0 (``runtime/jit.py``): the same call | :data:`DIRECT_LAUNCH_TRITON`, :func:`_direct_launch_supported`, :func:`_c_launch` (the gate of :class:`powersgd_triton.ops.launch.DirectLaunch`; other versions: the JIT call) |
 | FSDP2's parameter groups per module: ``FSDPState._fsdp_param_groups`` (a list) | after torch 2.11 (2.8-2.11: one ``_fsdp_param_group``) | :func:`fsdp_param_groups` |
 | a custom gradient divide factor: ``FSDPParamGroup.gradient_divide_factor`` | torch 2.8 (2.7: ``reduce_scatter_reduce_op``) | :func:`fsdp_divide_factor_set` |
 | ``FSDPModule.set_reduce_scatter_unused_params`` (zero gradients for unused parameters) | after torch 2.11 | :func:`fsdp_unused_params_option` |
@@ -170,7 +170,7 @@ _direct_state = {}
 
 
 def _direct_launch_supported() -> bool:
-    """Whether :class:`DirectLaunch` may call compiled kernels itself here: a triton of
+    """Whether :class:`~powersgd_triton.ops.launch.DirectLaunch` may call compiled kernels itself here: a triton of
     :data:`DIRECT_LAUNCH_TRITON` whose launch hooks are hook chains (decided once per process, when
     ``JITFunction.run`` is Triton's own: not while a launch counter or a profiler has replaced it)."""
     ok = _direct_state.get("ok")
@@ -191,10 +191,6 @@ def _direct_launch_supported() -> bool:
             ok = False
         _direct_state["ok"] = ok
     return ok
-
-
-# Tests set this to False to launch every kernel through JITFunction.run (the JIT path DirectLaunch replaces).
-DIRECT_LAUNCH = True
 
 
 def _c_launch_v39(launcher, g, stream, function, packed, args):
@@ -231,103 +227,6 @@ def _c_launch(launcher):
         return None
     return fn
 
-
-class DirectLaunch:
-    """One kernel launch of a ``@triton.jit`` function with a fixed grid and fixed keyword arguments (constexprs and
-    launch options), called with the positional (runtime) arguments: ``launch(*args)``.
-
-    The first call, and any call where the direct path does not apply, is the JIT call ``fn[grid](*args,
-    **kwargs)`` (binding, cache key, compile on a miss). It keeps the compiled kernel it returns and the
-    specialization-relevant facts of ``args`` (their number; per tensor: its dtype and ``data_ptr() % 16 == 0``;
-    every other argument's type and value, compared by ``==``, None by identity). A later call with the same facts
-    calls the compiled kernel itself, as ``JITFunction.run`` ends (triton 3.6, 3.8 and 3.9,
-    :data:`DIRECT_LAUNCH_TRITON`):
-    ``kernel.run(grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)`` on
-    the current stream of the device the kernel was launched on first, the constexprs in parameter order; where
-    that launcher is Triton's NVIDIA ``CudaLauncher`` with no scratch memory, the C ``launch`` it forwards to,
-    with the arguments its ``__call__`` passes (:data:`_C_LAUNCH`, per version). It falls back to the JIT call
-    (which sees everything as usual) when: Triton is another version, ``fn`` is not a ``JITFunction`` (the
-    interpreter), ``JITFunction.run`` has been replaced (a launch counter, a profiler), a launch enter/exit hook
-    is set (``triton.knobs.runtime``), :data:`DIRECT_LAUNCH` is False, or the facts changed. Not checked on the
-    direct path: Triton's "used global values have not changed" test (our kernels' globals are constants).
-    Raises whatever the JIT call raises (a missing argument, a compile error).
-    """
-
-    __slots__ = ("fn", "grid", "kwargs", "tail", "kernel", "facts", "stream", "device", "g", "run", "c_launch")
-
-    def __init__(self, fn, grid, kwargs: dict):
-        self.fn, self.grid, self.kwargs = fn, tuple(grid), dict(kwargs)
-        self.g = (self.grid + (1, 1))[:3]
-        self.kernel = None
-        self.facts = None
-        self.tail = None
-        self.c_launch = None
-
-    @staticmethod
-    def _facts(args) -> tuple:
-        out = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                out.append((a.dtype, a.data_ptr() % 16 == 0))
-            else:
-                out.append(a)
-        return tuple(out)
-
-    def __call__(self, *args) -> None:
-        kernel = self.kernel
-        if kernel is not None and DIRECT_LAUNCH and len(args) == len(self.facts):
-            facts = self.facts
-            i = 0
-            for a in args:  # the specialization facts, inline (no Python call per argument)
-                f = facts[i]
-                if type(f) is tuple:  # a tensor: (dtype, 16-byte aligned)
-                    if (not isinstance(a, torch.Tensor) or a.dtype is not f[0]
-                            or (a.data_ptr() % 16 == 0) is not f[1]):
-                        break
-                elif a is not f and (type(a) is not type(f) or a != f):
-                    break
-                i += 1
-            else:
-                run = _direct_state
-                enter, exit_ = run["hooks"]
-                if run["cls"].run is run["run"] and not enter.calls and not exit_.calls:
-                    g = self.g
-                    if self.c_launch is not None:
-                        self.c_launch(self.run, g, self.stream(self.device), kernel.function, kernel.packed_metadata,
-                                      args + self.tail)
-                    else:
-                        self.run(g[0], g[1], g[2], self.stream(self.device), kernel.function,
-                                 kernel.packed_metadata, None, None, None, *args, *self.tail)
-                    return
-        self._jit(args)
-
-    def _jit(self, args) -> None:
-        kernel = self.fn[self.grid](*args, **self.kwargs)
-        if not DIRECT_LAUNCH or not _direct_launch_supported() or type(self.fn) is not _direct_state.get("cls"):
-            return
-        if hasattr(kernel, "result"):  # an async compile's future (triton 3.6 / 3.9)
-            kernel = kernel.result()
-        if kernel is None or not hasattr(kernel, "packed_metadata"):
-            return
-        from triton.runtime import driver
-
-        params = list(self.fn.signature.parameters.values())
-        tail = []
-        for p in params[len(args):]:  # the bound values after the positional ones, in parameter order
-            if p.name in self.kwargs:
-                tail.append(self.kwargs[p.name])
-            elif p.default is not inspect.Parameter.empty:
-                tail.append(p.default)
-            else:  # pragma: no cover - the JIT call above raised already
-                return
-        active = driver.active
-        self.device = active.get_current_device()
-        self.stream = active.get_current_stream
-        self.tail = tuple(tail)
-        self.facts = self._facts(args)
-        self.run = kernel.run  # the launcher (CompiledKernel.run is a property: made once, then kept)
-        self.c_launch = _c_launch(self.run)
-        self.kernel = kernel
 
 
 def fsdp_param_groups(fsdp_state) -> list:

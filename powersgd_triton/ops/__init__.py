@@ -78,11 +78,13 @@ _KERNELS = []
 
 
 def _kernels():
-    """:mod:`powersgd_triton.ops.triton_ops`, imported on first use (triton is optional on CPU)."""
+    """This package with its Triton step modules (``projection``, ``projection_t``, ``orthogonalization``,
+    ``reconstruction``, ``segments``) imported, on first use (triton is optional on CPU)."""
     if not _KERNELS:
-        from powersgd_triton.ops import triton_ops
+        from powersgd_triton import ops
+        from powersgd_triton.ops import orthogonalization, projection, projection_t, reconstruction, segments  # noqa: F401
 
-        _KERNELS.append(triton_ops)
+        _KERNELS.append(ops)
     return _KERNELS[0]
 
 
@@ -107,7 +109,7 @@ def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_sca
     if layout.num_matrices == 0:
         return
     if resolve_backend(backend, buffer) == "triton":
-        _kernels().project(buffer, layout, q, p, error, p2=p2, loss_scale=loss_scale, config=config)
+        _kernels().projection.project(buffer, layout, q, p, error, p2=p2, loss_scale=loss_scale, config=config)
     else:
         reference.project(buffer, layout, q, p, error, compute_dtype=_compute_dtype(buffer), loss_scale=loss_scale)
         if p2 is not None:
@@ -138,7 +140,7 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float = 0.0, out
     if layout.num_matrices == 0:
         return out
     if resolve_backend(backend, x) == "triton":
-        _kernels().orthogonalize(x, layout, which, float(epsilon), out, config=config)
+        _kernels().orthogonalization.orthogonalize(x, layout, which, float(epsilon), out, config=config)
     else:
         # float64 for every factor dtype (as the Triton kernel's Gram): products of float32 values are exact there
         reference.orthogonalize(x, layout, which, float(epsilon), out, compute_dtype=torch.float64)
@@ -165,7 +167,7 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_s
     if layout.num_matrices == 0:
         return
     if resolve_backend(backend, buffer) == "triton":
-        _kernels().project_t(buffer, layout, p, q, error=error, q2=q2, loss_scale=loss_scale, config=config)
+        _kernels().projection_t.project_t(buffer, layout, p, q, error=error, q2=q2, loss_scale=loss_scale, config=config)
     else:
         reference.project_t(buffer, layout, p, q, error=error, compute_dtype=_compute_dtype(buffer),
                             loss_scale=loss_scale)
@@ -250,7 +252,7 @@ def reconstruct(
             flag_tensor, first = flags.flags, flags.first
         else:
             flag_tensor, first = flags, None
-        _kernels().reconstruct(
+        _kernels().reconstruction.reconstruct(
             buffer, layout, p, q, float(scale), error, flag_tensor, local_p=local_p, local_q=local_q,
             commit=commit, first=first, loss_scale=loss_scale, config=config,
         )
@@ -348,7 +350,7 @@ def average(factor, layout: BucketLayout, which: str, buffer, unc=None, world_si
     elif len(layout.uncompressed) > 1:
         raise ValueError("the uncompressed gradients lie in several ranges of the bucket: pass them packed (unc)")
     if resolve_backend(backend, buffer) == "triton":
-        flags, first = _kernels().average(factor, layout, which, buffer, unc, world_size, out)
+        flags, first = _kernels().segments.average(factor, layout, which, buffer, unc, world_size, out)
         return StepFlags(which, flags=flags, first=first)
     if out is not None and out is not factor:
         factor = out.copy_(factor)  # exact for a 2-byte factor into float32: then divided in place
@@ -373,7 +375,7 @@ def pack_uncompressed(buffer, layout: BucketLayout, dst, *, backend: str = "auto
     if layout.uncompressed_numel == 0:
         return
     if resolve_backend(backend, buffer) == "triton":
-        _kernels().copy_segments(buffer, dst, layout, to_packed=True)
+        _kernels().segments.copy_segments(buffer, dst, layout, to_packed=True)
     else:
         index = layout.uncompressed_index()
         if index is None:
@@ -393,7 +395,7 @@ def unpack_uncompressed(src, layout: BucketLayout, buffer, scale: float = 1.0, *
     if layout.uncompressed_numel == 0:
         return
     if resolve_backend(backend, buffer) == "triton":
-        _kernels().copy_segments(src, buffer, layout, to_packed=False, scale=scale)
+        _kernels().segments.copy_segments(src, buffer, layout, to_packed=False, scale=scale)
     else:
         reference.unpack_uncompressed(buffer, layout, src * scale if scale != 1.0 else src)
 
@@ -415,6 +417,6 @@ def commit_factor(new, kept, layout: BucketLayout, which: str, ok, *, backend: s
     if layout.num_matrices == 0:
         return
     if resolve_backend(backend, kept) == "triton":
-        _kernels().commit_factor(new, kept, layout, which, ok)
+        _kernels().segments.commit_factor(new, kept, layout, which, ok)
     else:
         reference.commit_factor(new, kept, layout, which, ok)

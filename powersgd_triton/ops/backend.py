@@ -24,9 +24,9 @@ BACKENDS = ("auto", "triton", "torch")
 
 @functools.lru_cache(maxsize=None)
 def _kernel_import_error() -> Optional[str]:
-    """Why ``powersgd_triton.ops.triton_ops`` cannot be imported; None when it can (checked once per process)."""
+    """Why ``powersgd_triton.ops.kernels`` cannot be imported; None when it can (checked once per process)."""
     try:
-        from powersgd_triton.ops import triton_ops  # noqa: F401
+        from powersgd_triton.ops import kernels  # noqa: F401
     except ImportError as exc:
         return str(exc) or type(exc).__name__
     return None
@@ -58,7 +58,7 @@ def device_backend(backend: str, device: torch.device) -> str:
             f"backend='triton' cannot run on {device} tensors here: " + _env.triton_unavailable_reason(device)
         )
     if not have_kernels:
-        raise RuntimeError("backend='triton': powersgd_triton.ops.triton_ops cannot be imported")
+        raise RuntimeError("backend='triton': powersgd_triton.ops.kernels cannot be imported")
     return "triton"
 
 
@@ -92,7 +92,7 @@ def triton_unusable_reason() -> Optional[str]:
         return _env.triton_unavailable_reason(torch.device("cpu"))  # not installed, or older than the tested floor
     error = _kernel_import_error()
     if error is not None:
-        return f"powersgd_triton.ops.triton_ops cannot be imported ({error})"
+        return f"powersgd_triton.ops.kernels cannot be imported ({error})"
     if _env.interpreter_enabled() or torch.backends.cuda.is_built():
         return None
     return (
@@ -160,25 +160,25 @@ class TritonSteps:
 
     def __init__(self, configs: Optional[dict] = None):
         self.configs = configs if configs is not None else {}
-        self.k = _kernels()  # the launchers' module, looked up per call (tests patch a launcher there)
+        self.k = _kernels()  # the ops package: each launcher looked up per call in its step module (tests patch it there)
         self.flags_type = _ops().StepFlags
 
     def project(self, buffer, layout, q, p, error=None, *, p2=None, loss_scale=None) -> None:
-        self.k.project(buffer, layout, q, p, error, p2=p2, loss_scale=loss_scale if error is not None else None,
+        self.k.projection.project(buffer, layout, q, p, error, p2=p2, loss_scale=loss_scale if error is not None else None,
                            config=self.configs.get("project"))
 
     def orthogonalize(self, x, layout, which, epsilon=0.0, out=None):
         out = x if out is None else out
-        self.k.orthogonalize(x, layout, which, float(epsilon), out, config=self.configs.get("orthogonalize"))
+        self.k.orthogonalization.orthogonalize(x, layout, which, float(epsilon), out, config=self.configs.get("orthogonalize"))
         return out
 
     def project_t(self, buffer, layout, p, q, *, error=None, q2=None, loss_scale=None) -> None:
-        self.k.project_t(buffer, layout, p, q, error=error, q2=q2,
+        self.k.projection_t.project_t(buffer, layout, p, q, error=error, q2=q2,
                              loss_scale=loss_scale if error is not None and layout.batched else None,
                              config=self.configs.get("project_t"))
 
     def average(self, factor, layout, which, buffer, unc=None, world_size=1, *, out=None):
-        flags, first = self.k.average(factor, layout, which, buffer, unc, world_size, out)
+        flags, first = self.k.segments.average(factor, layout, which, buffer, unc, world_size, out)
         return self.flags_type(which, flags=flags, first=first)
 
     def reconstruct(self, buffer, layout, p, q, scale=1.0, error=None, update_error=None, *, local_p=None,
@@ -188,23 +188,23 @@ class TritonSteps:
         flags = first = None
         if update_error is not None:
             flags, first = update_error.flags, update_error.first
-        self.k.reconstruct(buffer, layout, p, q, float(scale), error, flags, local_p=local_p, local_q=local_q,
+        self.k.reconstruction.reconstruct(buffer, layout, p, q, float(scale), error, flags, local_p=local_p, local_q=local_q,
                                commit=commit, first=first, loss_scale=loss_scale if error is not None else None,
                                config=self.configs.get("reconstruct"))
         return False
 
     def pack_uncompressed(self, buffer, layout, dst) -> None:
         if layout.uncompressed_numel:
-            self.k.copy_segments(buffer, dst, layout, to_packed=True)
+            self.k.segments.copy_segments(buffer, dst, layout, to_packed=True)
 
     def unpack_uncompressed(self, src, layout, buffer, scale=1.0) -> None:
         if layout.uncompressed_numel:
-            self.k.copy_segments(src, buffer, layout, to_packed=False, scale=scale)
+            self.k.segments.copy_segments(src, buffer, layout, to_packed=False, scale=scale)
 
     def kept_tensors(self, x, layout, which, out):
         """The device tensors :meth:`orthogonalize` of these arguments keeps with the layout across calls (task
         tables, Gram workspace): a caller running it on a side stream records that stream on them."""
-        return self.k.orthogonalize_kept_tensors(x, layout, which, out, config=self.configs.get("orthogonalize"))
+        return self.k.orthogonalization.orthogonalize_kept_tensors(x, layout, which, out, config=self.configs.get("orthogonalize"))
 
 
 def steps_for(backend: str, configs: Optional[dict] = None):

@@ -1,9 +1,9 @@
-"""Helpers shared by the bucket kernels: table columns and reads, M tiles, loop bounds read from device tables,
-rounding stores.
+"""Helpers shared by the bucket kernels: table columns and reads, M tiles (and M + E of project and project_t), loop
+bounds read from device tables, rounding stores.
 
-The columns of the layout table and of the tile tables are named once, in :mod:`powersgd_triton.layout`; the kernels
-use them as the module-level ``tl.constexpr`` globals below (same names: ``RANK``, ``TABLE_WIDTH``, ``RECON_ROW0``,
-...), which Triton folds at compile time exactly like literals, and which its interpreter reads as Python ints.
+The columns of the layout table and of the tile tables are named once, in :mod:`powersgd_triton.ops.tables`; the
+kernels use them as the module-level ``tl.constexpr`` globals below (same names: ``RANK``, ``TABLE_WIDTH``,
+``RECON_ROW0``, ...), which Triton folds at compile time exactly like literals, and which its interpreter reads as Python ints.
 
 ``loop_range``: the iterator of every loop whose bound is read from a device table (``for k0 in loop_range(0, m,
 BLOCK_K)``). Compiled, it is ``tl.range`` (a loop the software pipeliner sees, ``num_stages``). Under Triton's
@@ -16,68 +16,68 @@ from how ``triton.jit`` wrapped a probe function here (the same test Triton make
 import triton
 import triton.language as tl
 
-from powersgd_triton import layout as _layout
+from powersgd_triton.ops import tables as _tables
 
-# The layout table (int64 [L, TABLE_WIDTH], layout.TABLE_COLUMNS).
-TABLE_WIDTH = tl.constexpr(_layout.TABLE_WIDTH)
-OFF = tl.constexpr(_layout.OFF)
-ROWS = tl.constexpr(_layout.ROWS)
-COLS = tl.constexpr(_layout.COLS)
-NUMEL = tl.constexpr(_layout.NUMEL)
-RANK = tl.constexpr(_layout.RANK)
-P_OFF = tl.constexpr(_layout.P_OFF)
-Q_OFF = tl.constexpr(_layout.Q_OFF)
-E_OFF = tl.constexpr(_layout.E_OFF)
-# project's tiles (int32 [T, TILE_WIDTH], layout.TILE_COLUMNS).
-TILE_WIDTH = tl.constexpr(_layout.TILE_WIDTH)
-TILE_MAT = tl.constexpr(_layout.TILE_MAT)
-TILE_FIRST = tl.constexpr(_layout.TILE_FIRST)
-# project_t's tiles (int32 [T, PROJECT_T_TILE_WIDTH], layout.PROJECT_T_TILE_COLUMNS).
-PROJECT_T_TILE_WIDTH = tl.constexpr(_layout.PROJECT_T_TILE_WIDTH)
-PROJECT_T_MAT = tl.constexpr(_layout.PROJECT_T_MAT)
-PROJECT_T_COL0 = tl.constexpr(_layout.PROJECT_T_COL0)
-PROJECT_T_ROW0 = tl.constexpr(_layout.PROJECT_T_ROW0)
-PROJECT_T_ROW_END = tl.constexpr(_layout.PROJECT_T_ROW_END)
-PROJECT_T_WS_OFF = tl.constexpr(_layout.PROJECT_T_WS_OFF)
-# reduce_splits' tiles (int32 [T, REDUCE_TILE_WIDTH], layout.REDUCE_TILE_COLUMNS).
-REDUCE_TILE_WIDTH = tl.constexpr(_layout.REDUCE_TILE_WIDTH)
-REDUCE_MAT = tl.constexpr(_layout.REDUCE_MAT)
-REDUCE_COL0 = tl.constexpr(_layout.REDUCE_COL0)
-REDUCE_WS_OFF = tl.constexpr(_layout.REDUCE_WS_OFF)
-REDUCE_SPLITS = tl.constexpr(_layout.REDUCE_SPLITS)
-# reconstruct's tiles (int32 [T, RECON_TILE_WIDTH], layout.RECON_TILE_COLUMNS).
-RECON_TILE_WIDTH = tl.constexpr(_layout.RECON_TILE_WIDTH)
-RECON_MAT = tl.constexpr(_layout.RECON_MAT)
-RECON_ROW0 = tl.constexpr(_layout.RECON_ROW0)
-RECON_COL0 = tl.constexpr(_layout.RECON_COL0)
-RECON_COL_END = tl.constexpr(_layout.RECON_COL_END)
-# average's tiles (int64 [T, AVERAGE_TILE_WIDTH], layout.AVERAGE_TILE_COLUMNS).
-AVERAGE_TILE_WIDTH = tl.constexpr(_layout.AVERAGE_TILE_WIDTH)
-AVERAGE_MAT = tl.constexpr(_layout.AVERAGE_MAT)
-AVERAGE_SRC = tl.constexpr(_layout.AVERAGE_SRC)
-AVERAGE_DST = tl.constexpr(_layout.AVERAGE_DST)
-AVERAGE_COUNT = tl.constexpr(_layout.AVERAGE_COUNT)
-# orthogonalize's task tables (int64, layout.ORTHO_GRAM_TASK_COLUMNS and layout.ORTHO_TASK_COLUMNS).
-ORTHO_GRAM_TASK_WIDTH = tl.constexpr(_layout.ORTHO_GRAM_TASK_WIDTH)
-GRAM_MAT = tl.constexpr(_layout.GRAM_MAT)
-GRAM_ROW0 = tl.constexpr(_layout.GRAM_ROW0)
-GRAM_SLOT = tl.constexpr(_layout.GRAM_SLOT)
-GRAM_HEAD = tl.constexpr(_layout.GRAM_HEAD)
-GRAM_RM = tl.constexpr(_layout.GRAM_RM)
-GRAM_N = tl.constexpr(_layout.GRAM_N)
-GRAM_R = tl.constexpr(_layout.GRAM_R)
-GRAM_OFF = tl.constexpr(_layout.GRAM_OFF)
-ORTHO_TASK_WIDTH = tl.constexpr(_layout.ORTHO_TASK_WIDTH)
-ORTHO_MAT = tl.constexpr(_layout.ORTHO_MAT)
-ORTHO_ROW0 = tl.constexpr(_layout.ORTHO_ROW0)
-ORTHO_ROW_END = tl.constexpr(_layout.ORTHO_ROW_END)
-ORTHO_SLOT0 = tl.constexpr(_layout.ORTHO_SLOT0)
-ORTHO_SLOTS = tl.constexpr(_layout.ORTHO_SLOTS)
-ORTHO_HEAD = tl.constexpr(_layout.ORTHO_HEAD)
-ORTHO_RM = tl.constexpr(_layout.ORTHO_RM)
-ORTHO_N = tl.constexpr(_layout.ORTHO_N)
-ORTHO_R = tl.constexpr(_layout.ORTHO_R)
-ORTHO_OFF = tl.constexpr(_layout.ORTHO_OFF)
+# The layout table (int64 [L, TABLE_WIDTH], tables.TABLE_COLUMNS: layout.TABLE_COLUMNS).
+TABLE_WIDTH = tl.constexpr(_tables.TABLE_WIDTH)
+OFF = tl.constexpr(_tables.OFF)
+ROWS = tl.constexpr(_tables.ROWS)
+COLS = tl.constexpr(_tables.COLS)
+NUMEL = tl.constexpr(_tables.NUMEL)
+RANK = tl.constexpr(_tables.RANK)
+P_OFF = tl.constexpr(_tables.P_OFF)
+Q_OFF = tl.constexpr(_tables.Q_OFF)
+E_OFF = tl.constexpr(_tables.E_OFF)
+# project's tiles (int32 [T, TILE_WIDTH], tables.TILE_COLUMNS).
+TILE_WIDTH = tl.constexpr(_tables.TILE_WIDTH)
+TILE_MAT = tl.constexpr(_tables.TILE_MAT)
+TILE_FIRST = tl.constexpr(_tables.TILE_FIRST)
+# project_t's tiles (int32 [T, PROJECT_T_TILE_WIDTH], tables.PROJECT_T_TILE_COLUMNS).
+PROJECT_T_TILE_WIDTH = tl.constexpr(_tables.PROJECT_T_TILE_WIDTH)
+PROJECT_T_MAT = tl.constexpr(_tables.PROJECT_T_MAT)
+PROJECT_T_COL0 = tl.constexpr(_tables.PROJECT_T_COL0)
+PROJECT_T_ROW0 = tl.constexpr(_tables.PROJECT_T_ROW0)
+PROJECT_T_ROW_END = tl.constexpr(_tables.PROJECT_T_ROW_END)
+PROJECT_T_WS_OFF = tl.constexpr(_tables.PROJECT_T_WS_OFF)
+# reduce_splits' tiles (int32 [T, REDUCE_TILE_WIDTH], tables.REDUCE_TILE_COLUMNS).
+REDUCE_TILE_WIDTH = tl.constexpr(_tables.REDUCE_TILE_WIDTH)
+REDUCE_MAT = tl.constexpr(_tables.REDUCE_MAT)
+REDUCE_COL0 = tl.constexpr(_tables.REDUCE_COL0)
+REDUCE_WS_OFF = tl.constexpr(_tables.REDUCE_WS_OFF)
+REDUCE_SPLITS = tl.constexpr(_tables.REDUCE_SPLITS)
+# reconstruct's tiles (int32 [T, RECON_TILE_WIDTH], tables.RECON_TILE_COLUMNS).
+RECON_TILE_WIDTH = tl.constexpr(_tables.RECON_TILE_WIDTH)
+RECON_MAT = tl.constexpr(_tables.RECON_MAT)
+RECON_ROW0 = tl.constexpr(_tables.RECON_ROW0)
+RECON_COL0 = tl.constexpr(_tables.RECON_COL0)
+RECON_COL_END = tl.constexpr(_tables.RECON_COL_END)
+# average's tiles (int64 [T, AVERAGE_TILE_WIDTH], tables.AVERAGE_TILE_COLUMNS).
+AVERAGE_TILE_WIDTH = tl.constexpr(_tables.AVERAGE_TILE_WIDTH)
+AVERAGE_MAT = tl.constexpr(_tables.AVERAGE_MAT)
+AVERAGE_SRC = tl.constexpr(_tables.AVERAGE_SRC)
+AVERAGE_DST = tl.constexpr(_tables.AVERAGE_DST)
+AVERAGE_COUNT = tl.constexpr(_tables.AVERAGE_COUNT)
+# orthogonalize's task tables (int64, tables.ORTHO_GRAM_TASK_COLUMNS and tables.ORTHO_TASK_COLUMNS).
+ORTHO_GRAM_TASK_WIDTH = tl.constexpr(_tables.ORTHO_GRAM_TASK_WIDTH)
+GRAM_MAT = tl.constexpr(_tables.GRAM_MAT)
+GRAM_ROW0 = tl.constexpr(_tables.GRAM_ROW0)
+GRAM_SLOT = tl.constexpr(_tables.GRAM_SLOT)
+GRAM_HEAD = tl.constexpr(_tables.GRAM_HEAD)
+GRAM_RM = tl.constexpr(_tables.GRAM_RM)
+GRAM_N = tl.constexpr(_tables.GRAM_N)
+GRAM_R = tl.constexpr(_tables.GRAM_R)
+GRAM_OFF = tl.constexpr(_tables.GRAM_OFF)
+ORTHO_TASK_WIDTH = tl.constexpr(_tables.ORTHO_TASK_WIDTH)
+ORTHO_MAT = tl.constexpr(_tables.ORTHO_MAT)
+ORTHO_ROW0 = tl.constexpr(_tables.ORTHO_ROW0)
+ORTHO_ROW_END = tl.constexpr(_tables.ORTHO_ROW_END)
+ORTHO_SLOT0 = tl.constexpr(_tables.ORTHO_SLOT0)
+ORTHO_SLOTS = tl.constexpr(_tables.ORTHO_SLOTS)
+ORTHO_HEAD = tl.constexpr(_tables.ORTHO_HEAD)
+ORTHO_RM = tl.constexpr(_tables.ORTHO_RM)
+ORTHO_N = tl.constexpr(_tables.ORTHO_N)
+ORTHO_R = tl.constexpr(_tables.ORTHO_R)
+ORTHO_OFF = tl.constexpr(_tables.ORTHO_OFF)
 
 
 @triton.jit
@@ -133,8 +133,8 @@ def _load_m_and_pad_error(m_ptr, e_ptr, rows, row_ok, cols, col_ok, m, numel, PA
     the error memory of its padding: E at the flat indices ``>= numel`` inside the tile, zeros elsewhere (else one
     ``[1, 1]`` zero). As stored (not upcast). Used by reconstruct, for which the padding's ``M + E`` is its error
     memory; project reads the error of the whole matrix instead
-    (:func:`powersgd_triton.ops.lowrank_mm._project_loads`), and project_t masks its wide tiles per row
-    (:func:`powersgd_triton.ops.lowrank_mm._project_t_loads`)."""
+    (:func:`powersgd_triton.ops.projection._project_loads`), and project_t masks its wide tiles per row
+    (:func:`powersgd_triton.ops.projection_t._project_t_loads`)."""
     lin = rows[:, None] * m + cols[None, :]
     inside = row_ok[:, None] & col_ok[None, :]
     x = tl.load(m_ptr + lin, mask=inside & (lin < numel), other=0.0)
@@ -143,6 +143,19 @@ def _load_m_and_pad_error(m_ptr, e_ptr, rows, row_ok, cols, col_ok, m, numel, PA
     else:
         e = tl.zeros((1, 1), dtype=tl.float32)
     return x, e
+
+
+@triton.jit
+def _m_plus_error(x_raw, e_raw, scale, WITH_ERROR: tl.constexpr, LOSS_SCALE: tl.constexpr):
+    """M's tile in float32, plus the error memory's tile with ``WITH_ERROR`` (project: every element's; project_t:
+    the padding's), times the loss scale ``scale`` (loaded once per program) with ``LOSS_SCALE``."""
+    x = x_raw.to(tl.float32)
+    if WITH_ERROR:
+        e = e_raw.to(tl.float32)
+        if LOSS_SCALE:
+            e = e * scale
+        x += e
+    return x
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Occupancy arithmetic of NVIDIA GPUs: how many blocks of a kernel fit on one SM (no GPU, no Triton needed).
 
-Used by the launch plans (:func:`powersgd_triton.ops.lowrank_launch.project_t_programs_per_sm`) and by the
+Used by the launch plans (:func:`powersgd_triton.ops.projection_t.project_t_programs_per_sm`) and by the
 autotuner's compile tools (:func:`tools.aot.resource_usage`, which re-exports these names).
 """
 

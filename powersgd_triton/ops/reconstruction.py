@@ -16,14 +16,25 @@ into the warm-start memory ``kept`` where the step is finite and the matrix's fa
 flags, ``first[mat]:first[mat + 1]``): the programs holding column range 0 write their P rows, those holding row
 block 0 the Q rows of their columns. No atomics; every output element is computed by one program in a fixed order,
 so results are bitwise reproducible.
+
+The launcher :func:`reconstruct` (one launch, its plan built once per layout, config and variant) and the column
+splits :func:`split_cols` (planned from the SM count) live here too; shapes and dtypes are those of
+:func:`powersgd_triton.ops.reconstruct`, configs: :mod:`.configs`.
 """
 
+from typing import Optional
+
+import torch
 import triton
 import triton.language as tl
 
+from powersgd_triton.layout import BucketLayout
+from powersgd_triton.ops import tables as _tables
 from powersgd_triton.ops.common import (
     RECON_COL0, RECON_COL_END, RECON_MAT, RECON_ROW0, RECON_TILE_WIDTH, _cast_for_store, _flags_all, _flags_any_nonzero, _load_m_and_pad_error, _load_matrix_row, loop_range,
 )
+from powersgd_triton.ops.configs import _resolve
+from powersgd_triton.ops.launch import PROGRAMS_PER_SM, DirectLaunch, _factor_rank, _launch_options, device_sms, steps_per_trip
 
 
 @triton.jit
@@ -133,7 +144,7 @@ def _reconstruct_kernel(
     that is not a multiple of (p + 1) x ``BLOCK_K`` columns ends with steps past its end: their loads and stores
     are masked (``c_end``). ``CARRY`` (with ``PREFETCH`` 1) keeps the older form, one step per trip whose next
     tiles are copied into this step's registers: fewer registers (kept where the unrolled loop would cost a block
-    per SM, :data:`powersgd_triton.ops.lowrank_configs.RECONSTRUCT_TILES`)."""
+    per SM, :data:`powersgd_triton.ops.configs.RECONSTRUCT_TILES`)."""
     pid = tl.program_id(0)
     mat = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_MAT).to(tl.int64)
     row0 = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_ROW0).to(tl.int64)
@@ -222,3 +233,86 @@ def _reconstruct_kernel(
             _reconstruct_step(q_c, ql_c, m_c, e_c, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
                               rank_ok, keep, commit_q, k0 + 2 * BLOCK_K, c_end, m, numel, r, scale, HAS_ERROR,
                               LOCAL_ERR, PAD_ERROR, COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+
+
+def _pow2_split(work_per_program: float, align: int, extent: int) -> int:
+    """Largest ``align * 2**k`` <= ``work_per_program`` (at least ``2 * align``: a few loop trips), so that the
+    bucket gets at least the target number of programs; 0 (no split) when that is >= ``extent``."""
+    split = 2 * align
+    while split * 2 <= work_per_program:
+        split *= 2
+    return 0 if split >= extent else split
+
+
+def split_cols(layout: BucketLayout, cfg: dict, num_sms: int) -> int:
+    """Columns per reconstruct program: ``cfg["SPLIT_COLS"]`` if given, else planned like :func:`split_rows`."""
+    if "SPLIT_COLS" in cfg:
+        return int(cfg["SPLIT_COLS"])
+    bn = cfg["BLOCK_N"]
+    tiles = sum(-(-s.n // bn) for s in layout.matrices)
+    target = PROGRAMS_PER_SM * num_sms
+    work = sum(s.m * -(-s.n // bn) for s in layout.matrices)
+    widest = max(s.m for s in layout.matrices)
+    if tiles >= target and widest * tiles <= 2 * work:
+        return 0
+    return _pow2_split(work / target, cfg["BLOCK_K"] * steps_per_trip(cfg), widest)
+
+
+def reconstruct(
+    buffer,
+    layout: BucketLayout,
+    p,
+    q,
+    scale: float,
+    error=None,
+    update_error=None,
+    *,
+    local_p=None,
+    local_q=None,
+    commit=None,
+    first=None,
+    loss_scale=None,
+    config: Optional[dict] = None,
+) -> None:
+    """One launch: ``M_i ← P_i·(scale·Q_i)ᵀ`` and optionally ``E_i ← M_i − P_i·(scale·Q_i)ᵀ`` for all i.
+
+    With ``local_p`` (``local_q``) the error is the local residual ``M_i − P_local·Q_iᵀ`` (``M_i − P_i·Q_localᵀ``).
+    ``update_error``: uint8/bool device flags (all must have bit 0 set for the error update). ``commit``:
+    ``(which, kept)``: also ``kept_i <- p_i`` (``"p"``) or ``q_i`` (``"q"``) where the step is finite and the
+    matrix's flags (``first``, from :func:`powersgd_triton.ops.tables.average_tiles`) say non-zero.
+    ``loss_scale``: one-element float32 ``s``; the error is stored divided by it (unscaled units). Launch plans as
+    :func:`~powersgd_triton.ops.projection.project`'s (the column splits planned once, from the device's SM count).
+    """
+    local_err = 1 if local_p is not None else 2 if local_q is not None else 0
+    local = local_p if local_p is not None else local_q if local_q is not None else p
+    commit_mode, kept = 0, p
+    if commit is not None:
+        which, kept = commit
+        commit_mode = 1 if which == "p" else 2
+    key = ("launch:reconstruct", buffer.dtype, None if config is None else tuple(config.items()), error is not None,
+           update_error is not None, local_err, commit_mode, loss_scale is not None)
+    plan = layout._tiles.get(key)  # the layout's memo (layout.memo), read without a call
+    if plan is None:
+        plan = layout.memo(key, lambda: _reconstruct_launch(layout, buffer.dtype, config, *key[3:]))
+    launch, tiles = plan
+    if update_error is not None:
+        flags = update_error.reshape(-1)
+        if flags.dtype == torch.bool:
+            flags = flags.view(torch.uint8)
+        n_flags = update_error.numel()
+    else:
+        flags, n_flags = p, 0
+    launch(buffer, p, q, local, error if error is not None else p, kept, flags, first if first is not None else tiles,
+           layout.table, tiles, loss_scale if loss_scale is not None else p, n_flags, float(scale))
+
+
+def _reconstruct_launch(layout, dtype, config, has_error, has_flag, local_err, commit_mode, has_ls):
+    cfg = _resolve("reconstruct", layout, dtype, config)
+    split = split_cols(layout, cfg, device_sms(layout.device))
+    tiles = _tables.reconstruct_tiles(layout, cfg["BLOCK_N"], split)
+    R = _factor_rank(layout, cfg)
+    return DirectLaunch(_reconstruct_kernel, (tiles.shape[0],), dict(
+        HAS_ERROR=has_error, HAS_FLAG=has_flag, LOCAL_ERR=local_err, PAD_ERROR=layout.batched and has_error,
+        COMMIT=commit_mode, R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"],
+        PREFETCH=cfg.get("PREFETCH", 0), LOSS_SCALE=has_ls and has_error, CARRY=bool(cfg.get("CARRY", False)),
+        **_launch_options(cfg))), tiles

@@ -1,203 +1,33 @@
-"""Grouped skinny matmuls over a whole bucket: ``P_i = M_i·Q_i`` (project) and ``Q_i = M_iᵀ·P_i`` (project_t).
+"""Transposed projection: ``Q_i = M_iᵀ · P_i`` for every compressed matrix of a bucket (:func:`project_t`: ONE launch
+of :func:`_project_t_kernel`, plus one of :func:`_reduce_splits_kernel` when the plan splits a matrix over rows),
+its row splits (:func:`split_rows`, :func:`project_t_programs_per_sm`) and the reduction's tiles
+(:func:`reduce_block_m`, :func:`reduce_split_block`).
 
-One launch covers every compressed matrix of the bucket. Program ``pid`` reads its tile from a host-built ``int32``
-tile table, then the matrix's row of the ``int64`` layout table (:data:`powersgd_triton.layout.TABLE_COLUMNS`:
-offset, n, m, numel, rank, p_offset, q_offset, e_offset). Ragged shapes are handled by masks; for the batched view,
-flat indices ``>= numel`` are the (never stored) zero padding, whose error memory (``PAD_ERROR``) takes part in the
-products as in PyTorch's batched hook.
-
-Both kernels stream M once and keep the thin factor (``m x r`` or ``n x r``, float32) in cache; they are
-memory-bound for every r we use (arithmetic intensity ≈ 2r / sizeof(M) flop/byte). Loads are upcast to float32 right
-away and accumulation is float32. ``R`` is the bucket's largest rank padded to a power of two; columns ``>= r_i``
-are masked. ``USE_DOT`` picks ``tl.dot`` (fp32 ``ieee``, needs ``R >= 16``; project_t with ``SPLIT_BF16`` on a
-2-byte M: bfloat16 tensor-core dots on exactly split operands, as accurate) or a broadcast multiply: project's
-``[R, rows, k]`` products are accumulated elementwise over the loop and summed over k once after it (no
-cross-thread reduction inside the loop; each thread multiplies the elements it loaded by all R columns of Q in its
-registers); project_t keeps a ``[R, columns]`` accumulator and sums each step's rows inside the thread that loaded
-them (see :func:`_project_t_kernel`). Both unroll their broadcast path's register prefetch (``PREFETCH`` p: p + 1
-register sets, one per step of a loop trip); project's ``CARRY`` form and its ``tl.dot`` path with ``PREFETCH``
-carry the prefetched tiles to the next trip instead (one step in flight).
-
-Tiles: ``project`` has one program per ``BLOCK_N`` rows of a matrix (the sum over the columns stays in the program);
-``project_t`` one per ``BLOCK_M`` columns and row range: a matrix whose rows are split over several programs writes
-partial sums to a float32 workspace, summed in a fixed order by :func:`_reduce_splits_kernel` (no atomics).
+Tables as in :mod:`.projection` (tiles: :func:`powersgd_triton.ops.tables.project_t_tiles`): one program per
+``BLOCK_M`` columns and row range of a matrix. The kernel keeps a ``[R, columns]`` accumulator and sums each step's
+rows inside the thread that loaded them; its broadcast path unrolls the register prefetch (``PREFETCH``). ``USE_DOT``
+picks ``tl.dot`` (fp32 ``ieee``, needs ``R >= 16``; with ``SPLIT_BF16`` on a 2-byte M: bfloat16 tensor-core dots on
+exactly split operands, as accurate). For the batched view (``PADDED``) the zero padding's error memory
+(``PAD_ERROR``) takes part in the product. A matrix whose rows are split over several programs writes float32
+partial sums to a workspace, summed in a fixed order by :func:`_reduce_splits_kernel` (no atomics). Shapes and
+dtypes are those of :func:`powersgd_triton.ops.project_t`; configs: :mod:`.configs`.
 """
+
+from typing import Optional
 
 import triton
 import triton.language as tl
 
+from powersgd_triton.layout import BucketLayout
+from powersgd_triton.ops import tables as _tables
 from powersgd_triton.ops.common import (
-    PROJECT_T_COL0, PROJECT_T_MAT, PROJECT_T_ROW0, PROJECT_T_ROW_END, PROJECT_T_TILE_WIDTH, PROJECT_T_WS_OFF, REDUCE_COL0, REDUCE_MAT, REDUCE_SPLITS, REDUCE_TILE_WIDTH, REDUCE_WS_OFF, TILE_FIRST, TILE_MAT, TILE_WIDTH, _cast_for_store, _dot_bf16_split, _load_matrix_row, loop_range,
+    PROJECT_T_COL0, PROJECT_T_MAT, PROJECT_T_ROW0, PROJECT_T_ROW_END, PROJECT_T_TILE_WIDTH, PROJECT_T_WS_OFF, REDUCE_COL0, REDUCE_MAT, REDUCE_SPLITS, REDUCE_TILE_WIDTH, REDUCE_WS_OFF, _cast_for_store, _dot_bf16_split, _load_matrix_row, _m_plus_error, loop_range,
 )
-
-
-@triton.jit
-def _project_loads(m_ptr, e_ptr, q_ptr, rows, row_ok, ranks, k0, m, numel, r, HAS_ERROR: tl.constexpr,
-                   PAD_ERROR: tl.constexpr, BLOCK_K: tl.constexpr, Q_T: tl.constexpr):
-    """The tiles one project step reads at columns ``k0:k0 + BLOCK_K`` (masked past ``m``): M's ``[rows, k]``,
-    E's (zeros without ``HAS_ERROR``; with ``PAD_ERROR`` also on the padding), Q's ``[k, R]`` (``Q_T``: its
-    transpose ``[R, k]``, the broadcast path's); as stored."""
-    cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-    col_ok = cols < m
-    lin = rows[:, None] * m + cols[None, :]
-    inside = row_ok[:, None] & col_ok[None, :]
-    mask = inside & (lin < numel)
-    x = tl.load(m_ptr + lin, mask=mask, other=0.0)
-    if HAS_ERROR:
-        if PAD_ERROR:
-            e = tl.load(e_ptr + lin, mask=inside, other=0.0)
-        else:
-            e = tl.load(e_ptr + lin, mask=mask, other=0.0)
-    else:
-        e = tl.zeros((1, 1), dtype=tl.float32)
-    if Q_T:  # [R, k]; the rank offsets are not known to be contiguous, so the load keeps the layout of M's tile
-        rank_off = tl.where(ranks < r, ranks, 0)
-        q = tl.load(q_ptr + cols[None, :] * r + rank_off[:, None], mask=col_ok[None, :] & (ranks[:, None] < r),
-                    other=0.0)
-    else:
-        q = tl.load(q_ptr + cols[:, None] * r + ranks[None, :], mask=col_ok[:, None] & (ranks[None, :] < r), other=0.0)
-    return x, e, q
-
-
-@triton.jit
-def _m_plus_error(x_raw, e_raw, scale, WITH_ERROR: tl.constexpr, LOSS_SCALE: tl.constexpr):
-    """M's tile in float32, plus the error memory's tile with ``WITH_ERROR`` (project: every element's; project_t:
-    the padding's), times the loss scale ``scale`` (loaded once per program) with ``LOSS_SCALE``."""
-    x = x_raw.to(tl.float32)
-    if WITH_ERROR:
-        e = e_raw.to(tl.float32)
-        if LOSS_SCALE:
-            e = e * scale
-        x += e
-    return x
-
-
-@triton.jit
-def _project_step(acc, x_raw, e_raw, q_raw, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR: tl.constexpr,
-                  LOSS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
-    """One project step at columns ``k0:k0 + BLOCK_K`` from its loaded tiles (:func:`_project_loads`): M + E
-    (``M + scale·E`` with ``LOSS_SCALE``; stored back into M with ``HAS_ERROR``, masked past ``m`` and ``numel``: a
-    step past the row's end stores nothing) times Q's tile, added to ``acc`` (``tl.dot``: ``[rows, R]``;
-    broadcast: the ``[R, rows, k]`` products elementwise)."""
-    x = _m_plus_error(x_raw, e_raw, scale, HAS_ERROR, LOSS_SCALE)
-    if HAS_ERROR:
-        cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        lin = rows[:, None] * m + cols[None, :]
-        mask = row_ok[:, None] & (cols < m)[None, :] & (lin < numel)
-        tl.store(mp + lin, _cast_for_store(x, mp), mask=mask)
-    q = q_raw.to(tl.float32)
-    if USE_DOT:
-        return acc + tl.dot(x, q, input_precision="ieee")
-    else:
-        return acc + x[None, :, :] * q[:, None, :]
-
-
-@triton.jit
-def _project_kernel(
-    buf_ptr,  # bucket buffer (fp32/fp16/bf16), M_i at buf_ptr + off, row-major n x m
-    q_ptr,  # flat Q (float32), Q_i row-major m x r at q_ptr + q_off
-    p_ptr,  # flat P output, P_i row-major n x r at p_ptr + p_off
-    p2_ptr,  # second P output (HAS_P2: the alternating hook's local copy), same layout
-    e_ptr,  # flat error memory (float32), E_i row-major n x m at e_ptr + e_off (unused unless HAS_ERROR)
-    table_ptr,  # int64 [L, TABLE_WIDTH] layout table
-    tiles_ptr,  # int32 [T, TILE_WIDTH] (TILE_MAT: matrix, TILE_FIRST: first row)
-    ls_ptr,  # float32 [1] loss scale s (LOSS_SCALE: the error memory is unscaled, M + s·E is used)
-    HAS_ERROR: tl.constexpr,
-    PAD_ERROR: tl.constexpr,  # batched view: the padding (flat index >= numel) has error memory too
-    HAS_P2: tl.constexpr,
-    R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,  # 1 (2): the next 1 (2) steps' tiles are loaded before a step's arithmetic
-    LOSS_SCALE: tl.constexpr = False,
-    CARRY: tl.constexpr = False,  # PREFETCH 1 as a loop-carried register copy (one step per trip; see below)
-):
-    """P_i[rows] = (M_i + E_i)[rows] · Q_i for one tile of BLOCK_N rows; writes M_i + E_i back if HAS_ERROR
-    (``M_i + s·E_i`` with LOSS_SCALE).
-
-    ``PREFETCH`` p unrolls the loop over the row's columns p + 1 times, one register set per step: the tiles of the
-    next p steps are loaded before a step is computed, and each loaded register is consumed where it was loaded
-    (a loop-carried copy waits for its loads within the trip: one step of loads in flight). A row that is not a
-    multiple of (p + 1) x ``BLOCK_K`` columns ends with steps past its end: their loads are masked (zeros, so
-    they add exact zeros to the accumulator) and they store nothing. ``CARRY`` (with ``PREFETCH`` 1) keeps the
-    older form, one step per trip whose next tiles are copied into this step's registers; the ``tl.dot`` path
-    takes ``PREFETCH`` in that form too. Every form adds the same products in the same order: the broadcast path
-    accumulates the ``[R, BLOCK_N, BLOCK_K]`` products elementwise, step by step, and sums them over the columns
-    once after the loop (a ``[R, BLOCK_N]`` tile of Pᵀ, stored as is)."""
-    pid = tl.program_id(0)
-    mat = tl.load(tiles_ptr + TILE_WIDTH * pid + TILE_MAT).to(tl.int64)
-    row0 = tl.load(tiles_ptr + TILE_WIDTH * pid + TILE_FIRST).to(tl.int64)
-    off, n, m, numel, r, p_off, q_off, e_off = _load_matrix_row(table_ptr, mat)
-
-    rows = row0 + tl.arange(0, BLOCK_N).to(tl.int64)
-    ranks = tl.arange(0, R)
-    row_ok = rows < n
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_N, R), dtype=tl.float32)
-    else:  # [R, rows, k]: a thread's loaded elements (spread over k) meet all R columns of Q in its registers
-        acc = tl.zeros((R, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    mp = buf_ptr + off  # this matrix's M, error and Q
-    ep = e_ptr + e_off
-    qp = q_ptr + q_off
-    scale = 1.0
-    if LOSS_SCALE:  # loaded once: a load inside the loop would wait a latency per step
-        scale = tl.load(ls_ptr)
-    if CARRY or (USE_DOT and PREFETCH > 0):  # this step's tiles arrived during the last step; the next ones go out
-        x_n, e_n, q_n = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K,
-                                       not USE_DOT)
-        for k0 in loop_range(0, m, BLOCK_K):
-            x_a, e_a, q_a = x_n, e_n, q_n
-            x_n, e_n, q_n = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + BLOCK_K, m, numel, r, HAS_ERROR,
-                                           PAD_ERROR, BLOCK_K, not USE_DOT)
-            acc = _project_step(acc, x_a, e_a, q_a, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR, LOSS_SCALE,
-                                BLOCK_K, USE_DOT)
-    elif PREFETCH == 0:
-        for k0 in loop_range(0, m, BLOCK_K):
-            x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0, m, numel, r, HAS_ERROR, PAD_ERROR,
-                                           BLOCK_K, not USE_DOT)
-            acc = _project_step(acc, x_a, e_a, q_a, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR, LOSS_SCALE,
-                                BLOCK_K, USE_DOT)
-    elif PREFETCH == 1:  # register sets a, b: a's loads go out while b's step is computed, and b's during a's
-        x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K,
-                                       not USE_DOT)
-        for k0 in loop_range(0, m, 2 * BLOCK_K):
-            x_b, e_b, q_b = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + BLOCK_K, m, numel, r, HAS_ERROR,
-                                           PAD_ERROR, BLOCK_K, not USE_DOT)
-            acc = _project_step(acc, x_a, e_a, q_a, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR, LOSS_SCALE,
-                                BLOCK_K, USE_DOT)
-            x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + 2 * BLOCK_K, m, numel, r,
-                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
-            acc = _project_step(acc, x_b, e_b, q_b, mp, scale, rows, row_ok, k0 + BLOCK_K, m, numel, HAS_ERROR,
-                                LOSS_SCALE, BLOCK_K, USE_DOT)
-    else:  # three register sets: two steps' loads in flight while one is computed
-        x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K,
-                                       not USE_DOT)
-        x_b, e_b, q_b = _project_loads(mp, ep, qp, rows, row_ok, ranks, BLOCK_K, m, numel, r, HAS_ERROR, PAD_ERROR,
-                                       BLOCK_K, not USE_DOT)
-        for k0 in loop_range(0, m, 3 * BLOCK_K):
-            x_c, e_c, q_c = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + 2 * BLOCK_K, m, numel, r,
-                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
-            acc = _project_step(acc, x_a, e_a, q_a, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR, LOSS_SCALE,
-                                BLOCK_K, USE_DOT)
-            x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + 3 * BLOCK_K, m, numel, r,
-                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
-            acc = _project_step(acc, x_b, e_b, q_b, mp, scale, rows, row_ok, k0 + BLOCK_K, m, numel, HAS_ERROR,
-                                LOSS_SCALE, BLOCK_K, USE_DOT)
-            x_b, e_b, q_b = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + 4 * BLOCK_K, m, numel, r,
-                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
-            acc = _project_step(acc, x_c, e_c, q_c, mp, scale, rows, row_ok, k0 + 2 * BLOCK_K, m, numel, HAS_ERROR,
-                                LOSS_SCALE, BLOCK_K, USE_DOT)
-    if USE_DOT:
-        p_mask = row_ok[:, None] & (ranks[None, :] < r)
-        local = p_off + rows[:, None] * r + ranks[None, :]
-    else:  # Pᵀ's tile [R, rows], stored as is
-        acc = tl.sum(acc, axis=2)
-        p_mask = row_ok[None, :] & (ranks[:, None] < r)
-        local = p_off + rows[None, :] * r + ranks[:, None]
-    tl.store(p_ptr + local, _cast_for_store(acc, p_ptr), mask=p_mask)
-    if HAS_P2:
-        tl.store(p2_ptr + local, _cast_for_store(acc, p2_ptr), mask=p_mask)
+from powersgd_triton.ops.configs import (
+    PROJECT_T_PROGRAMS_PER_SM, REDUCE_MAX_SPLITS, REDUCE_STEP_ELEMENTS, REDUCE_TILE_ELEMENTS, _resolve, padding_error_config,
+)
+from powersgd_triton.ops.launch import DirectLaunch, _factor_rank, _launch_options, device_sms, steps_per_trip
+from powersgd_triton.ops.occupancy import blocks_per_sm
 
 
 @triton.jit
@@ -408,3 +238,111 @@ def _reduce_splits_kernel(
     tl.store(q_ptr + q_off + local, _cast_for_store(acc, q_ptr), mask=mask)
     if HAS_Q2:
         tl.store(q2_ptr + q_off + local, _cast_for_store(acc, q2_ptr), mask=mask)
+
+
+def project_t_programs_per_sm(cfg: dict) -> int:
+    """Programs per SM project_t's row splits aim at: ``cfg["PROGRAMS_PER_SM"]`` if given, else the blocks of
+    ``num_warps`` warps that fit on one SM at ``cfg["maxnreg"]`` registers per thread (the compile's cap: one round
+    of resident programs), else :data:`PROJECT_T_PROGRAMS_PER_SM`."""
+    if cfg.get("PROGRAMS_PER_SM"):
+        return max(1, int(cfg["PROGRAMS_PER_SM"]))
+    if cfg.get("maxnreg"):
+        return max(1, blocks_per_sm(int(cfg["maxnreg"]), int(cfg.get("num_warps", 4)), 0, 90)["blocks_per_sm"])
+    return PROJECT_T_PROGRAMS_PER_SM
+
+
+def split_rows(layout: BucketLayout, cfg: dict, num_sms: int) -> int:
+    """Rows per project_t program: ``cfg["SPLIT_ROWS"]`` if given, else planned from the SM count (0: no split).
+
+    The target is ``project_t_programs_per_sm(cfg) * num_sms`` programs (one round of resident programs). When the
+    column tiles alone reach it, no split, unless one matrix is much taller than the rest (then rows of about
+    work / target). Else the smallest multiple of one loop trip's rows (``BLOCK_K * steps per trip``) for which the
+    bucket has at most the target: all programs start at once and the longest is as short as the target allows.
+    Cached on the layout per tile width, trip rows and target (it runs at every launch).
+    """
+    if "SPLIT_ROWS" in cfg:
+        return int(cfg["SPLIT_ROWS"])
+    bm = cfg["BLOCK_M"]
+    unit = cfg["BLOCK_K"] * steps_per_trip(cfg)
+    target = project_t_programs_per_sm(cfg) * num_sms
+    return layout.memo(("split_rows", bm, unit, target), lambda: _plan_split_rows(layout, bm, unit, target))
+
+
+def _plan_split_rows(layout: BucketLayout, bm: int, unit: int, target: int) -> int:
+    shapes = [(s.n, -(-s.m // bm)) for s in layout.matrices]
+    tiles = sum(ct for _, ct in shapes)
+    work = sum(n * ct for n, ct in shapes)  # rows walked by all column tiles
+    tallest = max(n for n, _ in shapes)
+    if tiles >= target:
+        if tallest * tiles <= 2 * work:  # enough programs and no matrix much longer than the rest
+            return 0
+        split = -(-int(work / target) // unit) * unit
+        return 0 if split >= tallest else max(unit, split)
+
+    def programs(split: int) -> int:
+        return sum(ct * -(-n // split) for n, ct in shapes)
+
+    lo, hi = 1, -(-tallest // unit)  # in trips; programs(hi * unit) == tiles <= target
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if programs(mid * unit) <= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    split = lo * unit
+    return 0 if split >= tallest else split
+
+
+def reduce_block_m(cfg: dict, R: int) -> int:
+    """Columns per reduce_splits program for project_t's ``cfg`` at padded rank ``R``: ``REDUCE_TILE_ELEMENTS // R``,
+    at most ``BLOCK_M``, at least 1 (a power of two)."""
+    return max(1, min(int(cfg["BLOCK_M"]), REDUCE_TILE_ELEMENTS // R))
+
+
+def reduce_split_block(block_m: int, R: int) -> int:
+    """Partial sums of project_t that ``reduce_splits`` loads per step (all in flight at once): a power of two, at
+    most :data:`REDUCE_MAX_SPLITS`, with ``SPLIT_BLOCK x block_m x R <= REDUCE_STEP_ELEMENTS`` (32 float32 per
+    thread of 4 warps), at least 1."""
+    sb = 1
+    while sb < REDUCE_MAX_SPLITS and 2 * sb * block_m * R <= REDUCE_STEP_ELEMENTS:
+        sb *= 2
+    return sb
+
+
+def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_scale=None,
+              config: Optional[dict] = None) -> None:
+    """``Q_i = M_iᵀ · P_i`` for all i (see :func:`powersgd_triton.ops.project_t`): one launch, plus one for the
+    fixed-order reduction when the plan splits a matrix over rows. ``error``: the batched view's error memory (its
+    padding's part is the padding's M + E); ``q2``: a second copy of Q. Launch plans as :func:`~powersgd_triton.ops.projection.project`'s (the row
+    splits planned once, from the device's SM count)."""
+    pad = layout.batched and error is not None
+    key = ("launch:project_t", buffer.dtype, None if config is None else tuple(config.items()), pad, q2 is not None,
+           loss_scale is not None)
+    plan = layout._tiles.get(key)  # the layout's memo (layout.memo), read without a call
+    if plan is None:
+        plan = layout.memo(key, lambda: _project_t_launch(layout, buffer.dtype, config, *key[3:]))
+    main, tiles, reduce, reduce_tiles, ws = plan
+    q2 = q2 if q2 is not None else q
+    main(buffer, p, q, q2, error if pad else p, ws if ws is not None else p, layout.table, tiles,
+         loss_scale if loss_scale is not None else p)
+    if reduce is not None:
+        reduce(ws, q, q2, layout.table, reduce_tiles)
+
+
+def _project_t_launch(layout, dtype, config, pad, has_q2, has_ls):
+    cfg = padding_error_config(_resolve("project_t", layout, dtype, config), pad)
+    split = split_rows(layout, cfg, device_sms(layout.device))
+    R = _factor_rank(layout, cfg)
+    reduce_bm = reduce_block_m(cfg, R)
+    tiles, reduce_tiles, ws_numel = _tables.project_t_tiles(layout, cfg["BLOCK_M"], split, reduce_bm)
+    ws = layout.workspace(ws_numel) if reduce_tiles is not None else None
+    main = DirectLaunch(_project_t_kernel, (tiles.shape[0],), dict(
+        PAD_ERROR=pad, HAS_Q2=has_q2, R=R, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
+        USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0), LOSS_SCALE=pad and has_ls,
+        PADDED=layout.batched, SPLIT_BF16=bool(cfg.get("SPLIT_BF16", False)), **_launch_options(cfg)))
+    reduce = None
+    if reduce_tiles is not None:
+        reduce = DirectLaunch(_reduce_splits_kernel, (reduce_tiles.shape[0],), dict(
+            HAS_Q2=has_q2, R=R, BLOCK_M=reduce_bm, SPLIT_BLOCK=reduce_split_block(reduce_bm, R), num_warps=4,
+            num_stages=1))
+    return main, tiles, reduce, reduce_tiles, ws
