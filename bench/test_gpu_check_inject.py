@@ -1,7 +1,7 @@
 """The sleep injection of bench/gpu_check.py's ``streams`` section (``bench/gpucheck/inject.py``), on CPU: a world of 1
 gloo with the ``then()`` chain forced (NCCL's schedule) and test doubles for ``torch.cuda._sleep`` and for "the current
 stream is a side stream", on both backends (the Triton backend in the interpreter: its hooks reach orthogonalize
-through ``powersgd_triton.ops.triton_steps``, not ``ops``). The GPU check itself needs CUDA and NCCL (run by
+through ``powersgd_triton.ops.backend.TritonSteps``, not ``ops``). The GPU check itself needs CUDA and NCCL (run by
 ``gpu_check.py``)."""
 
 import sys
@@ -33,7 +33,7 @@ def chain_world(monkeypatch):
     callbacks on gloo's worker thread, the interpreter aborted at exit in 2 of 4 runs: std::system_error "Resource
     deadlock avoided"), the then() chain forced."""
     B.ensure_process_group("gloo")
-    monkeypatch.setattr(_step, "FORCE_CALLBACK_CHAIN", True)
+    monkeypatch.setattr(_step.OPTIONS, "callback_chain", True)
     yield
 
 
@@ -111,7 +111,7 @@ def test_side_stream_orthogonalizations_sleep_first(backend, chain_world, monkey
     """Every orthogonalization the hooks make while ``on_side()`` holds sleeps right before it computes, on both
     backends (the Triton backend's hooks call ``_hook_ops.orthogonalize``, the torch backend's ``ops.orthogonalize``);
     both functions are restored after the block; with the default predicate on CPU (no side streams) none sleeps."""
-    from powersgd_triton.ops import triton_steps as _hook_ops
+    from powersgd_triton.ops.backend import TritonSteps as _hook_ops
 
     events = []
     _kernel_layer(backend, monkeypatch, events)

@@ -3,7 +3,7 @@
 Gloo's ``ProcessGroup`` destructor joins the group's worker threads. A ``then()`` callback of a gloo collective runs on
 one of those threads, and the thread drops the callback (its closure) only after the future the callback completes has
 woken the waiting thread. PyTorch's ``powerSGD_hook`` captures its process group in such closures (ours does on NCCL
-only, where callbacks run on the calling thread, and under the tests' ``_step.FORCE_CALLBACK_CHAIN``). If the caller has
+only, where callbacks run on the calling thread, and under the tests' ``OPTIONS.callback_chain`` of powersgd_triton.hooks.driver). If the caller has
 meanwhile destroyed the group (``dist.destroy_process_group()`` dropping the registry's references) and dropped its
 own, the closure holds the last reference: the destructor then runs on the worker thread, joins that very thread, and
 ``std::thread::join`` throws ``Resource deadlock avoided``: ``std::terminate``, ``Fatal Python error: Aborted``. A busy

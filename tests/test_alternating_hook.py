@@ -434,13 +434,13 @@ def test_all_zero_layer_stays_zero_with_epsilon_0(tmp_path, backend):
 def _chain_worker(rank, world_size):
     outs = {}
     for chain in (False, True):
-        _step.FORCE_CALLBACK_CHAIN = chain
+        _step.OPTIONS.callback_chain = chain
         try:
             state = _state()
             outs[chain] = _run_steps(state, range(6), rank)
             assert state.iter == 6
         finally:
-            _step.FORCE_CALLBACK_CHAIN = None
+            _step.OPTIONS.callback_chain = None
     return all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
 
 

@@ -172,13 +172,13 @@ def _chain_worker(rank, world_size, backend, hook_name):
     hook = HOOKS[hook_name]
     outs = {}
     for chain in (False, True):
-        _step.FORCE_CALLBACK_CHAIN = chain
+        _step.OPTIONS.callback_chain = chain
         try:
             state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, backend=backend)
             outs[chain] = _run_steps(state, hook, range(5), rank)
             assert state.iter == 5
         finally:
-            _step.FORCE_CALLBACK_CHAIN = None
+            _step.OPTIONS.callback_chain = None
     return all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
 
 
@@ -198,7 +198,7 @@ def _ahead_worker(rank, world_size, backend, hook_name):
     shapes = ONE_BUCKET[0][2]
     runs = {}
     for ahead in (True, False):
-        _step.ORTHOGONALIZE_AHEAD = ahead
+        _step.OPTIONS.orthogonalize_ahead = ahead
         try:
             # verify="off": the first-use check's torch replays would be counted among the orthogonalize calls
             state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, backend=backend,
@@ -219,7 +219,7 @@ def _ahead_worker(rank, world_size, backend, hook_name):
             mem = state.buckets[0]
             runs[ahead] = (outs, calls, mem.q.clone(), mem.error.clone())
         finally:
-            _step.ORTHOGONALIZE_AHEAD = True
+            _step.OPTIONS.orthogonalize_ahead = True
     (outs, calls, q, err), (outs0, calls0, q0, err0) = runs[True], runs[False]
     return {"outputs": [torch.equal(a, b) for a, b in zip(outs, outs0)],
             "memory": torch.equal(q, q0) and torch.equal(err, err0), "calls": calls, "calls_inline": calls0}
@@ -252,7 +252,7 @@ def _switch_worker(rank, world_size, backend):
     hooks = [powerSGD_hook] * 4 + [alternating_powerSGD_hook] * 2 + [powerSGD_hook] * 2
     runs = {}
     for ahead in (True, False):
-        _step.ORTHOGONALIZE_AHEAD = ahead
+        _step.OPTIONS.orthogonalize_ahead = ahead
         try:
             state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, backend=backend)
             outs = []
@@ -261,7 +261,7 @@ def _switch_worker(rank, world_size, backend):
                 outs.append(hook(state, FakeBucket(data, shapes)).wait().clone())
             runs[ahead] = outs
         finally:
-            _step.ORTHOGONALIZE_AHEAD = True
+            _step.OPTIONS.orthogonalize_ahead = True
     return [torch.equal(a, b) for a, b in zip(runs[True], runs[False])]
 
 

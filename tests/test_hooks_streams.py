@@ -171,7 +171,7 @@ def _patched(tracker, record: bool):
     """Install the double; returns the undo function."""
     real_all_reduce = dist.all_reduce
     saved = {"all_reduce": real_all_reduce, "keep": getattr(_step, "keep_for_current_stream", None),
-             "chain": _step.FORCE_CALLBACK_CHAIN,
+             "chain": _step.OPTIONS.callback_chain,
              "ops": {n: f for n, f in vars(ops).items() if callable(f) and getattr(f, "__module__", "") == ops.__name__
                      and not n.startswith("_") and not isinstance(f, type)}}
 
@@ -185,7 +185,7 @@ def _patched(tracker, record: bool):
 
     dist.all_reduce = all_reduce
     _step.keep_for_current_stream = keep
-    _step.FORCE_CALLBACK_CHAIN = True
+    _step.OPTIONS.callback_chain = True
     for n, f in saved["ops"].items():
         setattr(ops, n, tracker.wrap_op(n, f))
 
@@ -195,7 +195,7 @@ def _patched(tracker, record: bool):
             del _step.keep_for_current_stream
         else:
             _step.keep_for_current_stream = saved["keep"]
-        _step.FORCE_CALLBACK_CHAIN = saved["chain"]
+        _step.OPTIONS.callback_chain = saved["chain"]
         for n, f in saved["ops"].items():
             setattr(ops, n, f)
 

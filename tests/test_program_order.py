@@ -341,7 +341,7 @@ def test_hook_steps(hook_name, chain, world1, monkeypatch, rng):
 
     for kernel, cfg in HOOK_CONFIGS.items():
         monkeypatch.setitem(configs.INTERPRETER_CONFIGS, kernel, cfg)
-    monkeypatch.setattr(_step, "FORCE_CALLBACK_CHAIN", chain)
+    monkeypatch.setattr(_step.OPTIONS, "callback_chain", chain)
     hook = HOOKS[hook_name]
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
 

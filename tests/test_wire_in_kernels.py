@@ -3,7 +3,7 @@ Triton backend, fp16/bf16 buckets and ``communication_dtype``): ``project`` and 
 nearest even into the buffers they are all-reduced in, P is copied back into float32 for ``orthogonalize``,
 ``average`` divides Q from its buffer into the float32 ``q_work``; no cast before the all-reduces, one copy after.
 
-Oracle: the same hook on the same Triton kernels with ``hooks.WIRE_IN_KERNELS = False`` (float32 factors, cast to
+Oracle: the same hook on the same Triton kernels with ``OPTIONS.wire_in_kernels = False`` (:class:`powersgd_triton.hooks.driver.HookOptions`) (float32 factors, cast to
 the communication dtype before each all-reduce and copied back after it, as the torch backend does), on 3 gloo
 ranks with different gradients (the world size 3 makes the division by it inexact), under the interpreter: every
 step's output and memory (error, P, Q) equal bitwise, an fp16 overflow step included (non-finite there, the memory
@@ -27,7 +27,8 @@ CASES = [("powerSGD_hook", "bfloat16", None), ("powerSGD_hook", "float16", None)
 
 def _worker(rank, world_size):
     import powersgd_triton
-    from powersgd_triton import PowerSGDState, hooks
+    from powersgd_triton import PowerSGDState
+    from powersgd_triton.hooks.driver import OPTIONS
 
     numel = sum(torch.Size(s).numel() for s in SHAPES)
     sent = []
@@ -46,7 +47,7 @@ def _worker(rank, world_size):
             wire = getattr(torch, comm) if comm else dtype
             runs = {}
             for fused in (True, False):
-                hooks.WIRE_IN_KERNELS = fused
+                OPTIONS.wire_in_kernels = fused
                 state = PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
                                       backend="triton", verify="off",
                                       **({"communication_dtype": wire} if comm else {}))
@@ -70,7 +71,7 @@ def _worker(rank, world_size):
                 [(str(d), own) for d, own in f] for f in compressed], wire=str(wire))
     finally:
         dist.all_reduce = plain
-        hooks.WIRE_IN_KERNELS = True
+        OPTIONS.wire_in_kernels = True
     return out
 
 

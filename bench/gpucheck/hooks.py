@@ -72,13 +72,13 @@ def _hook_buckets(model, dtype, gen):
 
 def _ahead_check(row, model, rank, dtype):
     """Bitwise: the next step's Q orthogonalized ahead on the side stream (the default) gives the outputs of
-    orthogonalizing it at the start of each step (``_step.ORTHOGONALIZE_AHEAD = False``), over 4 compressed steps
+    orthogonalizing it at the start of each step (``_step.OPTIONS.orthogonalize_ahead = False``), over 4 compressed steps
     of the same buckets."""
     from powersgd_triton.hooks import driver as _step
 
     outs = []
     for ahead in (True, False):
-        _step.ORTHOGONALIZE_AHEAD = ahead
+        _step.OPTIONS.orthogonalize_ahead = ahead
         try:
             buckets = _hook_buckets(model, dtype, generator(1234))
             s = B.HookStep("ours", buckets, rank, backend="triton").warmup(1)
@@ -87,7 +87,7 @@ def _ahead_check(row, model, rank, dtype):
             sync()
             outs.append([b.buffer().clone() for b in buckets])
         finally:
-            _step.ORTHOGONALIZE_AHEAD = True
+            _step.OPTIONS.orthogonalize_ahead = True
     row["ahead_bitwise"] = all(torch.equal(a, b) for a, b in zip(*outs))
     log(f"  {'':36s} next Q orthogonalized ahead == at the step's start, bitwise: {row['ahead_bitwise']}")
 

@@ -48,12 +48,12 @@ VERIFY_OFF = {"verify": "off"} if "verify" in inspect.signature(PowerSGDState.__
 
 def warm(name, dtype):
     """The section's Triton-backend run of one row, uninjected (the compile phase's workers: the same launches)."""
-    saved = _step.FORCE_CALLBACK_CHAIN
-    _step.FORCE_CALLBACK_CHAIN = True if DEVICE.type != "cuda" else None
+    saved = _step.OPTIONS.callback_chain
+    _step.OPTIONS.callback_chain = True if DEVICE.type != "cuda" else None
     try:
         _run(HOOKS[name], "triton", dtype, buckets(), None)
     finally:
-        _step.FORCE_CALLBACK_CHAIN = saved
+        _step.OPTIONS.callback_chain = saved
 
 
 def plan():
@@ -134,8 +134,8 @@ def section_streams():
     sec.update(process_group=pg, buckets=len(shapes), steps=STEPS, sleep_cycles=None if DRY else SLEEP_CYCLES,
                tolerance={str(k)[6:]: v for k, v in TOL.items()})
     cap = time.time() + CAP["streams"]
-    saved = _step.FORCE_CALLBACK_CHAIN
-    _step.FORCE_CALLBACK_CHAIN = forced
+    saved = _step.OPTIONS.callback_chain
+    _step.OPTIONS.callback_chain = forced
     try:
         with stand_in as on_side:
             inject = (sleep, on_side) if on_side is not None else (sleep, _on_a_side_stream)
@@ -162,6 +162,6 @@ def section_streams():
                     f"rel. error vs torch backend {worst:.2e} (tol {TOL[dtype]:.0e}); bitwise vs no injection "
                     f"{bitwise}")
     finally:
-        _step.FORCE_CALLBACK_CHAIN = saved
+        _step.OPTIONS.callback_chain = saved
     n_ok = sum(1 for r in rows if r["ok"])
     sec.update(passed=n_ok, failed=len(rows) - n_ok)

@@ -194,16 +194,16 @@ def no_collectives():
     take the NCCL ``then()`` chain."""
     from powersgd_triton.hooks import driver as _step
 
-    original, chain = dist.all_reduce, _step.FORCE_CALLBACK_CHAIN
+    original, chain = dist.all_reduce, _step.OPTIONS.callback_chain
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         return _CDoneWork(tensor) if async_op else None
 
-    dist.all_reduce, _step.FORCE_CALLBACK_CHAIN = all_reduce, True
+    dist.all_reduce, _step.OPTIONS.callback_chain = all_reduce, True
     try:
         yield
     finally:
-        dist.all_reduce, _step.FORCE_CALLBACK_CHAIN = original, chain
+        dist.all_reduce, _step.OPTIONS.callback_chain = original, chain
 
 
 def python_calls(fn) -> int:

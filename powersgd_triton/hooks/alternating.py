@@ -117,31 +117,62 @@ import torch
 import torch.distributed as dist
 
 from powersgd_triton.hooks import driver as _step
-from powersgd_triton import ops
-from powersgd_triton.ops import verify
 from powersgd_triton.state.memory import BucketMemory
 from powersgd_triton.state.powersgd_state import PowerSGDState
 
 __all__ = ["alternating_powerSGD_hook"]
 
 
-class _HalfStep:
-    """One compressed half-step of one bucket: the work before and after its all-reduce."""
+class _HalfStep(_step.HookStep):
+    """One compressed half-step of one bucket: the work before and after its all-reduce, for
+    :func:`powersgd_triton.hooks.driver.run`."""
 
-    __slots__ = ("state", "mem", "layout", "buffer", "world_size", "backend", "eps", "phase", "factor", "unc", "sent",
-                 "local", "loss_scale", "steps")
+    name, kind, batched = "alternating_powerSGD_hook", "alternating", False
 
-    def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, world_size: int, check=None):
-        layout = mem.layout
-        # the numeric steps: the bucket memory's (Triton or torch), or the first-use check's (powersgd_triton.ops.verify)
-        self.steps = mem.steps if check is None else check.steps
+    __slots__ = ("state", "mem", "layout", "buffer", "bucket_buffer", "group", "world_size", "eps", "phase", "factor",
+                 "unc", "sent", "local", "loss_scale", "steps", "check", "pending")
+
+    def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int):
         self.state = state
         self.mem = mem
-        self.layout = layout
-        self.buffer = buffer
+        self.layout = mem.layout
+        self.buffer = self.bucket_buffer = buffer
+        self.group = group
         self.world_size = world_size
-        self.backend = mem.backend
         self.eps = float(state.orthogonalization_epsilon)
+        # the numeric steps: the bucket memory's (Triton or torch), or the first-use check's (begin_check)
+        self.steps = mem.steps
+        self.check = self.pending = None
+        self.phase = self.factor = self.unc = self.sent = self.local = self.loss_scale = None
+
+    @classmethod
+    def check_settings(cls, state) -> None:
+        if not state.warm_start:
+            raise ValueError(
+                "alternating_powerSGD_hook needs warm_start=True: the factors kept between steps carry its power "
+                "iteration"
+            )
+
+    def begin(self, bucket):
+        """A bucket with nothing to compress is all-reduced as it is (its uncompressed gradients); else the memory's
+        ``comm`` buffer, the first-use check, the statistics of what is sent, then :meth:`start`."""
+        state, mem, layout, buffer = self.state, self.mem, self.layout, self.buffer
+        state.total_numel_before_compression += layout.numel_before_compression
+        if layout.num_matrices == 0:  # nothing to compress: the bucket is its uncompressed gradients
+            state.total_numel_after_compression += layout.uncompressed_numel
+            _step.report_compression_stats(state, bucket)
+            return _step.allreduce_average(self.group, self.world_size, buffer)
+        _step.allocate_alternating(mem, buffer)
+        self.begin_check(layout.uncompressed_numel > 0, bucket.index())
+        self.setup()
+        state.total_numel_after_compression += self.sent.numel()
+        _step.report_compression_stats(state, bucket)
+        self.start()
+        return None
+
+    def setup(self) -> None:
+        """This half-step's views of the memory's ``comm`` buffer (``[factor | uncompressed]``) and ``local``."""
+        mem, layout = self.mem, self.layout
         self.phase = mem.phase
         f = layout.p_numel if self.phase == "p" else layout.q_numel
         u = layout.uncompressed_numel
@@ -150,7 +181,28 @@ class _HalfStep:
         self.sent = mem.comm[: f + u]
         self.local = mem.local[:f] if mem.local is not None else None
         # error memory in unscaled units (state.grad_scaler): the scale of this step's gradients, a device tensor
-        self.loss_scale = _step.loss_scale(state, buffer) if mem.error is not None else None
+        self.loss_scale = _step.loss_scale(self.state, self.buffer) if mem.error is not None else None
+
+    def start(self) -> None:
+        """:meth:`compute`, then the phase advances (host-side schedule, the same on every rank; also on a
+        non-finite step: see the module docstring)."""
+        self.compute()
+        self.mem.phase = "q" if self.phase == "p" else "p"
+
+    def rounds(self):
+        """One all-reduce: ``comm[:F + U]``, in ``state.communication_dtype`` (cast once and copied back once)."""
+        return [(self.sent, None)]
+
+    def kept(self):
+        """The loss scale (a copy made in the hook body when the scaler's is on another device) is recorded on the
+        callback's stream (the stream rule of :mod:`powersgd_triton.hooks.driver`); everything else it reads is the
+        state's."""
+        return (self.loss_scale,)
+
+    def again(self) -> "_HalfStep":
+        again = type(self)(self.state, self.mem, self.buffer, self.group, self.world_size)
+        again.setup()
+        return again
 
     def compute(self) -> None:
         """This rank's factor into ``comm[:F]`` (and ``local``), the uncompressed gradients into ``comm[F:]``."""
@@ -174,12 +226,6 @@ class _HalfStep:
             steps.project_t(buffer, layout, mem.p_work, self.factor, q2=self.local)
         if self.unc.numel():
             steps.pack_uncompressed(buffer, layout, self.unc)
-
-    def keep_for_callback(self) -> None:
-        """Called first in the ``then()`` callback that runs :meth:`finish`: the loss scale (a copy made in the hook
-        body when the scaler's is on another device) is recorded on the callback's stream (the stream rule of
-        :mod:`powersgd_triton.hooks.driver`); everything else it reads is the state's."""
-        _step.keep_for_current_stream(self.loss_scale)
 
     def finish(self) -> torch.Tensor:
         """Average, write the output and the local residual, commit the kept factor where the step is finite."""
@@ -232,60 +278,4 @@ def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> 
         >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
         >>> ddp_model.register_comm_hook(state, alternating_powerSGD_hook)
     """
-    _step.check_state(state, "alternating_powerSGD_hook")
-    buffer = _step.checked_buffer(bucket)
-    if not state.warm_start:
-        raise ValueError(
-            "alternating_powerSGD_hook needs warm_start=True: the factors kept between steps carry its power "
-            "iteration"
-        )
-    group, world_size, plain = _step.warm_up(state, bucket, buffer, "alternating")
-    if plain is not None:
-        return plain
-
-    mem = _step.prepare_bucket(state, bucket, buffer, False, group)
-    layout = mem.layout
-    state.total_numel_before_compression += layout.numel_before_compression
-    if layout.num_matrices == 0:  # nothing to compress: the bucket is its uncompressed gradients
-        state.total_numel_after_compression += layout.uncompressed_numel
-        _step.report_compression_stats(state, bucket)
-        state.maybe_increase_iter(bucket)
-        return _step.allreduce_average(group, world_size, buffer)
-
-    _step.allocate_alternating(mem, buffer)
-    # first-use verification of the Triton kernels (powersgd_triton.ops.verify); after its verdict: this test only
-    check = verify.begin(state, mem, buffer, group, world_size, bucket.index(), layout.uncompressed_numel > 0) \
-        if mem.verify_pending else None
-    step = _HalfStep(state, mem, buffer, world_size, check)
-    state.total_numel_after_compression += step.sent.numel()
-    _step.report_compression_stats(state, bucket)
-    step.compute()
-    # Host-side schedule, the same on every rank; advances on a non-finite step too (see the module docstring).
-    mem.phase = "q" if step.phase == "p" else "p"
-    state.maybe_increase_iter(bucket)
-
-    def finish() -> torch.Tensor:
-        out = step.finish()
-        return out if check is None else check.end(out, lambda: _torch_half_step(state, mem, buffer, group, world_size))
-
-    # in state.communication_dtype (default: the bucket's dtype), cast once and copied back once
-    if _step.use_callback_chain(group, buffer):
-        fut = _step.allreduce_factor(state, step.sent, buffer, group)
-
-        def finish_chained(_) -> torch.Tensor:
-            step.keep_for_callback()
-            return finish()
-
-        return fut.then(finish_chained)
-    _step.allreduce_factor(state, step.sent, buffer, group).wait()
-    return _step.completed(finish())
-
-
-def _torch_half_step(state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int):
-    """The half-step again on the torch backend, in the caller, from the memory put back as it was before it (the
-    first-use check found a kernel wrong: :meth:`powersgd_triton.ops.verify.Check.end`); every rank runs it."""
-    step = _HalfStep(state, mem, buffer, world_size)
-    step.compute()
-    mem.phase = "q" if step.phase == "p" else "p"
-    _step.allreduce_factor(state, step.sent, buffer, group).wait()
-    return step.finish()
+    return _step.run(state, bucket, _HalfStep)

@@ -6,8 +6,9 @@ internals):
 
 * before anything changes: :func:`check_state`, :func:`checked_buffer` (:func:`check_bucket`),
   :func:`check_backend_runs`;
-* warm-up and sparse buckets: :func:`warm_up` (plain averaging all-reduce, :func:`allreduce_average`;
-  :func:`skip_bucket`);
+* the skeleton of every hook call: :func:`run` with the hook's :class:`HookStep` class (the iteration is counted
+  there, once per call);
+* warm-up and sparse buckets: :func:`warm_up` (plain averaging all-reduce, :func:`allreduce_average`);
 * the bucket's memory: :func:`prepare_bucket` (layout check, migration: :mod:`powersgd_triton.state.buckets`),
   :func:`draw_q`, :func:`allocate_alternating` (:mod:`powersgd_triton.state.memory`), :func:`end_of_iteration`,
   :func:`bind_model`; the warm-start Q orthogonalized one step ahead: :func:`orthogonalize_next_q`,
@@ -32,7 +33,7 @@ either
   scale). The side stream's work outlives the step (it overlaps the next forward, and a ``load_state_dict`` or rebuild
   can drop the memory without waiting for it), so everything it reads is recorded on it, the state's memory included.
 
-``tests/test_hooks_streams.py`` checks this on the then() chain (``FORCE_CALLBACK_CHAIN``) with a test double.
+``tests/test_hooks_streams.py`` checks this on the then() chain (``OPTIONS.callback_chain``) with a test double.
 """
 
 import logging
@@ -41,6 +42,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from powersgd_triton.ops import verify
 from powersgd_triton.ops.backend import device_backend
 from powersgd_triton.state.buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401 - the hooks' entry points
 from powersgd_triton.state.memory import BucketMemory, allocate_alternating, draw_q, drop_next_q, p_comm, p_work, q_comm  # noqa: F401 - the hooks' entry points
@@ -51,15 +53,34 @@ from powersgd_triton.state.powersgd_state import PowerSGDState, check_grad_scale
 logger = logging.getLogger("powersgd_triton.state")  # the state's messages, under the state's logger as before
 
 
-# Tests set this to True/False to force the then()-chain / in-body schedule; None: decide by the backend.
-FORCE_CALLBACK_CHAIN = None
+class HookOptions:
+    """The hooks' test seams, in one object (:data:`OPTIONS`); production code never changes them. Tests set a field
+    with ``monkeypatch.setattr(driver.OPTIONS, "callback_chain", True)``.
+
+    * ``callback_chain``: True / False force the ``then()`` chain / the in-body schedule (:func:`use_callback_chain`);
+      None (default) decides by the process group's backend;
+    * ``orthogonalize_ahead``: False orthogonalizes the warm-start Q at the start of each step instead of at the end
+      of the last one (:func:`orthogonalize_next_q`; the schedule before 2026-12);
+    * ``wire_in_kernels``: False makes the Triton backend all-reduce float32 P and Q through a cast and a copy back, as
+      the torch backend does (the oracle of the kernels writing and reading them in the communication dtype).
+    """
+
+    __slots__ = ("callback_chain", "orthogonalize_ahead", "wire_in_kernels")
+
+    def __init__(self):
+        self.callback_chain: Optional[bool] = None
+        self.orthogonalize_ahead = True
+        self.wire_in_kernels = True
+
+
+OPTIONS = HookOptions()
 
 
 def use_callback_chain(group, buffer: torch.Tensor) -> bool:
     """Whether the hook chains its steps with ``then()`` (NCCL on CUDA tensors) instead of running them in its body
     (every other backend; see :mod:`powersgd_triton.hooks.layerwise`, "Collective order")."""
-    if FORCE_CALLBACK_CHAIN is not None:
-        return bool(FORCE_CALLBACK_CHAIN)
+    if OPTIONS.callback_chain is not None:
+        return bool(OPTIONS.callback_chain)
     if buffer.device.type != "cuda":
         return False
     try:
@@ -69,8 +90,6 @@ def use_callback_chain(group, buffer: torch.Tensor) -> bool:
     return backend.lower() == "nccl" or "cuda:nccl" in backend.lower()
 
 
-# Tests set this to False to orthogonalize the warm-start Q at the start of each step, as before 2026-12.
-ORTHOGONALIZE_AHEAD = True
 # One side stream per CUDA device for the orthogonalization of the next step's Q.
 _SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
 
@@ -119,7 +138,7 @@ def _side_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
 def next_q_target(state, mem: BucketMemory, epsilon: float) -> Optional[torch.Tensor]:
     """``mem.q_work`` when :func:`orthogonalize_next_q` will follow this step's commit with epsilon 0 (what
     ``ops.reconstruct``'s ``orthogonalize_kept`` may do itself: the torch backend on CPU), else None."""
-    if state.warm_start and ORTHOGONALIZE_AHEAD and epsilon == 0.0 and mem.layout.num_matrices:
+    if state.warm_start and OPTIONS.orthogonalize_ahead and epsilon == 0.0 and mem.layout.num_matrices:
         return mem.q_work
     return None
 
@@ -136,7 +155,7 @@ def orthogonalize_next_q(mem: BucketMemory, epsilon: float, done: bool = False) 
     adoption and random draw of the memory). Same kernel, config and input as at the start of the next step:
     bitwise the same Q. ``done``: ``ops.reconstruct`` wrote it already (its ``orthogonalize_kept``, with
     :func:`next_q_target`); only ``mem.q_next`` is set."""
-    if not ORTHOGONALIZE_AHEAD or mem.layout.num_matrices == 0:
+    if not OPTIONS.orthogonalize_ahead or mem.layout.num_matrices == 0:
         return
     drop_next_q(mem)
     config = mem.configs.get("orthogonalize")
@@ -288,14 +307,6 @@ def report_compression_stats(state, bucket) -> None:
         state.next_stats_report = state.iter + state.compression_stats_logging_frequency
 
 
-def skip_bucket(state, bucket) -> None:
-    """A bucket the hook all-reduces as it is after the warm-up (a sparse gradient's): count the iteration and,
-    for the last bucket, end it as :func:`prepare_bucket` does."""
-    state.maybe_increase_iter(bucket)
-    if bucket.is_last():
-        end_of_iteration(state)
-
-
 # What works instead of compiled DDP's python reducer / compiled autograd (torch's own error for compiled autograd with
 # DDP's C++ reducer points at the python reducer; ours must not point back).
 COMPILED_AUTOGRAD_WAY_OUT = (
@@ -363,7 +374,8 @@ def checked_buffer(bucket) -> torch.Tensor:
 def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor, hook: str = "layerwise"):
     """``(group, world_size, future)``: ``future`` is the plain averaged all-reduce while
     ``iter < start_powerSGD_iter`` (PyTorch's warm-up) and, at every step, for a sparse bucket (as DDP's default
-    hook averages it: PowerSGD compresses dense matrices); else None and the hook compresses.
+    hook averages it: PowerSGD compresses dense matrices); else None and the hook compresses. The iteration is
+    counted by :func:`run`, not here.
 
     ``hook`` ("layerwise", "batched", "alternating") is recorded with the bucket's dtype in warm-up calls (the first
     compressed step's Qs drawn ahead for a state dict: :mod:`powersgd_triton.state.predraw`).
@@ -378,9 +390,148 @@ def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor, hook: str = "lay
     if state.iter < state.start_powerSGD_iter:
         check_one_model(state, bucket)  # a second DDP model on this state: refused at its first call
         state.buckets.index_dtypes[bucket.index()] = (buffer.dtype, hook)  # for powersgd_triton.state.predraw
-        state.maybe_increase_iter(bucket)
         return group, world_size, allreduce_average(group, world_size, buffer)
     if buffer.is_sparse:
-        skip_bucket(state, bucket)
         return group, world_size, allreduce_average(group, world_size, buffer)
     return group, world_size, None
+
+
+class HookStep:
+    """One compressed step of one bucket, as a hook defines it for :func:`run` (the hooks: ``_Step`` of
+    :mod:`powersgd_triton.hooks.layerwise`, ``_HalfStep`` of :mod:`powersgd_triton.hooks.alternating`).
+
+    Class attributes: ``name`` (the hook's name in messages), ``kind`` ("layerwise", "batched", "alternating"),
+    ``batched`` (the whole bucket as one matrix). Made with ``(state, mem, buffer, group, world_size)`` after the
+    bucket's memory is prepared; then :func:`run` calls
+
+    * :meth:`begin` (the compression statistics, the first-use check, :meth:`start`): a future when the bucket is
+      all-reduced plainly after all (nothing to compress, where the hook does that), else None;
+    * :meth:`rounds`: ``[(factor, after), ...]``: each ``factor`` is sum-all-reduced in turn
+      (:func:`allreduce_factor`) and ``after()`` (or None) runs once it holds the sum, before the next one;
+    * :meth:`finish`: the work after the last all-reduce; returns the output (checked by the first-use check);
+      :meth:`output` maps it to the future's value;
+    * :meth:`kept`: the tensors a ``then()`` callback records on its stream (the stream rule above);
+    * :meth:`again`: a fresh step on the same memory and tensors, for the torch replay of a failed first-use check.
+
+    Attributes the subclasses set: ``state``, ``mem``, ``buffer`` (what the step computes on), ``bucket_buffer``
+    (DDP's), ``group``, ``world_size``, ``check`` (the first-use check or None), ``steps`` (the numeric steps:
+    ``mem.steps``, or the check's), ``pending`` (an all-reduce still in flight when :meth:`rounds` is empty).
+    """
+
+    __slots__ = ()
+    name = "powerSGD_hook"
+    kind = "layerwise"
+    batched = False
+
+    @classmethod
+    def check_settings(cls, state) -> None:
+        """Refuse settings the hook cannot run with (before anything is changed)."""
+
+    def begin(self, bucket) -> Optional[torch.futures.Future]:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def rounds(self):
+        raise NotImplementedError
+
+    def finish(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def kept(self):
+        return ()
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def again(self) -> "HookStep":
+        raise NotImplementedError
+
+    def begin_check(self, packs: bool, index: int) -> None:
+        """The first-use check of this bucket's Triton kernels, when one is due (:mod:`powersgd_triton.ops.verify`;
+        after its verdict this is one attribute test); sets ``check`` and ``steps``."""
+        mem = self.mem
+        self.check = verify.begin(self.state, mem, self.buffer, self.group, self.world_size, index, packs) \
+            if mem.verify_pending else None
+        self.steps = mem.steps if self.check is None else self.check.steps
+
+    def replay(self) -> torch.Tensor:
+        """The whole step again on the torch backend, in the caller: the first-use check found a kernel wrong and
+        put the memory back as it was before the step (:meth:`powersgd_triton.ops.verify.Check.end`); every rank runs
+        it, in the same order of collectives."""
+        again = self.again()
+        again.start()
+        for factor, after in again.rounds():
+            allreduce_factor(again.state, factor, again.bucket_buffer, again.group).wait()
+            if after is not None:
+                after()
+        return again.finish()
+
+
+def run(state: PowerSGDState, bucket, hook) -> torch.futures.Future:
+    """THE skeleton of every hook call: checks, warm-up, the bucket's memory, the step's phases between its
+    all-reduces, the future. ``hook`` is the hook's :class:`HookStep` class.
+
+    Order: the checks that change nothing (state, bucket, the hook's settings); the warm-up or a sparse bucket (a plain
+    averaging all-reduce); else the bucket's memory (:func:`prepare_bucket`), the step's :meth:`~HookStep.begin` (its
+    work before the first all-reduce); the iteration counted (here only, in the hook body: ``iter`` is exact whatever
+    the backend); then the all-reduces of :meth:`~HookStep.rounds` and :meth:`~HookStep.finish`: chained with
+    ``then()`` on NCCL (:func:`use_callback_chain`), in the hook body elsewhere (the collectives' order is then the
+    same on every rank: "Collective order" in :mod:`powersgd_triton.hooks.layerwise`)."""
+    check_state(state, hook.name)
+    buffer = checked_buffer(bucket)
+    hook.check_settings(state)
+    group, world_size, plain = warm_up(state, bucket, buffer, hook.kind)
+    # a sparse bucket after the warm-up: the hook does not see it, and if it is the last one it ends the iteration
+    skipped = plain is not None and buffer.is_sparse and state.iter >= state.start_powerSGD_iter
+    step = None
+    if plain is None:
+        mem = prepare_bucket(state, bucket, buffer, hook.batched, group)
+        step = hook(state, mem, buffer, group, world_size)
+        plain = step.begin(bucket)
+    state.maybe_increase_iter(bucket)  # the one place the iteration is counted
+    if plain is not None:
+        if skipped and bucket.is_last():
+            end_of_iteration(state)  # as prepare_bucket does for the last bucket it prepares
+        return plain
+    return _schedule(step)
+
+
+def _schedule(step: HookStep) -> torch.futures.Future:
+    """The step's all-reduces and its finish: a ``then()`` chain (NCCL) or in the hook body (elsewhere)."""
+    state, buffer, group = step.state, step.bucket_buffer, step.group
+    rounds = step.rounds()
+
+    def finish() -> torch.Tensor:
+        out = step.finish()
+        if step.check is not None:
+            out = step.check.end(out, step.replay)
+        return step.output(out)
+
+    if not use_callback_chain(group, buffer):
+        for factor, after in rounds:
+            allreduce_factor(state, factor, buffer, group).wait()
+            if after is not None:
+                after()
+        return completed(finish())
+
+    def finish_chained(fut) -> torch.Tensor:
+        keep_for_current_stream(*step.kept())
+        return finish()
+
+    if not rounds:
+        return completed(finish()) if step.pending is None else step.pending.get_future().then(finish_chained)
+
+    def next_round(after, factor):
+        def chained(fut):
+            keep_for_current_stream(*step.kept())
+            after()
+            return allreduce_factor(state, factor, buffer, group).wait()
+
+        return chained
+
+    fut = allreduce_factor(state, rounds[0][0], buffer, group)
+    for (_, after), (factor, _) in zip(rounds, rounds[1:]):
+        fut = fut.then(next_round(after, factor))
+    return fut.then(finish_chained)

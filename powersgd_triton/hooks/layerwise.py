@@ -41,18 +41,15 @@ import torch
 import torch.distributed as dist
 
 from powersgd_triton.hooks import driver as _step
-from powersgd_triton.ops import verify
 from powersgd_triton.state.memory import BucketMemory
 from powersgd_triton.state.powersgd_state import PowerSGDState
 
 __all__ = ["powerSGD_hook", "batched_powerSGD_hook"]
 
-# Tests set this to False: the Triton backend then all-reduces float32 P and Q through a cast and a copy back, as the
-# torch backend does (the oracle of the kernels writing and reading them in the communication dtype).
-WIRE_IN_KERNELS = True
 
-class _Step:
-    """One compressed step of one bucket; the methods are the pieces between two all-reduces.
+class _Step(_step.HookStep):
+    """One compressed step of one bucket (``powerSGD_hook``): the pieces between its all-reduces, for
+    :func:`powersgd_triton.hooks.driver.run`.
 
     Device work per step and bucket besides the three all-reduces, on the Triton backend: 1 pack of the
     uncompressed gradients (none when they are one range of the bucket or none), 1 project, 1 orthogonalize of P,
@@ -66,28 +63,39 @@ class _Step:
     nearest even, overflowing to inf, as ``Tensor.to`` does), P is copied back into float32 after its all-reduce
     and average divides Q from there into the float32 ``q_work``: one torch op. On the torch backend, one cast and
     one copy back per factor (4 element-wise torch ops per bucket and step, whatever the number of matrices).
+
+    The batched memory's gradient order differs from the bucket's for one step after a resume (see
+    :mod:`powersgd_triton.state.buckets`): the step computes on a copy in the memory's order (``buffer``), and
+    :meth:`output` writes each gradient back into DDP's ``bucket_buffer``.
     """
 
-    __slots__ = ("state", "mem", "layout", "buffer", "group", "world_size", "unc", "packed", "unc_work", "backend",
-                 "eps", "loss_scale", "p_raw", "p_send", "q_raw", "steps")
+    name, kind, batched = "powerSGD_hook", "layerwise", False
+
+    __slots__ = ("state", "mem", "layout", "buffer", "bucket_buffer", "order", "group", "world_size", "unc", "packed",
+                 "unc_work", "backend", "eps", "loss_scale", "p_raw", "p_send", "q_raw", "steps", "check", "pending")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int,
-                 check=None):
+                 work=None):
         self.state = state
         self.mem = mem
         self.layout = mem.layout
-        self.buffer = buffer
+        self.bucket_buffer = buffer
+        self.order = order = mem.order
+        if work is None:
+            work = buffer if order is None else torch.cat([buffer[o : o + n] for o, n in order])
+        self.buffer = work
         self.group = group
         self.world_size = world_size
         self.backend = mem.backend
-        # the numeric steps: the bucket memory's (Triton or torch), or the first-use check's (powersgd_triton.ops.verify)
-        self.steps = mem.steps if check is None else check.steps
+        # the numeric steps: the bucket memory's (Triton or torch), or the first-use check's (begin_check)
+        self.steps = mem.steps
+        self.check = None
         self.eps = float(state.orthogonalization_epsilon)
         # error memory in unscaled units (state.grad_scaler): the scale of this step's gradients, a device tensor
         self.loss_scale = _step.loss_scale(state, buffer) if mem.error is not None else None
         self.unc = None
         self.packed = None
-        self.unc_work = None
+        self.unc_work = self.pending = None
         # P = (M + E)·Q is all-reduced in p_send and orthogonalized from p_raw into mem.p (out of place; see
         # _memory.p_work); Q is all-reduced in q_raw and averaged into mem.q_work. On the Triton backend, when the
         # communication dtype is not float32, p_send and q_raw are in it, written so by project and project_t (no
@@ -96,11 +104,51 @@ class _Step:
         # float32 itself
         self.p_raw = self.p_send = self.q_raw = None
         if mem.layout.num_matrices:
-            wire = _step.wire_dtype(state, buffer, mem.p.dtype) if self.backend == "triton" and WIRE_IN_KERNELS \
-                else None
+            in_kernels = self.backend == "triton" and _step.OPTIONS.wire_in_kernels
+            wire = _step.wire_dtype(state, buffer, mem.p.dtype) if in_kernels else None
             self.p_raw = _step.p_work(mem)
             self.p_send = self.p_raw if wire is None else _step.p_comm(mem, wire)
             self.q_raw = mem.q_work if wire is None else _step.q_comm(mem, wire)
+
+    def begin(self, bucket):
+        """Compression statistics, the first-use check, then :meth:`start`."""
+        state, layout = self.state, self.layout
+        state.total_numel_before_compression += layout.numel_before_compression
+        state.total_numel_after_compression += layout.numel_after_compression
+        _step.report_compression_stats(state, bucket)
+        self.begin_check(len(layout.uncompressed) > 1, bucket.index())
+        self.start()
+        return None
+
+    def start(self) -> None:
+        """The all-reduce of the uncompressed gradients issued first (it overlaps the rest), then P."""
+        self.start_uncompressed()
+        self.compute_p()
+
+    def rounds(self):
+        """P, then (after orthogonalizing it and computing Q) Q; none when the bucket has no matrix to compress."""
+        if self.layout.num_matrices == 0:
+            self.pending = self.unc_work
+            return []
+        return [(self.p_send, self.compute_q), (self.q_raw, None)]
+
+    def kept(self):
+        # Inside a then() callback (its own pool stream on NCCL): what the hook body allocated and the callback reads
+        # is recorded on the callback's stream (see the stream rule in powersgd_triton.hooks.driver)
+        return (self.packed, self.loss_scale, None if self.order is None else self.buffer)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """DDP's bucket buffer: ``out`` itself, or the gradients copied back from the memory's order."""
+        if self.order is None:
+            return out
+        pos = 0
+        for o, n in self.order:
+            self.bucket_buffer[o : o + n].copy_(self.buffer[pos : pos + n])
+            pos += n
+        return self.bucket_buffer
+
+    def again(self) -> "_Step":
+        return type(self)(self.state, self.mem, self.bucket_buffer, self.group, self.world_size, work=self.buffer)
 
     def start_uncompressed(self) -> None:
         """Issue the all-reduce of the uncompressed gradients: a view of the bucket when they are one range, else
@@ -175,86 +223,12 @@ class _Step:
         return self.buffer
 
 
-def _run(state: PowerSGDState, bucket, batched: bool) -> torch.futures.Future:
-    _step.check_state(state, "batched_powerSGD_hook" if batched else "powerSGD_hook")
-    buffer = _step.checked_buffer(bucket)
-    group, world_size, plain = _step.warm_up(state, bucket, buffer, "batched" if batched else "layerwise")
-    if plain is not None:
-        return plain
+class _BatchedStep(_Step):
+    """``batched_powerSGD_hook``'s step: the layer-wise step on a layout of one ``s x s`` matrix (the whole
+    bucket, its padding masked)."""
 
-    mem = _step.prepare_bucket(state, bucket, buffer, batched, group)
-    layout = mem.layout
-    state.total_numel_before_compression += layout.numel_before_compression
-    state.total_numel_after_compression += layout.numel_after_compression
-    _step.report_compression_stats(state, bucket)
-
-    # The batched memory's gradient order differs from the bucket's for one step after a resume (see
-    # powersgd_triton.state.buckets): compute on a copy in the memory's order, then write each gradient back.
-    order = mem.order
-    work = buffer if order is None else torch.cat([buffer[o : o + n] for o, n in order])
-    # first-use verification of the Triton kernels (powersgd_triton.ops.verify); after its verdict: this test only
-    check = verify.begin(state, mem, work, group, world_size, bucket.index(), len(layout.uncompressed) > 1) \
-        if mem.verify_pending else None
-    step = _Step(state, mem, work, group, world_size, check)
-
-    def finish() -> torch.Tensor:
-        out = step.finish()
-        if check is not None:
-            out = check.end(out, lambda: _torch_step(state, mem, work, buffer, group, world_size))
-        if order is None:
-            return out
-        pos = 0
-        for o, n in order:
-            buffer[o : o + n].copy_(work[pos : pos + n])
-            pos += n
-        return buffer
-
-    def finish_chained(fut) -> torch.Tensor:
-        _step.keep_for_current_stream(*kept)
-        return finish()
-
-    compressed = layout.num_matrices > 0
-    step.start_uncompressed()
-    step.compute_p()
-    # Inside a then() callback (its own pool stream on NCCL): what the hook body allocated and the callback reads
-    # is recorded on the callback's stream (see the stream rule in powersgd_triton.hooks.driver); called inline there
-    kept = (step.packed, step.loss_scale, None if order is None else work)
-    # Counted here, not in a callback: `iter` is exact whatever the backend and bucket count.
-    state.maybe_increase_iter(bucket)
-
-    if not compressed:
-        if _step.use_callback_chain(group, buffer) and step.unc_work is not None:
-            return step.unc_work.get_future().then(finish_chained)
-        return _step.completed(finish())
-
-    if _step.use_callback_chain(group, buffer):
-
-        def after_p(fut):
-            _step.keep_for_current_stream(*kept)
-            step.compute_q()
-            return _step.allreduce_factor(state, step.q_raw, buffer, group).wait()
-
-        p_fut = _step.allreduce_factor(state, step.p_send, buffer, group)
-        return p_fut.then(after_p).then(finish_chained)
-
-    _step.allreduce_factor(state, step.p_send, buffer, group).wait()
-    step.compute_q()
-    _step.allreduce_factor(state, step.q_raw, buffer, group).wait()
-    return _step.completed(finish())
-
-
-def _torch_step(state: PowerSGDState, mem: BucketMemory, work: torch.Tensor, buffer: torch.Tensor, group,
-                world_size: int) -> torch.Tensor:
-    """The whole step again on the torch backend, in the caller (the first-use check found a kernel wrong and put
-    the memory back as it was before the step: :meth:`powersgd_triton.ops.verify.Check.end`); every rank runs it."""
-    step = _Step(state, mem, work, group, world_size)
-    step.start_uncompressed()
-    step.compute_p()
-    if mem.layout.num_matrices:
-        _step.allreduce_factor(state, step.p_send, buffer, group).wait()
-        step.compute_q()
-        _step.allreduce_factor(state, step.q_raw, buffer, group).wait()
-    return step.finish()
+    __slots__ = ()
+    name, kind, batched = "batched_powerSGD_hook", "batched", True
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -285,7 +259,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
         >>> ddp_model.register_comm_hook(state, powerSGD_hook)
     """
-    return _run(state, bucket, batched=False)
+    return _step.run(state, bucket, _Step)
 
 
 def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -299,4 +273,4 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
 
     Args and returns as :func:`powerSGD_hook`.
     """
-    return _run(state, bucket, batched=True)
+    return _step.run(state, bucket, _BatchedStep)
