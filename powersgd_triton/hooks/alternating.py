@@ -130,7 +130,8 @@ class _HalfStep(_step.HookStep):
     name, kind, batched = "alternating_powerSGD_hook", "alternating", False
 
     __slots__ = ("state", "mem", "layout", "buffer", "bucket_buffer", "group", "world_size", "eps", "phase", "factor",
-                 "unc", "sent", "local", "loss_scale", "steps", "check", "pending")
+                 "unc", "sent", "local", "loss_scale", "steps", "check", "pending", "kept")
+    remap = False
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int):
         self.state = state
@@ -144,9 +145,10 @@ class _HalfStep(_step.HookStep):
         self.steps = mem.steps
         self.check = self.pending = None
         self.phase = self.factor = self.unc = self.sent = self.local = self.loss_scale = None
+        self.kept = ()
 
-    @classmethod
-    def check_settings(cls, state) -> None:
+    @staticmethod
+    def check_settings(state) -> None:
         if not state.warm_start:
             raise ValueError(
                 "alternating_powerSGD_hook needs warm_start=True: the factors kept between steps carry its power "
@@ -154,8 +156,9 @@ class _HalfStep(_step.HookStep):
             )
 
     def begin(self, bucket):
-        """A bucket with nothing to compress is all-reduced as it is (its uncompressed gradients); else the memory's
-        ``comm`` buffer, the first-use check, the statistics of what is sent, then :meth:`start`."""
+        """A bucket with nothing to compress is all-reduced as it is (its uncompressed gradients: the future is
+        returned); else the memory's ``comm`` buffer, the first-use check, the statistics of what is sent,
+        :meth:`start`, and the one round (:meth:`rounds`)."""
         state, mem, layout, buffer = self.state, self.mem, self.layout, self.buffer
         state.total_numel_before_compression += layout.numel_before_compression
         if layout.num_matrices == 0:  # nothing to compress: the bucket is its uncompressed gradients
@@ -163,12 +166,13 @@ class _HalfStep(_step.HookStep):
             _step.report_compression_stats(state, bucket)
             return _step.allreduce_average(self.group, self.world_size, buffer)
         _step.allocate_alternating(mem, buffer)
-        self.begin_check(layout.uncompressed_numel > 0, bucket.index())
+        if mem.verify_pending:
+            self.begin_check(layout.uncompressed_numel > 0, bucket.index())
         self.setup()
         state.total_numel_after_compression += self.sent.numel()
         _step.report_compression_stats(state, bucket)
         self.start()
-        return None
+        return [(self.sent, None)]
 
     def setup(self) -> None:
         """This half-step's views of the memory's ``comm`` buffer (``[factor | uncompressed]``) and ``local``."""
@@ -182,6 +186,9 @@ class _HalfStep(_step.HookStep):
         self.local = mem.local[:f] if mem.local is not None else None
         # error memory in unscaled units (state.grad_scaler): the scale of this step's gradients, a device tensor
         self.loss_scale = _step.loss_scale(self.state, self.buffer) if mem.error is not None else None
+        # a then() callback records the loss scale (a copy made in the hook body when the scaler's is on another
+        # device) on its stream (the stream rule of powersgd_triton.hooks.driver); all else it reads is the state's
+        self.kept = (self.loss_scale,)
 
     def start(self) -> None:
         """:meth:`compute`, then the phase advances (host-side schedule, the same on every rank; also on a
@@ -192,12 +199,6 @@ class _HalfStep(_step.HookStep):
     def rounds(self):
         """One all-reduce: ``comm[:F + U]``, in ``state.communication_dtype`` (cast once and copied back once)."""
         return [(self.sent, None)]
-
-    def kept(self):
-        """The loss scale (a copy made in the hook body when the scaler's is on another device) is recorded on the
-        callback's stream (the stream rule of :mod:`powersgd_triton.hooks.driver`); everything else it reads is the
-        state's."""
-        return (self.loss_scale,)
 
     def again(self) -> "_HalfStep":
         again = type(self)(self.state, self.mem, self.buffer, self.group, self.world_size)

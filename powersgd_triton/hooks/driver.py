@@ -401,33 +401,34 @@ class HookStep:
     :mod:`powersgd_triton.hooks.layerwise`, ``_HalfStep`` of :mod:`powersgd_triton.hooks.alternating`).
 
     Class attributes: ``name`` (the hook's name in messages), ``kind`` ("layerwise", "batched", "alternating"),
-    ``batched`` (the whole bucket as one matrix). Made with ``(state, mem, buffer, group, world_size)`` after the
-    bucket's memory is prepared; then :func:`run` calls
+    ``batched`` (the whole bucket as one matrix), ``check_settings`` (None, or a function of the state that refuses
+    settings the hook cannot run with, before anything is changed). Made with ``(state, mem, buffer, group,
+    world_size)`` after the bucket's memory is prepared; then :func:`run` calls
 
-    * :meth:`begin` (the compression statistics, the first-use check, :meth:`start`): a future when the bucket is
-      all-reduced plainly after all (nothing to compress, where the hook does that), else None;
-    * :meth:`rounds`: ``[(factor, after), ...]``: each ``factor`` is sum-all-reduced in turn
-      (:func:`allreduce_factor`) and ``after()`` (or None) runs once it holds the sum, before the next one;
-    * :meth:`finish`: the work after the last all-reduce; returns the output (checked by the first-use check);
-      :meth:`output` maps it to the future's value;
-    * :meth:`kept`: the tensors a ``then()`` callback records on its stream (the stream rule above);
-    * :meth:`again`: a fresh step on the same memory and tensors, for the torch replay of a failed first-use check.
+    * :meth:`begin` (the compression statistics, the first-use check, the work before the first all-reduce): the
+      step's rounds ``[(factor, after), ...]``: each ``factor`` is sum-all-reduced in turn (:func:`allreduce_factor`)
+      and ``after()`` (or None) runs once it holds the sum, before the next one; or a future, when the bucket is
+      all-reduced plainly after all (nothing to compress, where the hook does that);
+    * :meth:`finish`: the work after the last all-reduce; returns the output (checked by the first-use check); with
+      ``remap`` set, :meth:`output` maps it to the future's value;
+    * ``kept`` (an attribute, set by :meth:`begin`): the tensors a ``then()`` callback records on its stream (the
+      stream rule above);
+    * :meth:`start` and :meth:`rounds` again on :meth:`again` (a fresh step on the same memory and tensors) for the
+      torch replay of a failed first-use check.
 
     Attributes the subclasses set: ``state``, ``mem``, ``buffer`` (what the step computes on), ``bucket_buffer``
     (DDP's), ``group``, ``world_size``, ``check`` (the first-use check or None), ``steps`` (the numeric steps:
-    ``mem.steps``, or the check's), ``pending`` (an all-reduce still in flight when :meth:`rounds` is empty).
+    ``mem.steps``, or the check's), ``pending`` (an all-reduce still in flight when the rounds are empty), ``remap``,
+    ``kept``.
     """
 
     __slots__ = ()
     name = "powerSGD_hook"
     kind = "layerwise"
     batched = False
+    check_settings = None
 
-    @classmethod
-    def check_settings(cls, state) -> None:
-        """Refuse settings the hook cannot run with (before anything is changed)."""
-
-    def begin(self, bucket) -> Optional[torch.futures.Future]:
+    def begin(self, bucket):
         raise NotImplementedError
 
     def start(self) -> None:
@@ -439,9 +440,6 @@ class HookStep:
     def finish(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def kept(self):
-        return ()
-
     def output(self, out: torch.Tensor) -> torch.Tensor:
         return out
 
@@ -449,11 +447,11 @@ class HookStep:
         raise NotImplementedError
 
     def begin_check(self, packs: bool, index: int) -> None:
-        """The first-use check of this bucket's Triton kernels, when one is due (:mod:`powersgd_triton.ops.verify`;
-        after its verdict this is one attribute test); sets ``check`` and ``steps``."""
+        """The first-use check of this bucket's Triton kernels, when one is due (``mem.verify_pending``; after its
+        verdict the caller's one attribute test): :mod:`powersgd_triton.ops.verify`; sets ``check`` and ``steps``."""
         mem = self.mem
-        self.check = verify.begin(self.state, mem, self.buffer, self.group, self.world_size, index, packs) \
-            if mem.verify_pending else None
+        self.check = verify.begin(self.state, mem, self.buffer, self.group, self.world_size, index, packs)
+        # the memory's steps may have changed (a kernel known wrong: the bucket moved to torch)
         self.steps = mem.steps if self.check is None else self.check.steps
 
     def replay(self) -> torch.Tensor:
@@ -476,38 +474,34 @@ def run(state: PowerSGDState, bucket, hook) -> torch.futures.Future:
     Order: the checks that change nothing (state, bucket, the hook's settings); the warm-up or a sparse bucket (a plain
     averaging all-reduce); else the bucket's memory (:func:`prepare_bucket`), the step's :meth:`~HookStep.begin` (its
     work before the first all-reduce); the iteration counted (here only, in the hook body: ``iter`` is exact whatever
-    the backend); then the all-reduces of :meth:`~HookStep.rounds` and :meth:`~HookStep.finish`: chained with
-    ``then()`` on NCCL (:func:`use_callback_chain`), in the hook body elsewhere (the collectives' order is then the
-    same on every rank: "Collective order" in :mod:`powersgd_triton.hooks.layerwise`)."""
+    the backend); then the all-reduces of the step's rounds and :meth:`~HookStep.finish`: chained with ``then()`` on
+    NCCL (:func:`use_callback_chain`), in the hook body elsewhere (the collectives' order is then the same on every
+    rank: "Collective order" in :mod:`powersgd_triton.hooks.layerwise`)."""
     check_state(state, hook.name)
     buffer = checked_buffer(bucket)
-    hook.check_settings(state)
+    if hook.check_settings is not None:
+        hook.check_settings(state)
     group, world_size, plain = warm_up(state, bucket, buffer, hook.kind)
     # a sparse bucket after the warm-up: the hook does not see it, and if it is the last one it ends the iteration
     skipped = plain is not None and buffer.is_sparse and state.iter >= state.start_powerSGD_iter
-    step = None
     if plain is None:
         mem = prepare_bucket(state, bucket, buffer, hook.batched, group)
         step = hook(state, mem, buffer, group, world_size)
-        plain = step.begin(bucket)
+        rounds = step.begin(bucket)
+        if not isinstance(rounds, list):
+            plain = rounds
     state.maybe_increase_iter(bucket)  # the one place the iteration is counted
     if plain is not None:
         if skipped and bucket.is_last():
             end_of_iteration(state)  # as prepare_bucket does for the last bucket it prepares
         return plain
-    return _schedule(step)
 
-
-def _schedule(step: HookStep) -> torch.futures.Future:
-    """The step's all-reduces and its finish: a ``then()`` chain (NCCL) or in the hook body (elsewhere)."""
-    state, buffer, group = step.state, step.bucket_buffer, step.group
-    rounds = step.rounds()
-
+    # the step's all-reduces and its finish: a then() chain (NCCL) or in the hook body (elsewhere)
     def finish() -> torch.Tensor:
         out = step.finish()
         if step.check is not None:
             out = step.check.end(out, step.replay)
-        return step.output(out)
+        return step.output(out) if step.remap else out
 
     if not use_callback_chain(group, buffer):
         for factor, after in rounds:
@@ -516,22 +510,21 @@ def _schedule(step: HookStep) -> torch.futures.Future:
                 after()
         return completed(finish())
 
+    kept = step.kept  # allocated in the hook body, read by the callbacks: recorded on their streams
+
     def finish_chained(fut) -> torch.Tensor:
-        keep_for_current_stream(*step.kept())
+        keep_for_current_stream(*kept)
         return finish()
 
     if not rounds:
         return completed(finish()) if step.pending is None else step.pending.get_future().then(finish_chained)
+    fut = allreduce_factor(state, rounds[0][0], buffer, group)
+    for (_, after), (factor, _) in zip(rounds, rounds[1:]):
 
-    def next_round(after, factor):
-        def chained(fut):
-            keep_for_current_stream(*step.kept())
+        def chained(fut, after=after, factor=factor):
+            keep_for_current_stream(*kept)
             after()
             return allreduce_factor(state, factor, buffer, group).wait()
 
-        return chained
-
-    fut = allreduce_factor(state, rounds[0][0], buffer, group)
-    for (_, after), (factor, _) in zip(rounds, rounds[1:]):
-        fut = fut.then(next_round(after, factor))
+        fut = fut.then(chained)
     return fut.then(finish_chained)

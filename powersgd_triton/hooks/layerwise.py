@@ -71,8 +71,9 @@ class _Step(_step.HookStep):
 
     name, kind, batched = "powerSGD_hook", "layerwise", False
 
-    __slots__ = ("state", "mem", "layout", "buffer", "bucket_buffer", "order", "group", "world_size", "unc", "packed",
-                 "unc_work", "backend", "eps", "loss_scale", "p_raw", "p_send", "q_raw", "steps", "check", "pending")
+    __slots__ = ("state", "mem", "layout", "buffer", "bucket_buffer", "order", "remap", "group", "world_size", "unc",
+                 "packed", "unc_work", "backend", "eps", "loss_scale", "p_raw", "p_send", "q_raw", "steps", "check",
+                 "pending", "kept")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int,
                  work=None):
@@ -81,6 +82,7 @@ class _Step(_step.HookStep):
         self.layout = mem.layout
         self.bucket_buffer = buffer
         self.order = order = mem.order
+        self.remap = order is not None
         if work is None:
             work = buffer if order is None else torch.cat([buffer[o : o + n] for o, n in order])
         self.buffer = work
@@ -111,14 +113,19 @@ class _Step(_step.HookStep):
             self.q_raw = mem.q_work if wire is None else _step.q_comm(mem, wire)
 
     def begin(self, bucket):
-        """Compression statistics, the first-use check, then :meth:`start`."""
+        """Compression statistics, the first-use check, the work of :meth:`start`; returns :meth:`rounds`."""
         state, layout = self.state, self.layout
         state.total_numel_before_compression += layout.numel_before_compression
         state.total_numel_after_compression += layout.numel_after_compression
         _step.report_compression_stats(state, bucket)
-        self.begin_check(len(layout.uncompressed) > 1, bucket.index())
-        self.start()
-        return None
+        if self.mem.verify_pending:
+            self.begin_check(len(layout.uncompressed) > 1, bucket.index())
+        self.start_uncompressed()
+        self.compute_p()
+        # Inside a then() callback (its own pool stream on NCCL): what the hook body allocated and the callback reads
+        # is recorded on the callback's stream (see the stream rule in powersgd_triton.hooks.driver)
+        self.kept = (self.packed, self.loss_scale, None if self.order is None else self.buffer)
+        return self.rounds()
 
     def start(self) -> None:
         """The all-reduce of the uncompressed gradients issued first (it overlaps the rest), then P."""
@@ -132,15 +139,8 @@ class _Step(_step.HookStep):
             return []
         return [(self.p_send, self.compute_q), (self.q_raw, None)]
 
-    def kept(self):
-        # Inside a then() callback (its own pool stream on NCCL): what the hook body allocated and the callback reads
-        # is recorded on the callback's stream (see the stream rule in powersgd_triton.hooks.driver)
-        return (self.packed, self.loss_scale, None if self.order is None else self.buffer)
-
     def output(self, out: torch.Tensor) -> torch.Tensor:
-        """DDP's bucket buffer: ``out`` itself, or the gradients copied back from the memory's order."""
-        if self.order is None:
-            return out
+        """DDP's bucket buffer, the gradients copied back from the memory's order (``remap``)."""
         pos = 0
         for o, n in self.order:
             self.bucket_buffer[o : o + n].copy_(self.buffer[pos : pos + n])

@@ -274,8 +274,7 @@ def _device_key(layout) -> DeviceKey:
 
 def _switch_to_torch(mem) -> None:
     mem.drop_next_q()
-    mem.backend = "torch"
-    mem.configs = {}
+    mem.use("torch", {})
     mem.verify_pending = False
 
 

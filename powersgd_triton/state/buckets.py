@@ -163,8 +163,8 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
     mem.matrices = None
     mem.shapes = None
     mem.strict = False
-    mem.backend = device_backend(state.backend, buffer.device)
-    if mem.backend == "triton" and buffer.dtype == torch.float64:
+    backend = device_backend(state.backend, buffer.device)
+    if backend == "triton" and buffer.dtype == torch.float64:
         # The Triton kernels compute in float32: a float64 bucket runs on the torch backend, in float64.
         message = (
             f"PowerSGD: bucket {index} holds float64 gradients; the Triton kernels compute in float32, so this "
@@ -174,16 +174,16 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         else:
             logger.info(message)
-        mem.backend = "torch"
+        backend = "torch"
     mem.verify_pending = True  # new kernels or configs: powersgd_triton.ops.verify decides at the next step
-    if mem.backend == "triton":
+    configs = {}
+    if backend == "triton":
         from powersgd_triton.autotune import configs_for_layout
         from powersgd_triton.ops.verify import candidate_gate  # the tuner's correctness gate (it does not import verify)
 
-        mem.configs = configs_for_layout(layout, buffer.dtype, buffer.device, group, autotune=state.autotune,
-                                         gate=candidate_gate)
-    else:
-        mem.configs = {}
+        configs = configs_for_layout(layout, buffer.dtype, buffer.device, group, autotune=state.autotune,
+                                     gate=candidate_gate)
+    mem.use(backend, configs)  # the bucket's numeric steps (mem.steps), made once here
     if bucket.is_last():
         end_of_iteration(state)
     return mem

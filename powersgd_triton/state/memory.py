@@ -29,7 +29,7 @@ class BucketMemory:
     """Everything the state keeps for one bucket index (see the module docstring)."""
 
     __slots__ = (
-        "layout", "signature", "_backend", "_configs", "_steps", "error", "p", "q", "q_work", "q_initialized", "q_predrawn", "q_next",
+        "layout", "signature", "backend", "configs", "steps", "error", "p", "q", "q_work", "q_initialized", "q_predrawn", "q_next",
         "phase", "comm", "local", "p_work", "p_comm", "q_comm",
         "params", "param_names", "matrices", "strict", "verified", "order", "order_params", "shapes",
         "verify_pending",
@@ -65,9 +65,12 @@ class BucketMemory:
         self.order_params: Optional[Tuple[torch.Tensor, ...]] = None
         self.order: Optional[List[Tuple[int, int]]] = None
         self.shapes: Optional[Tuple[Tuple[int, ...], ...]] = None
-        self._backend: str = "torch"  # resolved backend for this bucket's device
-        self._configs: Dict[str, Optional[dict]] = {}
-        self._steps = None  # the numeric steps for backend and configs (``steps``), made at first use
+        # the backend that runs this bucket (resolved for its device and dtype), the Triton kernels' configs for its
+        # layout ({kernel name: config}; empty on torch) and the numeric steps made for both: set together by use()
+        self.backend: str = "torch"
+        self.configs: Dict[str, Optional[dict]] = {}
+        # every hook calls mem.steps.<step>(...) and never chooses a backend itself
+        self.steps = steps_for("torch")
         # The next compressed step asks powersgd_triton.ops.verify whether to check the Triton kernels (set again when
         # the backend or the configs are chosen, and when ``state.verify`` is set); False: one attribute test a step.
         self.verify_pending: bool = True
@@ -98,39 +101,16 @@ class BucketMemory:
         self.p_comm: Optional[torch.Tensor] = None
         self.q_comm: Optional[torch.Tensor] = None
 
-    @property
-    def backend(self) -> str:
-        """``"triton"`` or ``"torch"``: the backend that runs this bucket (resolved for its device and dtype)."""
-        return self._backend
-
-    @backend.setter
-    def backend(self, value: str) -> None:
-        self._backend = value
-        self._steps = None
-
-    @property
-    def configs(self) -> Dict[str, Optional[dict]]:
-        """``{kernel name: config}`` of the Triton kernels for this bucket's layout (empty on torch)."""
-        return self._configs
-
-    @configs.setter
-    def configs(self, value: Dict[str, Optional[dict]]) -> None:
-        self._configs = value
-        self._steps = None
-
-    @property
-    def steps(self):
-        """The bucket's numeric steps, one object for its backend and configs
-        (:class:`~powersgd_triton.ops.backend.TritonSteps` or :class:`~powersgd_triton.ops.backend.TorchSteps`):
-        every hook calls ``mem.steps.<step>(...)`` and never chooses a backend itself. Made again when the backend
-        or the configs are set."""
-        steps = self._steps
-        if steps is None:
-            steps = self._steps = steps_for(self._backend, self._configs)
-        return steps
+    def use(self, backend: str, configs: Optional[Dict[str, Optional[dict]]] = None) -> None:
+        """Run this bucket on ``backend`` (``"triton"`` or ``"torch"``) with ``configs``: the one object of its
+        numeric steps, ``steps`` (:class:`~powersgd_triton.ops.backend.TritonSteps` or
+        :class:`~powersgd_triton.ops.backend.TorchSteps`), is made here, when the memory is prepared."""
+        self.backend = backend
+        self.configs = configs if configs is not None else {}
+        self.steps = steps_for(backend, self.configs)
 
     def config(self, kernel: str) -> Optional[dict]:
-        return self._configs.get(kernel)
+        return self.configs.get(kernel)
 
     def nbytes(self) -> int:
         """Persistent bytes held for this bucket (error, P, Q, work and communication buffers)."""
