@@ -1,4 +1,4 @@
-"""Run by tests/test_real_launcher.py in a fresh interpreter (TRITON_INTERPRET unset, the stub libcuda.so.1 first on
+"""Run by tests/ops/test_real_launcher.py in a fresh interpreter (TRITON_INTERPRET unset, the stub libcuda.so.1 first on
 LD_LIBRARY_PATH and as TRITON_LIBCUDA_PATH): the hooks' real launch plans through Triton's real NVIDIA launcher.
 
 Triton's driver module (``driver.c``) and launcher (3.6: the C generated per signature; 3.8/3.9: ``driver.c``'s
@@ -24,13 +24,14 @@ import triton  # noqa: E402
 
 from powersgd_triton import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from powersgd_triton.compat import versions as _compat  # noqa: E402
+from powersgd_triton.compat.versions import c_launch_layout  # noqa: E402
 from powersgd_triton.ops import launch as _launch  # noqa: E402
 from powersgd_triton.benchmarking import host  # noqa: E402
 from powersgd_triton.benchmarking.buckets import model_bucket_shapes  # noqa: E402
 from powersgd_triton.benchmarking.hooks import ensure_process_group  # noqa: E402
 
 STREAM = 0x5EED5  # the current stream both paths must pass (not 0: a dropped stream shows)
-V36 = triton.__version__.startswith("3.6")
+V36 = c_launch_layout() == "v36"
 # bytes of each kernel parameter as the launcher stores it (3.6: the generated C's argument types, i1 as int8_t;
 # 3.8/3.9: driver.c's extractors, i1 as int32), pointers 8; two scratch pointers follow the kernel's parameters
 SIZES = {"i1": 1 if V36 else 4, "u1": 1 if V36 else 4, "i8": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4,

@@ -1,4 +1,4 @@
-/* A stand-in libcuda.so.1 for tests/test_real_launcher.py: what Triton's NVIDIA driver module (driver.c, the
+/* A stand-in libcuda.so.1 for tests/ops/test_real_launcher.py: what Triton's NVIDIA driver module (driver.c, the
  * launcher) calls, answered as one H200 would (device 0, sm_90, 132 SMs), with no GPU. Modules and functions are
  * dummy handles; cuLaunchKernelEx launches nothing and records, per launch, one text line: the function handle,
  * grid, block, shared memory, stream, launch attributes, and every kernel parameter's bytes (hex), for the

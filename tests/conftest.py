@@ -12,6 +12,16 @@ if not os.environ.get("POWERSGD_TRITON_CACHE_DIR"):
 
     os.environ["POWERSGD_TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="powersgd-test-cache-")
 
+import sys  # noqa: E402
+
+# The tests mirror the code (tests/ops, tests/hooks, tests/state, tests/fsdp; the rest here): a test module imports the
+# helpers here (_dist, bucket_utils, ...) and, for a shared oracle, another test module by its name, wherever it is.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _sub in ("", "ops", "hooks", "state", "fsdp"):
+    _path = os.path.join(_HERE, _sub) if _sub else _HERE
+    if _path not in sys.path:
+        sys.path.append(_path)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

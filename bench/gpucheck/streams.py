@@ -91,7 +91,7 @@ def _run(hook, backend, dtype, buckets, inject):
                                           parameters=params[index])
                 futs.append(hook(state, bucket))
                 if DEVICE.type != "cuda":  # gloo runs the then() callbacks on its worker thread, which a callback's
-                    futs[-1].wait()  # own all-reduce needs: one bucket at a time (as tests/test_hooks_steps.py)
+                    futs[-1].wait()  # own all-reduce needs: one bucket at a time (as tests/hooks/test_hooks_steps.py)
                 del data, bucket
                 for _ in range(3):  # the next bucket's and backward's allocations, written at once
                     torch.empty(sum(int(torch.Size(s).numel()) for s in shapes), dtype=dtype,

@@ -212,6 +212,14 @@ def _c_launch_v36(launcher, g, stream, function, packed, args):
 _C_LAUNCH = {(3, 6): _c_launch_v36, (3, 8): _c_launch_v39, (3, 9): _c_launch_v39}
 
 
+def c_launch_layout() -> Optional[str]:
+    """How this Triton's C launcher takes a kernel's arguments: ``"v39"`` (one tuple last: 3.8, 3.9), ``"v36"``
+    (spread after the launch metadata: 3.6), None where :class:`~powersgd_triton.ops.launch.DirectLaunch` does not
+    launch directly (the tests' gates read this, so a new Triton is this table)."""
+    fn = _C_LAUNCH.get((triton_version() or ())[:2])
+    return None if fn is None else ("v39" if fn is _c_launch_v39 else "v36")
+
+
 def _c_launch(launcher):
     """The C-entry launch of ``launcher`` (the compiled kernel's ``run``) when it is this Triton's own NVIDIA
     ``CudaLauncher`` (or a subclass keeping its ``__call__``) with no scratch memory and no GSan: then its

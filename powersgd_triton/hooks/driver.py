@@ -33,7 +33,7 @@ either
   scale). The side stream's work outlives the step (it overlaps the next forward, and a ``load_state_dict`` or rebuild
   can drop the memory without waiting for it), so everything it reads is recorded on it, the state's memory included.
 
-``tests/test_hooks_streams.py`` checks this on the then() chain (``OPTIONS.callback_chain``) with a test double.
+``tests/hooks/test_hooks_streams.py`` checks this on the then() chain (``OPTIONS.callback_chain``) with a test double.
 """
 
 import logging

@@ -1,7 +1,7 @@
 """The PowerSGD DDP communication hooks: ``powerSGD_hook`` (layer-wise) and ``batched_powerSGD_hook``.
 
 Drop-in for ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``: same signature, registered with
-``ddp_model.register_comm_hook(state, hook)``, same numbers as PyTorch's hook (see ``tests/test_hooks_equivalence.py``).
+``ddp_model.register_comm_hook(state, hook)``, same numbers as PyTorch's hook (see ``tests/hooks/test_hooks_equivalence.py``).
 This module is only the order of the collectives; every numeric step is one call into :mod:`powersgd_triton.ops`
 (one Triton launch per step for the whole bucket on the Triton backend), and what the hooks share (checks, warm-up,
 the bucket's memory, the factor all-reduce) is in :mod:`powersgd_triton.hooks.driver`.

@@ -153,7 +153,7 @@ class TritonSteps:
     is matched to its layout every step by :func:`powersgd_triton.state.buckets.prepare_bucket`, P/Q/error memory is
     allocated for that layout or checked when loaded), whereas :mod:`powersgd_triton.ops` checks every tensor of
     every call (a dozen Python calls per launch). Same arguments, results and launches as ``ops``' Triton branch
-    (``tests/test_hooks_launches.py``, ``tests/test_direct_launch.py``)."""
+    (``tests/hooks/test_hooks_launches.py``, ``tests/ops/test_direct_launch.py``)."""
 
     __slots__ = ("configs", "k", "flags_type")
     backend = "triton"

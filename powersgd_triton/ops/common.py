@@ -226,7 +226,7 @@ def _dot_bf16_split(acc, a_raw, b):
     bfloat16 for ``|b| >= 2^-110``; below, the third one falls under bfloat16's smallest subnormal (2^-133) and is
     rounded on the GPU, and with a float16 ``a`` the left-out ``a_lo · b_lo`` term is no longer small (subnormal
     ``b``). Such an element of an orthonormal P (unit-norm columns) adds below ``2^-110 |a|`` to a sum of order
-    ``|a|`` (tests/test_split_dot_pieces.py)."""
+    ``|a|`` (tests/ops/test_split_dot_pieces.py)."""
     b_hi = _bf16_head(b)
     rest = b - b_hi
     b_mid = _bf16_head(rest)

@@ -1,4 +1,4 @@
-"""Parity tier, continued (see tests/test_pytorch_parity.py): PyTorch's checkpoint and uneven-inputs PowerSGD tests.
+"""Parity tier, continued (see tests/hooks/test_pytorch_parity.py): PyTorch's checkpoint and uneven-inputs PowerSGD tests.
 
 Ported from torch/testing/_internal/distributed/distributed_test.py:
 

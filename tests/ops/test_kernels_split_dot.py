@@ -1,6 +1,6 @@
 """project_t's split tensor-core path (``SPLIT_BF16``: bfloat16 dots on exactly split operands, 2-byte gradients)
 against a float64 oracle in the Triton interpreter: float32 accuracy at R 16 (the GPU heuristic's tiles and a row
-split) and at rank 8, where the heuristic starts taking it. Moved out of tests/test_kernels.py (rooms of at most 600
+split) and at rank 8, where the heuristic starts taking it. Moved out of tests/ops/test_kernels.py (rooms of at most 600
 lines); the compat tier runs both files.
 """
 

@@ -21,10 +21,13 @@ import sys
 import pytest
 
 triton = pytest.importorskip("triton")
-if not triton.__version__.startswith(("3.6", "3.8", "3.9")):
-    pytest.skip("DirectLaunch launches directly under triton 3.6, 3.8 and 3.9 only", allow_module_level=True)
+from powersgd_triton.compat.versions import c_launch_layout  # noqa: E402 - the version gate, in compat only
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if c_launch_layout() is None:
+    pytest.skip("DirectLaunch launches directly under the Tritons of compat.versions.DIRECT_LAUNCH_TRITON only "
+                f"(3.6, 3.8, 3.9), not {triton.__version__}", allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.join(ROOT, "tests")
 CUDA_INCLUDE = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include")
 CC = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")

@@ -37,11 +37,11 @@ Ported (upstream file: test):
   ``powerSGD_hook`` and ``batched_powerSGD_hook``): :func:`test_comm_hook_logging`, ours name themselves as
   PyTorch's do (world of 1, CPU).
 
-In tests/test_pytorch_parity_ddp.py: ``_test_hook_pickling`` / ``test_ddp_hook_pickling_powerSGD`` and the
+In tests/hooks/test_pytorch_parity_ddp.py: ``_test_hook_pickling`` / ``test_ddp_hook_pickling_powerSGD`` and the
 PowerSGD case of ``test_ddp_uneven_inputs`` (DDP's join), both from distributed_test.py.
 
 Not ported: PyTorch's ``batched_powerSGD_hook`` (an AssertionError in current releases: our batched hook is
-checked against the exact average here and a float64 oracle in tests/test_hooks_equivalence.py); PyTorch's hook
+checked against the exact average here and a float64 oracle in tests/hooks/test_hooks_equivalence.py); PyTorch's hook
 with several DDP buckets on gloo (it issues collectives from gloo's callbacks: out of order, it aborts), so every
 model here fits one bucket. Nothing to port from test/distributed/algorithms/ddp_comm_hooks/test_ddp_hooks.py (no
 PowerSGD case: allreduce, fp16, quantization, noop) nor test/distributed/test_c10d_gloo.py (no PowerSGD case of its
@@ -289,7 +289,7 @@ def _step_errs(grads, ref):
 # at most 1.9 (exact), errors at most 2.7e-4 for either hook (lossy, where the ratio of two chaotic drifts reached
 # 4.7). With directions new at every step, PyTorch's own hook drifts by up to 9e-2 from float64 (the lossy inputs
 # keep a direction per rank). A wrong memory (misplaced, not added) is off by O(1) (see
-# tests/test_pytorch_parity_ddp.py::test_hook_pickling, PyTorch's hook after a resume).
+# tests/hooks/test_pytorch_parity_ddp.py::test_hook_pickling, PyTorch's hook after a resume).
 FLOOR = {"exact": 1e-5, "lossy": 1e-3}
 
 
@@ -324,7 +324,7 @@ def test_hook_parity_with_plain_ddp(tmp_path, backend):
                 assert all(torch.equal(a, b) for g, h in zip(res["grads"], ref["grads"]) for a, b in zip(g, h)), case
             if name != "ours":
                 continue
-            # ours against PyTorch's hook: the first compressed step within fp32 (tests/test_hooks_equivalence.py:
+            # ours against PyTorch's hook: the first compressed step within fp32 (tests/hooks/test_hooks_equivalence.py:
             # no error memory yet to amplify; later steps can differ by 1.5e-5 where PyTorch's own error is as large)
             first = _step_errs(res["grads"], ref["grads"])[: START + 1]
             assert max(first) < 1e-5, (case, first)

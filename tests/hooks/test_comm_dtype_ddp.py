@@ -86,7 +86,7 @@ def _bytes_worker(rank, world_size, backend):
         for name, wrap, cd in (("fp16", default_hooks.fp16_compress_wrapper, None), ("none", lambda h: h, None),
                                (str(torch.bfloat16), lambda h: h, torch.bfloat16)):
             # verify="off": the first-use check's verdict all-reduce (int32 flags, once per kernel set) would be
-            # counted in the bytes of this, the first compressed step (tests/test_verify.py covers the check)
+            # counted in the bytes of this, the first compressed step (tests/ops/test_verify.py covers the check)
             ours = PowerSGDState(None, matrix_approximation_rank=RANK, start_powerSGD_iter=START, backend=backend,
                                  communication_dtype=cd, verify="off")
             out[("ours", name)] = _run_bytes(wrap(powerSGD_hook), ours)

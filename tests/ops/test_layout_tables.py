@@ -194,7 +194,7 @@ def test_orthogonalize_task_tables_by_column_name_cover_each_factor(which, rng):
 
 def test_a_layout_pickles_without_its_derived_plans():
     """A layout's memo holds launch plans (compiled-kernel handles, which do not pickle: the test of the factor bytes
-    in tests/test_comm_dtype_ddp.py sends layouts between processes); pickling drops them and they are rebuilt."""
+    in tests/hooks/test_comm_dtype_ddp.py sends layouts between processes); pickling drops them and they are rebuilt."""
     import pickle
 
     rng = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))

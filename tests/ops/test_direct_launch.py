@@ -12,13 +12,16 @@ import textwrap
 import pytest
 
 triton = pytest.importorskip("triton")
-if not triton.__version__.startswith(("3.6", "3.8", "3.9")):
-    pytest.skip("DirectLaunch launches directly under triton 3.6, 3.8 and 3.9 only", allow_module_level=True)
-LAYOUT_39 = triton.__version__.startswith(("3.8", "3.9"))
+from powersgd_triton.compat.versions import c_launch_layout  # noqa: E402 - the version gate, in compat only
+
+if c_launch_layout() is None:
+    pytest.skip("DirectLaunch launches directly under the Tritons of compat.versions.DIRECT_LAUNCH_TRITON only "
+                f"(3.6, 3.8, 3.9), not {triton.__version__}", allow_module_level=True)
+LAYOUT_39 = c_launch_layout() == "v39"
 needs_39_layout = pytest.mark.skipif(not LAYOUT_39, reason="the recorded launcher arguments are laid out as "
                                      "triton 3.8 and 3.9 pass them")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = textwrap.dedent(r"""
     import json, os, sys
@@ -140,6 +143,7 @@ FACTS_SCRIPT = textwrap.dedent(r"""
     import triton.language as tl
     from powersgd_triton.ops import launch as _launch
     from powersgd_triton.benchmarking import host
+    from powersgd_triton.compat.versions import c_launch_layout
 
     @triton.jit
     def _axpy(x_ptr, y_ptr, n, a, BLOCK: tl.constexpr):
@@ -181,7 +185,7 @@ FACTS_SCRIPT = textwrap.dedent(r"""
                ("back to the first", calls(x, y, 64, 1.5))]
         out["seq"] = seq
         # the kernel's arguments in the C launch's arguments: one tuple last (3.8, 3.9), or spread from the 14th (3.6)
-        kernel_args = (lambda r: r[-1]) if triton.__version__.startswith(("3.8", "3.9")) else (lambda r: r[13:])
+        kernel_args = (lambda r: r[-1]) if c_launch_layout() == "v39" else (lambda r: r[13:])
         out["direct_args"] = [list(map(str, kernel_args(rec[1])))]
         out["first_args"] = [list(map(str, kernel_args(rec[0])))]
         # a first call with an unaligned tensor: direct again with the same facts (the kernel compiled for them),
