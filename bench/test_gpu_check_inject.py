@@ -109,7 +109,7 @@ def _kernel_layer(backend, monkeypatch, events):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_side_stream_orthogonalizations_sleep_first(backend, chain_world, monkeypatch):
     """Every orthogonalization the hooks make while ``on_side()`` holds sleeps right before it computes, on both
-    backends (the Triton backend's hooks call ``_hook_ops.orthogonalize``, the torch backend's ``ops.orthogonalize``);
+    backends (the Triton backend's hooks call ``TritonSteps.orthogonalize``, the torch backend's ``ops.orthogonalize``);
     both functions are restored after the block; with the default predicate on CPU (no side streams) none sleeps."""
     from powersgd_triton.ops.backend import TritonSteps as _hook_ops
 

@@ -74,6 +74,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -162,14 +163,32 @@ Usage = Callable[[dict, int], dict]
 _USAGE: Dict[tuple, dict] = {}
 
 
+def checkout_tools():
+    """``(tools.aot, tools.aot_compile)`` of the repository checkout this package runs from: the ahead-of-time
+    compile is a developer tool of the repository (``tools/``), not installed with the package. Found beside the
+    package (an editable install or a run from the checkout; the checkout's root goes on ``sys.path``), whatever the
+    current directory. Raises ``RuntimeError`` naming what to do where there is none (an installed wheel), or where
+    another package named ``tools`` is imported already."""
+    root = Path(__file__).resolve().parents[1]
+    here = root / "tools"
+    if not (here / "aot_compile.py").is_file():
+        raise RuntimeError("the performance model compiles the kernels ahead of time with the repository's tools/, "
+                           "which is not installed with the package: run it from a clone of the repository "
+                           "(pip install -e .)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from tools import aot, aot_compile
+
+    if Path(aot.__file__).resolve().parent != here:
+        raise RuntimeError(f"another package named tools is imported ({aot.__file__}), not the repository's {here}")
+    return aot, aot_compile
+
+
 def compiled_usage(launch: dict, arch: int) -> dict:
     """Registers, spills, shared memory, warps, stages, blocks per SM and ``pipelined`` of one planned launch,
     from an ahead-of-time compile for ``sm_<arch>`` (cached per kernel, config, variant, dtype and rank). Needs
     ``TRITON_INTERPRET`` unset; raises what the compiler raises."""
-    try:  # the ahead-of-time compile is a developer tool of the repository (tools/), not installed
-        from tools import aot, aot_compile
-    except ImportError as exc:
-        raise RuntimeError("compiled_usage needs the repository's tools/ (run from a checkout's root)") from exc
+    aot, aot_compile = checkout_tools()
     from powersgd_triton.layout import padded_rank
 
     key = (launch["kernel"], repr(sorted(launch["config"].items())), repr(sorted(launch["variant"].items())),

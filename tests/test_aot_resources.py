@@ -1,4 +1,4 @@
-"""autotune.aot.resource_usage / blocks_per_sm: registers, spills and occupancy of compiled kernels, without a GPU.
+"""tools.aot.resource_usage / blocks_per_sm: registers, spills and occupancy of compiled kernels, without a GPU.
 
 The occupancy arithmetic is checked against cases worked by hand from the sm_80/sm_90 limits; resource_usage on the
 ``project`` kernel compiled for sm_90 with its heuristic config and with every block size doubled (4x the products a

@@ -115,3 +115,37 @@ def test_the_package_does_not_import_tools():
                 if rel not in allowed:
                     found.append(f"{rel}:{node.lineno}")
     assert not found, f"the package imports the repository's tools/: {found}"
+
+
+def test_public_objects_name_their_public_modules():
+    """The moved public objects keep the module paths users, pickles, DDP's logging and the train command's metrics
+    name them by (the re-seat moved their code, not their names)."""
+    import pickle
+
+    import powersgd_triton as P
+    from powersgd_triton import wrappers
+
+    assert P.PowerSGDState.__module__ == "powersgd_triton.state"
+    assert P.powerSGD_hook.__module__ == P.batched_powerSGD_hook.__module__ == "powersgd_triton.hooks"
+    assert P.alternating_powerSGD_hook.__module__ == "powersgd_triton.alternating"
+    assert wrappers.bf16_compress_wrapper.__module__ == wrappers.fp16_compress_wrapper.__module__ \
+        == "powersgd_triton.wrappers"
+    blob = pickle.dumps((P.PowerSGDState(None, matrix_approximation_rank=3), P.powerSGD_hook,
+                         P.alternating_powerSGD_hook))
+    assert b"powersgd_triton.state.powersgd_state" not in blob and b"powersgd_triton.hooks.layerwise" not in blob
+    state, hook, alternating = pickle.loads(blob)
+    assert type(state) is P.PowerSGDState and state.matrix_approximation_rank == 3
+    assert hook is P.powerSGD_hook and alternating is P.alternating_powerSGD_hook
+
+
+def test_the_performance_model_finds_the_checkout_tools_from_anywhere(tmp_path):
+    """``powersgd-triton bench --model-only`` compiles with the repository's tools/ (not installed): found beside the
+    package whatever the current directory and ``sys.path`` (a console script does not put the checkout on it)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import sys; from powersgd_triton import perfmodel; a, c = perfmodel.checkout_tools(); "
+            "print(a.__file__); print(c.__file__)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    files = proc.stdout.split()
+    assert files == [os.path.join(ROOT, "tools", "aot.py"), os.path.join(ROOT, "tools", "aot_compile.py")], files

@@ -1,7 +1,7 @@
 """The kernels' heuristic configs for sm_90: registers, spills and compile time, without a GPU.
 
 Compiled ahead of time (``aot_compile.compile_aot``, a fresh Triton cache so nothing is read back), in a pool of 2
-processes; registers and spill bytes come from ``ptxas -v`` (``autotune.aot.resource_usage``). The table
+processes; registers and spill bytes come from ``ptxas -v`` (``tools.aot.resource_usage``). The table
 (``aot_compile.table_jobs``): every kernel function (the launches: project, project_t and its reducer, reconstruct,
 orthogonalize and its Gram launch, copy_segments, average, commit_factor) x every feature variant it is launched with
 x fp32 / bf16 / fp16 x the padded ranks 1, 2, 4, 8, 16, 32 (every rank 1..32 compiles as one of them), each with the

@@ -13,7 +13,7 @@ Sections (each one catches and records its own failures, then the run goes on; e
    sections' items once (same shapes, dtypes, ranks and configs; the ``verify`` and ``streams`` sections' hook steps
    included), which fills Triton's on-disk cache; then per
    compiled binary its compile seconds, registers, spills, shared memory, warps/stages and blocks per SM
-   (``autotune.aot.resource_usage``: ``ptxas -v``) beside the loaded kernel's ``n_regs``/``n_spills``. In the dry
+   (``tools.aot.resource_usage``: ``ptxas -v``) beside the loaded kernel's ``n_regs``/``n_spills``. In the dry
    run: the same kernels are compiled ahead of time for sm_90 (``python -m tools.aot --plan``) for
    the same tables; the interpreter runs the checks.
 3. ``copy``: the device's copy bandwidth, a large ``copy_`` timed with ``triton.testing.do_bench`` (median),
@@ -44,7 +44,7 @@ Sections (each one catches and records its own failures, then the run goes on; e
     ``PowerSGDState`` takes no ``verify``.
 11. ``streams`` (after ``verify``, with the checks): ``torch.cuda._sleep`` injected at the top of every NCCL ``then()``
     callback and before every orthogonalization on the next-Q side stream (``ops.orthogonalize`` and the Triton
-    backend's ``_hook_ops.orthogonalize``), NaN scribbled on the default stream meanwhile; the hook's outputs (3
+    backend's ``TritonSteps.orthogonalize``), NaN scribbled on the default stream meanwhile; the hook's outputs (3
     buckets, 4 compressed steps, both hooks, fp32 and bf16) must match the torch backend's by value and the
     uninjected run bitwise, and each row must have delayed callbacks and side-stream orthogonalizations. On CPU (dry
     run) the same rows run on gloo on tiny buckets with a counting sleep and the next-Q orthogonalization standing in

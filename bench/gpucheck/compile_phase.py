@@ -210,7 +210,7 @@ def warm_worker() -> int:
 
 
 def _aot_cases(items):
-    """The bucket cases (shapes, dtype, rank) of the items, for ``autotune.aot --plan`` (dry run)."""
+    """The bucket cases (shapes, dtype, rank) of the items, for ``tools.aot --plan`` (dry run)."""
     from powersgd_triton.autotune.keys import dtype_name
 
     cases, seen = [], set()

@@ -7,7 +7,7 @@ inputs (relative error per bucket at most :data:`TOL`), and bitwise the same hoo
 checks, before the timed sections.
 
 The delay reaches the side stream's orthogonalization on both backends (``ops.orthogonalize`` for the torch
-backend, ``_hook_ops.orthogonalize`` for the Triton backend's launchers); every row must have delayed at least one
+backend, ``TritonSteps.orthogonalize`` for the Triton backend's launchers); every row must have delayed at least one
 callback and one side-stream orthogonalization.
 
 In the dry run (CPU: no streams, no NCCL) the same rows (both hooks, fp32 and bf16, the Triton backend against the

@@ -39,7 +39,8 @@ def add_parser(subparsers):
     p.add_argument("--markdown", default=None, help="write the table as markdown")
     p.add_argument("--model-only", action="store_true",
                    help="no timing: print the performance model's prediction (powersgd_triton.perfmodel) for "
-                        "--models/--matrix-approximation-ranks/--dtypes on --gpu, from the kernels compiled for it (no GPU needed)")
+                        "--models/--matrix-approximation-ranks/--dtypes on --gpu, from the kernels compiled for it (no GPU "
+                        "needed; a clone of the repository is: the ahead-of-time compile is its tools/)")
     p.add_argument("--host-overhead", action="store_true",
                    help="no GPU: time the host side of a compressed bucket step, ours (Triton launch path, the C "
                         "launch and the collectives stubbed) against PyTorch's hook, with Python calls per bucket "

@@ -17,6 +17,7 @@ from powersgd_triton.hooks.wrappers import bf16_compress_wrapper, fp16_compress_
 # the public import paths, as DDP's logging, pickles and the train command's metrics name the hooks
 powerSGD_hook.__module__ = batched_powerSGD_hook.__module__ = __name__
 alternating_powerSGD_hook.__module__ = "powersgd_triton.alternating"
+bf16_compress_wrapper.__module__ = fp16_compress_wrapper.__module__ = "powersgd_triton.wrappers"
 
 __all__ = ["powerSGD_hook", "batched_powerSGD_hook", "alternating_powerSGD_hook", "bf16_compress_wrapper",
            "fp16_compress_wrapper"]

@@ -9,4 +9,7 @@
 
 from powersgd_triton.state.powersgd_state import PowerSGDState, check_grad_scaler
 
+# the public import path, as pickles and messages name the class (as before the re-seat)
+PowerSGDState.__module__ = __name__
+
 __all__ = ["PowerSGDState", "check_grad_scaler"]
