@@ -36,4 +36,5 @@ __getattr__ = module_getattr(__name__, _EXPORTS)
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+    # the public names and what the package holds, not the machinery of its lazy attributes
+    return sorted((set(globals()) | set(_EXPORTS)) - {"module_getattr", "lazy", "_EXPORTS"})
