@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from powersgd_triton.hooks import driver as _step
+from powersgd_triton.hooks import alternating as _alternating
 from powersgd_triton.hooks.alternating import alternating_powerSGD_hook
 from powersgd_triton.hooks.layerwise import powerSGD_hook
 
@@ -38,9 +39,8 @@ def check_hook(hook: Callable, state, caller: str) -> str:
             "FSDP's padding; for low-precision messages use MixedPrecisionPolicy(reduce_dtype=...))"
         )
     _step.check_state(state, name)
-    if hook is alternating_powerSGD_hook and not state.warm_start:
-        raise ValueError("alternating_powerSGD_hook needs warm_start=True: the factors kept between steps carry its "
-                         "power iteration")
+    if hook is alternating_powerSGD_hook:
+        _alternating.check_settings(state)  # the hook's own check (warm start), as its DDP calls make it
     return name
 
 

@@ -246,6 +246,10 @@ class _HalfStep(_step.HookStep):
         return buffer
 
 
+# the hook's settings check, for the registrations that run it outside DDP (powersgd_triton.fsdp.checks)
+check_settings = _HalfStep.check_settings
+
+
 def alternating_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     r"""Layer-wise PowerSGD with one half power-iteration and ONE all-reduce per bucket per step.
 

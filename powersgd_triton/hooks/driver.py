@@ -44,8 +44,11 @@ import torch.distributed as dist
 
 from powersgd_triton.ops import verify
 from powersgd_triton.ops.backend import device_backend
-from powersgd_triton.state.buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401 - the hooks' entry points
-from powersgd_triton.state.memory import BucketMemory, allocate_alternating, draw_q, drop_next_q, p_comm, p_work, q_comm  # noqa: F401 - the hooks' entry points
+# the hooks' entry points into the state
+from powersgd_triton.state.buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401
+from powersgd_triton.state.memory import (  # noqa: F401
+    BucketMemory, allocate_alternating, draw_q, drop_next_q, p_comm, p_work, q_comm,
+)
 from powersgd_triton.state.models import check_bucket_group, check_one_model
 from powersgd_triton.layout import check_gradient_dtype
 from powersgd_triton.state.powersgd_state import PowerSGDState, check_grad_scaler

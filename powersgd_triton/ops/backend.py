@@ -127,9 +127,9 @@ class TorchSteps:
 
     def reconstruct(self, buffer, layout, p, q, scale=1.0, error=None, update_error=None, *, local_p=None,
                     local_q=None, commit=None, orthogonalize_kept=None, loss_scale=None) -> bool:
-        return self.ops.reconstruct(buffer, layout, p, q, scale, error, update_error, local_p=local_p, local_q=local_q,
-                                  commit=commit, orthogonalize_kept=orthogonalize_kept, loss_scale=loss_scale,
-                                  backend="torch")
+        return self.ops.reconstruct(buffer, layout, p, q, scale, error, update_error, local_p=local_p,
+                                    local_q=local_q, commit=commit, orthogonalize_kept=orthogonalize_kept,
+                                    loss_scale=loss_scale, backend="torch")
 
     def pack_uncompressed(self, buffer, layout, dst) -> None:
         self.ops.pack_uncompressed(buffer, layout, dst, backend="torch")
@@ -160,22 +160,25 @@ class TritonSteps:
 
     def __init__(self, configs: Optional[dict] = None):
         self.configs = configs if configs is not None else {}
-        self.k = _kernels()  # the ops package: each launcher looked up per call in its step module (tests patch it there)
+        # the ops package: each launcher is looked up per call in its step module (tests patch it there)
+        self.k = _kernels()
         self.flags_type = _ops().StepFlags
 
     def project(self, buffer, layout, q, p, error=None, *, p2=None, loss_scale=None) -> None:
-        self.k.projection.project(buffer, layout, q, p, error, p2=p2, loss_scale=loss_scale if error is not None else None,
-                           config=self.configs.get("project"))
+        self.k.projection.project(buffer, layout, q, p, error, p2=p2,
+                                  loss_scale=loss_scale if error is not None else None,
+                                  config=self.configs.get("project"))
 
     def orthogonalize(self, x, layout, which, epsilon=0.0, out=None):
         out = x if out is None else out
-        self.k.orthogonalization.orthogonalize(x, layout, which, float(epsilon), out, config=self.configs.get("orthogonalize"))
+        self.k.orthogonalization.orthogonalize(x, layout, which, float(epsilon), out,
+                                               config=self.configs.get("orthogonalize"))
         return out
 
     def project_t(self, buffer, layout, p, q, *, error=None, q2=None, loss_scale=None) -> None:
         self.k.projection_t.project_t(buffer, layout, p, q, error=error, q2=q2,
-                             loss_scale=loss_scale if error is not None and layout.batched else None,
-                             config=self.configs.get("project_t"))
+                                      loss_scale=loss_scale if error is not None and layout.batched else None,
+                                      config=self.configs.get("project_t"))
 
     def average(self, factor, layout, which, buffer, unc=None, world_size=1, *, out=None):
         flags, first = self.k.segments.average(factor, layout, which, buffer, unc, world_size, out)
@@ -188,9 +191,10 @@ class TritonSteps:
         flags = first = None
         if update_error is not None:
             flags, first = update_error.flags, update_error.first
-        self.k.reconstruction.reconstruct(buffer, layout, p, q, float(scale), error, flags, local_p=local_p, local_q=local_q,
-                               commit=commit, first=first, loss_scale=loss_scale if error is not None else None,
-                               config=self.configs.get("reconstruct"))
+        self.k.reconstruction.reconstruct(buffer, layout, p, q, float(scale), error, flags, local_p=local_p,
+                                          local_q=local_q, commit=commit, first=first,
+                                          loss_scale=loss_scale if error is not None else None,
+                                          config=self.configs.get("reconstruct"))
         return False
 
     def pack_uncompressed(self, buffer, layout, dst) -> None:
@@ -204,7 +208,8 @@ class TritonSteps:
     def kept_tensors(self, x, layout, which, out):
         """The device tensors :meth:`orthogonalize` of these arguments keeps with the layout across calls (task
         tables, Gram workspace): a caller running it on a side stream records that stream on them."""
-        return self.k.orthogonalization.orthogonalize_kept_tensors(x, layout, which, out, config=self.configs.get("orthogonalize"))
+        return self.k.orthogonalization.orthogonalize_kept_tensors(x, layout, which, out,
+                                                                   config=self.configs.get("orthogonalize"))
 
 
 def steps_for(backend: str, configs: Optional[dict] = None):

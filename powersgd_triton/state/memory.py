@@ -29,16 +29,12 @@ class BucketMemory:
     """Everything the state keeps for one bucket index (see the module docstring)."""
 
     __slots__ = (
-        "layout", "signature", "backend", "configs", "steps", "error", "p", "q", "q_work", "q_initialized", "q_predrawn", "q_next",
+        "layout", "signature", "backend", "configs", "steps", "error", "p", "q", "q_work", "q_initialized",
+        "q_predrawn", "q_next",
         "phase", "comm", "local", "p_work", "p_comm", "q_comm",
         "params", "param_names", "matrices", "strict", "verified", "order", "order_params", "shapes",
         "verify_pending",
     )
-
-    def drop_next_q(self) -> None:
-        """:func:`drop_next_q` of this memory (what :mod:`powersgd_triton.ops.verify` calls: ops never import
-        state)."""
-        drop_next_q(self)
 
     def __init__(self):
         self.layout: Optional[BucketLayout] = None
@@ -100,6 +96,11 @@ class BucketMemory:
         # saved).
         self.p_comm: Optional[torch.Tensor] = None
         self.q_comm: Optional[torch.Tensor] = None
+
+    def drop_next_q(self) -> None:
+        """:func:`drop_next_q` of this memory (what :mod:`powersgd_triton.ops.verify` calls: ops never import
+        state)."""
+        drop_next_q(self)
 
     def use(self, backend: str, configs: Optional[Dict[str, Optional[dict]]] = None) -> None:
         """Run this bucket on ``backend`` (``"triton"`` or ``"torch"``) with ``configs``: the one object of its
