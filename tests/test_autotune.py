@@ -458,6 +458,34 @@ def test_cli_tunes_exports_shows_clears(tmp_path, monkeypatch, capsys):
     assert "(empty)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flag,what", [("--clear-verdicts", "verdicts"), ("--clear", "entries")])
+def test_cli_clear_on_unusable_folder_says_not_cleared_only(flag, what, tmp_path, monkeypatch, capsys, caplog):
+    """An unusable cache folder (here a file where the folder should be): "not cleared" and exit status 1, never a
+    "cleared 0" after it; a usable one reports what it removed."""
+    from powersgd_triton import cli
+    from powersgd_triton.ops import verify
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("POWERSGD_TRITON_CACHE_DIR", str(blocker))
+    with pytest.warns(CacheWarning, match="not usable") if what == "entries" else caplog.at_level("WARNING"):
+        assert cli.main(["autotune", flag]) == 1
+    captured = capsys.readouterr()
+    assert "cleared" not in captured.out
+    assert f"{what} not cleared: {blocker}" in captured.err
+
+    folder = tmp_path / "usable"
+    monkeypatch.setenv("POWERSGD_TRITON_CACHE_DIR", str(folder))
+    n = 1 + int.from_bytes(os.urandom(1), "little") % 5
+    if what == "verdicts":
+        assert verify.store().put_many(fake_device(), {f"k{i}": {"ok": True, "kernel": "project", "config": {}}
+                                                       for i in range(n)})
+    else:
+        ConfigCache(str(folder)).put_many(fake_device(), {f"k{i}": {"config": {"BLOCK": 64}} for i in range(n)})
+    assert cli.main(["autotune", flag]) == 0
+    assert f"cleared {n} {what} from {folder}" in capsys.readouterr().out
+
+
 def test_cli_without_cuda_says_no_timing(monkeypatch, capsys, tmp_path):
     from powersgd_triton import cli
 

@@ -243,8 +243,9 @@ class ConfigCache:
     def put(self, device: DeviceKey, shape_key: str, entry: dict) -> bool:
         return self.put_many(device, {shape_key: entry})
 
-    def clear(self) -> int:
-        """Remove the cache file; returns the number of entries it held."""
+    def clear(self) -> Optional[int]:
+        """Remove the cache file; returns the number of entries it held, or None when the folder could not be used
+        (a :class:`CacheWarning` says why; nothing was removed). Raises nothing."""
         try:
             with self._lock():
                 count = sum(len(d["entries"]) for d in self._read_locked()["devices"].values())
@@ -254,7 +255,7 @@ class ConfigCache:
                     pass
         except Exception as exc:
             self._warn_unwritable(exc)
-            count = 0
+            count = None
         self._data = {"format": FORMAT, "devices": {}}
         return count
 

@@ -138,14 +138,19 @@ def _show_verdicts(out) -> None:
 
 def run(args, out=None) -> int:
     out = out or sys.stdout
-    if args.clear:
-        cache = ConfigCache()
-        n = cache.clear()
-        print(f"cleared {n} entries from {cache.path}", file=out)
-    if args.clear_verdicts:
-        verdicts = store()
-        n = verdicts.clear()
-        print(f"cleared {n} verdicts from {verdicts.path}", file=out)
+    failed = False
+    for flag, what, target in (("clear", "entries", ConfigCache), ("clear_verdicts", "verdicts", store)):
+        if getattr(args, flag):
+            holder = target()
+            n = holder.clear()  # None: the folder is not usable (the warning above says why)
+            if n is None:
+                failed = True
+                print(f"{what} not cleared: {holder.directory} is not a usable folder (see the warning above)",
+                      file=sys.stderr)
+            else:
+                print(f"cleared {n} {what} from {holder.path}", file=out)
+    if failed:
+        return 1
     if args.show:
         return _show(out)
     if args.model is None:

@@ -180,8 +180,10 @@ class VerdictStore:
         dev = self._first.get(device.key)
         return dev["verdicts"] if dev else {}
 
-    def clear(self) -> int:
-        """Remove the file (``powersgd-triton autotune --clear-verdicts``); the number of verdicts it held."""
+    def clear(self) -> Optional[int]:
+        """Remove the file (``powersgd-triton autotune --clear-verdicts``); the number of verdicts it held, or None
+        when the folder could not be used (an ``OSError`` there is logged as a warning, not raised; nothing was
+        removed)."""
         try:
             with _env.file_lock(self.path + ".lock", 60.0):
                 n = sum(len(d["verdicts"]) for d in self._read()["devices"].values())
@@ -191,7 +193,7 @@ class VerdictStore:
                     pass
         except OSError as exc:
             logger.warning("powersgd_triton verify: %s not cleared (%s)", self.path, exc)
-            return 0
+            return None
         self._data = self._first = None
         return n
 

@@ -283,6 +283,8 @@ class PowerSGDState:
         if not orthogonalization_epsilon >= 0:
             raise ValueError(f"`orthogonalization_epsilon` must be >= 0, got {orthogonalization_epsilon}")
         _check_number("random_seed", random_seed, integer=True)
+        if not 0 <= random_seed <= 2**32 - 1:  # numpy.random.RandomState's range (its own error names no argument)
+            raise ValueError(f"`random_seed` must be in [0, 2**32 - 1] (a numpy RandomState seed), got {random_seed}")
         _check_number("compression_stats_logging_frequency", compression_stats_logging_frequency, integer=True)
         check_backend(backend)
         if backend == "triton":

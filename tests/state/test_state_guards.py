@@ -68,6 +68,16 @@ def test_non_finite_settings_are_refused(name, value):
         PowerSGDState(None, **{name: value})
 
 
+@pytest.mark.parametrize("offset", [-1, 2**32])  # just outside numpy.random.RandomState's seed range
+def test_random_seed_out_of_range_names_the_argument(offset):
+    extra = int.from_bytes(os.urandom(2), "little")  # a fresh distance beyond the end each run
+    seed = offset - extra if offset < 0 else offset + extra
+    with pytest.raises(ValueError, match=r"`random_seed` must be in \[0, 2\*\*32 - 1\].*got " + str(seed)):
+        PowerSGDState(None, random_seed=seed)
+    for edge in (0, 2**32 - 1, np.uint32(2**32 - 1)):  # the range's ends are accepted, as numpy accepts them
+        assert PowerSGDState(None, random_seed=edge).rng.randint(2**31) == np.random.RandomState(edge).randint(2**31)
+
+
 # ------------------------------------------------------------------------------------------------ item 7: backend
 def test_triton_backend_refused_at_construction_when_it_cannot_run_anywhere(monkeypatch):
     monkeypatch.setattr(_env, "interpreter_enabled", lambda: False)
