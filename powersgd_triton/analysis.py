@@ -10,8 +10,8 @@ train command's batching), and hands that gradient, in a one-bucket stand-in for
 * ``"ours"``: :func:`powersgd_triton.powerSGD_hook`,
 * ``"reference"``: PyTorch's ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook``,
 * ``"ours_cold"``: ours with ``warm_start=False`` (a fresh random Q at every step),
-* ``"alternating"``: :func:`powersgd_triton.alternating_powerSGD_hook` (one half power-iteration per step: the
-  projection onto a subspace that the previous step's all-reduce fixed; not in the default ``impls``),
+* each of our layer-wise variants that PyTorch does not have, by its name in
+  :data:`powersgd_triton.variants.VARIANTS` (not in the default ``impls``),
 
 one state per (hook, approximation rank r), all created with the same arguments and seed. The hooks really
 all-reduce between the ranks. For every compressed layer and step it records the relative error
@@ -49,14 +49,16 @@ import torch.distributed as dist
 
 from powersgd_triton import teardown
 from powersgd_triton.layout import should_compress
+from powersgd_triton.variants import VARIANTS
 
-IMPLS = ("ours", "reference", "ours_cold", "alternating")
+_OTHERS = tuple(v for v in VARIANTS if v.pytorch_twin is None and not v.batched)
 DEFAULT_IMPLS = ("ours", "reference", "ours_cold")
+IMPLS = DEFAULT_IMPLS + tuple(v.name for v in _OTHERS)
 IMPL_LABELS = {
     "ours": "powersgd_triton.powerSGD_hook",
     "reference": "torch powerSGD_hook",
     "ours_cold": "powersgd_triton, no warm start",
-    "alternating": "powersgd_triton.alternating_powerSGD_hook",
+    **{v.name: v.function for v in _OTHERS},
     "svd": "best rank-r (SVD)",
 }
 MODES = ("fixed", "trajectory")

@@ -17,7 +17,7 @@ same numbers in the same places as PyTorch's ``p_memory_dict`` / ``q_memory_dict
 The kernels read one small ``int64`` device table (:attr:`BucketLayout.table`, one row of :data:`TABLE_COLUMNS` per
 matrix), built once. The per-launch tile and task tables derived from a layout are kernel plans, built by
 :mod:`powersgd_triton.ops.tables` and kept with the layout in its :meth:`~BucketLayout.memo` store (this module
-imports nothing of :mod:`powersgd_triton.ops`). The batched view (``batched_powerSGD_hook``) is a layout with a
+imports nothing of :mod:`powersgd_triton.ops`). The batched view (the batched hook) is a layout with a
 single virtual ``s x s`` matrix, ``s = ceil(sqrt(N))``, whose elements past ``N`` are masked (``NUMEL`` column), so
 the bucket is never resized. As in PyTorch's batched hook, the error memory covers the whole padded matrix (``s * s``
 floats, at most ``2s - 1`` more than the bucket): the padding's ``M + E`` is its error memory.
@@ -263,7 +263,8 @@ class BucketLayout:
 
     @classmethod
     def batched(cls, numel: int, matrix_approximation_rank: int, device, dtype=torch.float32) -> "BucketLayout":
-        """Batched layout (``batched_powerSGD_hook``): the flat buffer of ``numel`` elements as one ``s x s`` matrix.
+        """Batched layout (the batched hook, PyTorch's batched semantics): the flat buffer of ``numel`` elements as
+        one ``s x s`` matrix.
 
         ``s = ceil(sqrt(numel))``; elements with flat index ``>= numel`` are the zero padding, masked in the kernels
         (never stored). Rank ``min(s, matrix_approximation_rank)``. Stats as PyTorch: before ``numel``, after

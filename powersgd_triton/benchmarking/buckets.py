@@ -145,7 +145,7 @@ def model_bucket_layouts(model: str, rank: int, dtype=torch.float32, device="cpu
                          min_compression_rate: float = 2.0, shrink: int = 1) -> List[BucketLayout]:
     """The :class:`BucketLayout` of each of ``model``'s DDP-like buckets (:func:`model_bucket_shapes`), bucket 0 first.
 
-    ``batched=True``: ``batched_powerSGD_hook``'s layout (the whole bucket as one square-ish matrix); else the
+    ``batched=True``: the batched hook's layout (the whole bucket as one square-ish matrix); else the
     layer-wise hooks' (:func:`bucket_layout` of a :class:`FakeGradBucket` whose buffer is allocated on ``device`` but
     never written: only the gradients' offsets and shapes matter). Raises ``ValueError`` for an unknown model
     (:func:`~powersgd_triton.shapes.model_shapes`), ``KeyError`` for an unknown dtype name (:data:`DTYPES`).

@@ -1,5 +1,5 @@
 """The hooks under test and one DDP-like step of them: :func:`ensure_process_group` (an in-process world of size 1),
-:func:`make_hook` (PyTorch's ``powerSGD_hook``, ours or our alternating hook, same arguments) and :class:`HookStep`
+:func:`make_hook` (PyTorch's ``powerSGD_hook`` or one of ours, same arguments) and :class:`HookStep`
 (the hook called for every bucket of a model, in index order).
 """
 
@@ -10,10 +10,12 @@ import torch.distributed as dist
 
 from powersgd_triton.benchmarking.buckets import FakeGradBucket
 from powersgd_triton.benchmarking.memory import held_bytes
+from powersgd_triton.variants import BY_NAME, VARIANTS
 
 
 IMPLS = ("pytorch", "ours")  # what compare_hooks and bench/ run by default
-ALL_IMPLS = IMPLS + ("alternating",)  # make_hook also knows powersgd_triton.alternating_powerSGD_hook
+# make_hook also knows the variants PyTorch does not have (powersgd_triton.variants), and every variant by name
+ALL_IMPLS = IMPLS + tuple(v.name for v in VARIANTS if v.pytorch_twin is None)
 
 
 def ensure_process_group(backend: Optional[str] = None) -> str:
@@ -31,12 +33,13 @@ def ensure_process_group(backend: Optional[str] = None) -> str:
 
 def make_hook(impl: str, rank: int, *, batched: bool = False, backend: str = "auto", start_powerSGD_iter: int = 2,
               **state_kwargs):
-    """``(state, hook)`` for ``impl`` ("pytorch": torch's own, "ours", "alternating": our
-    ``alternating_powerSGD_hook``, layer-wise only), same PowerSGD arguments for all.
+    """``(state, hook)`` for ``impl`` ("pytorch": torch's own, "ours": our twin of it, or the name of one of our
+    variants, :data:`powersgd_triton.variants.VARIANTS`), same PowerSGD arguments for all. ``batched`` picks the
+    batched hook of "pytorch" and "ours".
 
     Defaults are PyTorch's (``min_compression_rate=2``, error feedback and warm start on, epsilon 0) except
     ``start_powerSGD_iter=2`` (the smallest allowed with error feedback). ``backend`` only applies to ours.
-    Raises ``ValueError`` for an unknown impl, ``RuntimeError`` for the alternating hook with ``batched=True``.
+    Raises ``ValueError`` for an unknown impl, ``RuntimeError`` for a layer-wise-only variant with ``batched=True``.
     """
     kwargs = dict(process_group=None, matrix_approximation_rank=int(rank), start_powerSGD_iter=start_powerSGD_iter)
     kwargs.update(state_kwargs)
@@ -45,15 +48,13 @@ def make_hook(impl: str, rank: int, *, batched: bool = False, backend: str = "au
 
         return m.PowerSGDState(**kwargs), (m.batched_powerSGD_hook if batched else m.powerSGD_hook)
     if impl == "ours":
+        impl = "batched" if batched else "powersgd"
+    elif impl in BY_NAME and batched and not BY_NAME[impl].batched:
+        raise RuntimeError(f"the {impl} hook is layer-wise only")
+    if impl in BY_NAME:
         import powersgd_triton as pkg
 
-        return pkg.PowerSGDState(backend=backend, **kwargs), (pkg.batched_powerSGD_hook if batched else pkg.powerSGD_hook)
-    if impl == "alternating":
-        import powersgd_triton as pkg
-
-        if batched:
-            raise RuntimeError("the alternating hook is layer-wise only")
-        return pkg.PowerSGDState(backend=backend, **kwargs), pkg.alternating_powerSGD_hook
+        return pkg.PowerSGDState(backend=backend, **kwargs), BY_NAME[impl].load()
     raise ValueError(f"unknown impl {impl!r}; expected one of {ALL_IMPLS}")
 
 

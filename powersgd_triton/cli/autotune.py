@@ -25,7 +25,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     help=RANK_HELP + "; several may be given (default 4)")
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["fp32", "fp16", "bf16"], help="gradient dtype(s)")
     p.add_argument("--hook", choices=["layerwise", "batched", "both"], default="layerwise",
-                   help="powerSGD_hook (layerwise) and/or batched_powerSGD_hook shapes")
+                   help="the layer-wise hooks' (layerwise) and/or the batched hook's shapes")
     p.add_argument("--bucket-cap-mb", type=positive(float), default=25.0, help="DDP bucket size (default 25)")
     p.add_argument("--first-bucket-mb", type=float, default=1.0,
                    help="DDP's smaller first bucket (default 1, DDP's default; 0: none)")

@@ -17,30 +17,31 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from powersgd_triton.hooks import driver as _step
-from powersgd_triton.hooks import alternating as _alternating
-from powersgd_triton.hooks.alternating import alternating_powerSGD_hook
-from powersgd_triton.hooks.layerwise import powerSGD_hook
+from powersgd_triton.variants import VARIANTS
 
 __all__ = ["HOOKS", "check_hook", "several_groups_error", "check_state_free", "claim_state", "BackwardCounter",
            "nested_backward"]
 
-HOOKS = {"powerSGD_hook": powerSGD_hook, "alternating_powerSGD_hook": alternating_powerSGD_hook}
+# the hooks that run per FSDP2 parameter group: our layer-wise variants (powersgd_triton.variants, ``fsdp``)
+FSDP_VARIANTS = tuple(v for v in VARIANTS if v.fsdp)
+HOOKS = {v.hook_name: v.load() for v in FSDP_VARIANTS}
 
 
 def check_hook(hook: Callable, state, caller: str) -> str:
     """The name of ``hook`` after checking that ``caller`` (``"register_fsdp"`` / ``"register_replicate"``) can run
-    it with ``state``; raises ``ValueError`` (another hook, the alternating hook without warm start) or ``TypeError``
-    (``state`` is not a :class:`~powersgd_triton.PowerSGDState`)."""
-    name = next((k for k, v in HOOKS.items() if v is hook), None)
-    if name is None:
+    it with ``state``; raises ``ValueError`` (another hook; settings the hook refuses, e.g. no warm start where its
+    kept factors need it) or ``TypeError`` (``state`` is not a :class:`~powersgd_triton.PowerSGDState`)."""
+    variant = next((v for v in FSDP_VARIANTS if v.load() is hook), None)
+    if variant is None:
         raise ValueError(
-            f"{caller} runs powersgd_triton's powerSGD_hook or alternating_powerSGD_hook, got "
-            f"{getattr(hook, '__qualname__', hook)!r} (batched_powerSGD_hook would mix the parameters of a group and "
-            "FSDP's padding; for low-precision messages use MixedPrecisionPolicy(reduce_dtype=...))"
+            f"{caller} runs powersgd_triton's {' or '.join(HOOKS)}, got "
+            f"{getattr(hook, '__qualname__', hook)!r} ({' or '.join(v.hook_name for v in VARIANTS if not v.fsdp)} "
+            "would mix the parameters of a group and FSDP's padding; for low-precision messages use "
+            "MixedPrecisionPolicy(reduce_dtype=...))"
         )
+    name = variant.hook_name
     _step.check_state(state, name)
-    if hook is alternating_powerSGD_hook:
-        _alternating.check_settings(state)  # the hook's own check (warm start), as its DDP calls make it
+    variant.check_settings(state)  # the hook's own check, as its DDP calls make it
     return name
 
 

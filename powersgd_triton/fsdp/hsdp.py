@@ -13,7 +13,8 @@ the group's order, the rows of this rank's dim-0 shard, padded to ``ceil(dim0 / 
 rows (``rows_on_this_rank x numel/dim0``: a ``Linear`` weight's row block, a conv weight as rows x the rest) are a
 matrix of a :class:`~powersgd_triton.layout.BucketLayout` exactly like a gradient of a DDP bucket, so the layer-wise
 hooks run unchanged on it: :func:`~powersgd_triton.powerSGD_hook` (all-reduce of the uncompressed shards, of P, of Q)
-or :func:`~powersgd_triton.alternating_powerSGD_hook` (one all-reduce), over the replicate group, with the same
+or another of :data:`~powersgd_triton.fsdp.checks.HOOKS` (e.g. one all-reduce of P or Q in turn), over the
+replicate group, with the same
 kernels, error feedback and warm start per shard matrix, compression test (``min_compression_rate``) and
 :class:`~powersgd_triton.PowerSGDState`. 1-D shards (biases, norms) and shards too small to gain travel
 uncompressed. The padding rows are zero on every rank and FSDP never reads them: they are not sent (native HSDP
@@ -466,8 +467,8 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
             e.g. ``mesh["replicate"].get_group()`` of ``init_device_mesh(dev, (R, S), mesh_dim_names=("replicate",
             "shard"))``. Its arguments mean what they mean for DDP (``matrix_approximation_rank``,
             ``start_powerSGD_iter``: plain averaging all-reduces for the first backward passes, ...).
-        hook: :func:`~powersgd_triton.powerSGD_hook` (P and Q all-reduces) or
-            :func:`~powersgd_triton.alternating_powerSGD_hook` (one all-reduce per group per step).
+        hook: :func:`~powersgd_triton.powerSGD_hook` (P and Q all-reduces) or another of our layer-wise hooks
+            (:data:`~powersgd_triton.fsdp.checks.HOOKS`).
 
     Returns:
         An :class:`FSDPPowerSGD` (``state_dict()`` / ``load_state_dict()`` per rank, ``groups``: the shard layouts).
@@ -475,7 +476,7 @@ def register_fsdp(model, state: PowerSGDState, hook: Callable = powerSGD_hook) -
     Raises:
         TypeError: ``state`` is not our state; a reduce dtype PowerSGD cannot compress; ``model`` has no FSDP2 module
             with parameters; a ``replicate()`` module (use :func:`~powersgd_triton.fsdp.replicate.register_replicate`).
-        ValueError: another hook; ``alternating_powerSGD_hook`` without warm start; no replicate group (``None``: the
+        ValueError: another hook; settings the hook refuses (its DDP call would); no replicate group (``None``: the
             default group holds this rank's shard peers), a group of one rank, or a group that is not the replicas;
             a 2-D mesh given to ``fully_shard`` (native HSDP), tensor-parallel parameters, a custom
             ``shard_placement_fn`` (a module with several parameter groups: one error naming each group's mesh and

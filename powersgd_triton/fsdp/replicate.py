@@ -17,11 +17,11 @@ over ``mesh_info.replicate_process_group``, *then* calls the all-reduce hook if 
   :func:`~powersgd_triton.fsdp.hsdp.register_fsdp` does for HSDP: the group's flat gradient is laid out as a
   :class:`~powersgd_triton.layout.BucketLayout` (one "bucket" per parameter group, bucket index = the order of the
   replicate modules in ``model.modules()``), each parameter a matrix ``dim0 x numel/dim0``, and
-  :func:`~powersgd_triton.powerSGD_hook` or :func:`~powersgd_triton.alternating_powerSGD_hook` runs on it (error
-  feedback, warm start, the compression test, the uncompressed tensors, the average over the replicas, the state's
-  iteration counted once per backward). The result is what our DDP hook gives on a DDP bucket holding the same
-  gradients in the same order (tested against ``DistributedDataParallel`` + ``register_comm_hook``, gloo, 2 and 4
-  ranks).
+  :func:`~powersgd_triton.powerSGD_hook` or another of our layer-wise hooks
+  (:data:`~powersgd_triton.fsdp.checks.HOOKS`) runs on it (error feedback, warm start, the compression test, the
+  uncompressed tensors, the average over the replicas, the state's iteration counted once per backward). The result
+  is what our DDP hook gives on a DDP bucket holding the same gradients in the same order (tested against
+  ``DistributedDataParallel`` + ``register_comm_hook``, gloo, 2 and 4 ranks).
 
 ``set_requires_all_reduce(False)`` works as with native replicate(): FSDP accumulates the group's gradient and calls
 no hook; the next backward with all-reduce compresses the sum. Checked when registering (before the first backward,
@@ -165,7 +165,7 @@ def register_replicate(model, state: PowerSGDState, hook: Callable = powerSGD_ho
         state: a :class:`~powersgd_triton.PowerSGDState` whose ``process_group`` is the modules' replicate group
             (``mesh.get_group()``; ``None``: the default group, when the mesh spans every rank). Its arguments mean
             what they mean for DDP.
-        hook: :func:`~powersgd_triton.powerSGD_hook` or :func:`~powersgd_triton.alternating_powerSGD_hook`.
+        hook: :func:`~powersgd_triton.powerSGD_hook` or another of :data:`~powersgd_triton.fsdp.checks.HOOKS`.
 
     Returns:
         A :class:`ReplicatePowerSGD` (``state_dict()`` / ``load_state_dict()`` per rank, ``groups``).
@@ -176,7 +176,7 @@ def register_replicate(model, state: PowerSGDState, hook: Callable = powerSGD_ho
         TypeError: ``state`` is not our state; ``model`` has no replicate() module with parameters, or also has
             ``fully_shard`` modules (use :func:`~powersgd_triton.fsdp.hsdp.register_fsdp`); a reduce dtype PowerSGD cannot
             compress.
-        ValueError: another hook; ``alternating_powerSGD_hook`` without warm start; ``state.process_group`` is not
+        ValueError: another hook; settings the hook refuses (its DDP call would); ``state.process_group`` is not
             the modules' replicate group, holds one rank, or the replicas' layouts differ (every member raises);
             replicate() modules on different meshes; a module with several parameter groups; a gradient divide
             factor; an all-reduce hook already set; ``state`` already registered on another live model (by this

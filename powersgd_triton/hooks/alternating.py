@@ -127,7 +127,7 @@ class _HalfStep(_step.HookStep):
     """One compressed half-step of one bucket: the work before and after its all-reduce, for
     :func:`powersgd_triton.hooks.driver.run`."""
 
-    name, kind, batched = "alternating_powerSGD_hook", "alternating", False
+    name, batched, draws_q_each_step = "alternating_powerSGD_hook", False, False
 
     __slots__ = ("state", "mem", "layout", "buffer", "bucket_buffer", "group", "world_size", "eps", "phase", "factor",
                  "unc", "sent", "local", "loss_scale", "steps", "check", "pending", "kept")
@@ -165,7 +165,7 @@ class _HalfStep(_step.HookStep):
             state.total_numel_after_compression += layout.uncompressed_numel
             _step.report_compression_stats(state, bucket)
             return _step.allreduce_average(self.group, self.world_size, buffer)
-        _step.allocate_alternating(mem, buffer)
+        self.allocate()
         if mem.verify_pending:
             self.begin_check(layout.uncompressed_numel > 0, bucket.index())
         self.setup()
@@ -173,6 +173,25 @@ class _HalfStep(_step.HookStep):
         _step.report_compression_stats(state, bucket)
         self.start()
         return [(self.sent, None)]
+
+    def allocate(self) -> None:
+        """This hook's transient buffers in the bucket's memory (once per layout; after a load, on first use):
+        ``comm`` (factor + uncompressed gradients, the one all-reduced buffer), ``local`` (this rank's factor, for the
+        local-residual error; with error feedback), ``p_work`` (the orthogonalized kept P of a Q step; a P step
+        orthogonalizes the kept Q into ``q_work``), in the memory's dtype."""
+        mem, layout, buffer = self.mem, self.layout, self.buffer
+        factor = max(layout.p_numel, layout.q_numel)
+        f32 = dict(device=buffer.device, dtype=_step.memory_dtype(buffer.dtype))
+        numel = factor + layout.uncompressed_numel
+        comm = mem.comm
+        if comm is None or comm.numel() != numel or comm.device != buffer.device or comm.dtype != f32["dtype"]:
+            mem.comm = torch.empty(numel, **f32)
+            mem.local = torch.empty(factor, **f32) if mem.error is not None else None
+            _step.p_work(mem)
+        if mem.error is not None and mem.local is None:  # error feedback turned on since
+            mem.local = torch.empty(factor, **f32)
+        if mem.q_work is None:
+            mem.q_work = torch.empty(layout.q_numel, **f32)
 
     def setup(self) -> None:
         """This half-step's views of the memory's ``comm`` buffer (``[factor | uncompressed]``) and ``local``."""

@@ -1,8 +1,8 @@
 """The step machinery the PowerSGD hooks share: checks, warm-up, collectives, and the state's per-step services.
 
-Used by :mod:`powersgd_triton.hooks.layerwise` (``powerSGD_hook``, ``batched_powerSGD_hook``), :mod:`powersgd_triton.hooks.alternating`
-and :mod:`powersgd_triton.fsdp.hsdp`, through these named functions only (the hooks never reach into the state's
-internals):
+Used by the hook modules beside it (each hook a :class:`HookStep` class; the list:
+:data:`powersgd_triton.variants.VARIANTS`) and :mod:`powersgd_triton.fsdp.hsdp`, through these named functions only
+(the hooks never reach into the state's internals):
 
 * before anything changes: :func:`check_state`, :func:`checked_buffer` (:func:`check_bucket`),
   :func:`check_backend_runs`;
@@ -10,7 +10,7 @@ internals):
   there, once per call);
 * warm-up and sparse buckets: :func:`warm_up` (plain averaging all-reduce, :func:`allreduce_average`);
 * the bucket's memory: :func:`prepare_bucket` (layout check, migration: :mod:`powersgd_triton.state.buckets`),
-  :func:`draw_q`, :func:`allocate_alternating` (:mod:`powersgd_triton.state.memory`), :func:`end_of_iteration`,
+  :func:`draw_q`, :func:`p_work`, :func:`memory_dtype` (:mod:`powersgd_triton.state.memory`), :func:`end_of_iteration`,
   :func:`bind_model`; the warm-start Q orthogonalized one step ahead: :func:`orthogonalize_next_q`,
   :func:`take_next_q`;
 * per step: :func:`process_group`, :func:`loss_scale` (``grad_scaler``), :func:`wire_dtype` and
@@ -47,7 +47,7 @@ from powersgd_triton.ops.backend import device_backend
 # the hooks' entry points into the state
 from powersgd_triton.state.buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401
 from powersgd_triton.state.memory import (  # noqa: F401
-    BucketMemory, allocate_alternating, draw_q, drop_next_q, p_comm, p_work, q_comm,
+    BucketMemory, draw_q, drop_next_q, memory_dtype, p_comm, p_work, q_comm,
 )
 from powersgd_triton.state.models import check_bucket_group, check_one_model
 from powersgd_triton.layout import check_gradient_dtype
@@ -374,14 +374,15 @@ def checked_buffer(bucket) -> torch.Tensor:
     return buffer
 
 
-def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor, hook: str = "layerwise"):
+def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor, hook: Optional[type] = None):
     """``(group, world_size, future)``: ``future`` is the plain averaged all-reduce while
     ``iter < start_powerSGD_iter`` (PyTorch's warm-up) and, at every step, for a sparse bucket (as DDP's default
     hook averages it: PowerSGD compresses dense matrices); else None and the hook compresses. The iteration is
     counted by :func:`run`, not here.
 
-    ``hook`` ("layerwise", "batched", "alternating") is recorded with the bucket's dtype in warm-up calls (the first
-    compressed step's Qs drawn ahead for a state dict: :mod:`powersgd_triton.state.predraw`).
+    What the state dict's draws ahead need of ``hook`` (the :class:`HookStep` class; None: ``powerSGD_hook``'s), its
+    ``batched`` and ``draws_q_each_step``, is recorded with the bucket's dtype in warm-up calls (the first compressed
+    step's Qs drawn ahead for a state dict: :mod:`powersgd_triton.state.predraw`).
 
     Raises ``RuntimeError`` (before anything is changed, from step 0) when ``backend="triton"`` cannot run on the
     bucket's device."""
@@ -392,7 +393,8 @@ def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor, hook: str = "lay
         check_bucket_group(state, bucket, group)  # the state's group is DDP's: checked once, at the first call
     if state.iter < state.start_powerSGD_iter:
         check_one_model(state, bucket)  # a second DDP model on this state: refused at its first call
-        state.buckets.index_dtypes[bucket.index()] = (buffer.dtype, hook)  # for powersgd_triton.state.predraw
+        hook = HookStep if hook is None else hook  # for powersgd_triton.state.predraw:
+        state.buckets.index_dtypes[bucket.index()] = (buffer.dtype, hook.batched, hook.draws_q_each_step)
         return group, world_size, allreduce_average(group, world_size, buffer)
     if buffer.is_sparse:
         return group, world_size, allreduce_average(group, world_size, buffer)
@@ -400,13 +402,14 @@ def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor, hook: str = "lay
 
 
 class HookStep:
-    """One compressed step of one bucket, as a hook defines it for :func:`run` (the hooks: ``_Step`` of
-    :mod:`powersgd_triton.hooks.layerwise`, ``_HalfStep`` of :mod:`powersgd_triton.hooks.alternating`).
+    """One compressed step of one bucket, as a hook defines it for :func:`run` (the hooks' step classes:
+    :data:`powersgd_triton.variants.VARIANTS`, ``step``).
 
-    Class attributes: ``name`` (the hook's name in messages), ``kind`` ("layerwise", "batched", "alternating"),
-    ``batched`` (the whole bucket as one matrix), ``check_settings`` (None, or a function of the state that refuses
-    settings the hook cannot run with, before anything is changed). Made with ``(state, mem, buffer, group,
-    world_size)`` after the bucket's memory is prepared; then :func:`run` calls
+    Class attributes: ``name`` (the hook's name in messages), ``batched`` (the whole bucket as one matrix),
+    ``draws_q_each_step`` (without warm start, each compressed step draws a fresh random Q per bucket, as PyTorch's
+    hooks do; False for a hook whose factors are kept: it draws once), ``check_settings`` (None, or a function of
+    the state that refuses settings the hook cannot run with, before anything is changed). Made with ``(state, mem,
+    buffer, group, world_size)`` after the bucket's memory is prepared; then :func:`run` calls
 
     * :meth:`begin` (the compression statistics, the first-use check, the work before the first all-reduce): the
       step's rounds ``[(factor, after), ...]``: each ``factor`` is sum-all-reduced in turn (:func:`allreduce_factor`)
@@ -427,8 +430,8 @@ class HookStep:
 
     __slots__ = ()
     name = "powerSGD_hook"
-    kind = "layerwise"
     batched = False
+    draws_q_each_step = True
     check_settings = None
 
     def begin(self, bucket):
@@ -484,11 +487,12 @@ def run(state: PowerSGDState, bucket, hook) -> torch.futures.Future:
     buffer = checked_buffer(bucket)
     if hook.check_settings is not None:
         hook.check_settings(state)
-    group, world_size, plain = warm_up(state, bucket, buffer, hook.kind)
+    group, world_size, plain = warm_up(state, bucket, buffer, hook)
     # a sparse bucket after the warm-up: the hook does not see it, and if it is the last one it ends the iteration
     skipped = plain is not None and buffer.is_sparse and state.iter >= state.start_powerSGD_iter
     if plain is None:
         mem = prepare_bucket(state, bucket, buffer, hook.batched, group)
+        mem.draws_q_each_step = hook.draws_q_each_step  # for powersgd_triton.state.predraw
         step = hook(state, mem, buffer, group, world_size)
         rounds = step.begin(bucket)
         if not isinstance(rounds, list):

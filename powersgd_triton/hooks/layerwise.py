@@ -69,7 +69,7 @@ class _Step(_step.HookStep):
     :meth:`output` writes each gradient back into DDP's ``bucket_buffer``.
     """
 
-    name, kind, batched = "powerSGD_hook", "layerwise", False
+    name, batched = "powerSGD_hook", False
 
     __slots__ = ("state", "mem", "layout", "buffer", "bucket_buffer", "order", "remap", "group", "world_size", "unc",
                  "packed", "unc_work", "backend", "eps", "loss_scale", "p_raw", "p_send", "q_raw", "steps", "check",
@@ -228,7 +228,7 @@ class _BatchedStep(_Step):
     bucket, its padding masked)."""
 
     __slots__ = ()
-    name, kind, batched = "batched_powerSGD_hook", "batched", True
+    name, batched = "batched_powerSGD_hook", True
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

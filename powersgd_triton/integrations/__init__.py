@@ -115,15 +115,15 @@ def register(model, state, hook=None):
             hook.
         ValueError: our state's process group (None: WORLD) holds other ranks than the one DDP all-reduces in.
     """
+    from powersgd_triton import variants
     from powersgd_triton.hooks import driver as _step
-    from powersgd_triton.hooks import alternating as _alternating
     from powersgd_triton.hooks import layerwise as _hooks
     from powersgd_triton.state.powersgd_state import PowerSGDState
 
     if hook is None:
         hook = _hooks.powerSGD_hook
     check_ddp_model(model)
-    ours = (_hooks.powerSGD_hook, _hooks.batched_powerSGD_hook, _alternating.alternating_powerSGD_hook)
+    ours = variants.functions()
     if hook in ours:
         _step.check_state(state, hook.__name__)
     if isinstance(state, PowerSGDState):

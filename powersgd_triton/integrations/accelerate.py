@@ -47,8 +47,9 @@ def register_comm_hook(accelerator, model, state, hook=None, *, checkpoint: bool
         accelerator: the ``accelerate.Accelerator`` that prepared ``model``.
         model: what ``accelerator.prepare`` returned for the model.
         state: a :class:`powersgd_triton.PowerSGDState` (``process_group=None``: the world group).
-        hook: :func:`~powersgd_triton.powerSGD_hook` (default), :func:`~powersgd_triton.batched_powerSGD_hook`, or a
-            wrapped one (``powersgd_triton.hooks.wrappers.bf16_compress_wrapper(powerSGD_hook)``).
+        hook: :func:`~powersgd_triton.powerSGD_hook` (default), another of
+            :data:`~powersgd_triton.variants.VARIANTS`, or a wrapped one
+            (``powersgd_triton.hooks.wrappers.bf16_compress_wrapper(powerSGD_hook)``).
         checkpoint: also save/load every rank's hook state with ``accelerator.save_state`` / ``load_state``.
 
     With ``mixed_precision="fp16"`` the accelerator's ``GradScaler`` becomes ``state.grad_scaler`` (unless the state

@@ -195,17 +195,17 @@ def reconstruct(
     """Step 4: ``M_i ← P_i · (scale·Q_i)ᵀ``; with ``error`` also ``E_i ← M_i(before) − P_i · (scale·Q_i)ᵀ``.
 
     One pass over the bucket (no clone of it). ``update_error``: a one-element bool device tensor, or the
-    :class:`StepFlags` of :func:`average`; where the step is not finite the error memory is left unchanged (used to
-    keep the state valid on a non-finite step without a host sync). ``local_p`` / ``local_q`` (flat like ``p`` /
-    ``q``, at most one): the error becomes the local residual ``M_i − P_local·Q_iᵀ`` / ``M_i − P_i·Q_localᵀ``
-    (alternating hook), the output stays ``P_i·(scale·Q_i)ᵀ``. ``commit=(which, kept)``: also the warm-start update
-    ``kept_i <- p_i`` (``which="p"``) or ``q_i`` (``"q"``) for every matrix whose factor is not all zero, where the
-    step is finite; needs ``update_error`` from :func:`average` on the same factor (as :func:`commit_factor`, in
-    the same launch). Deterministic (no atomics). Padding of the batched view is never stored in the bucket; its
-    error memory is updated like the rest (PyTorch's batched hook). ``loss_scale`` (one-element float32 device
-    tensor ``s``, with ``error``): the error memory is in unscaled units, ``E_i ← (M_i(before) − P_i·(scale·Q_i)ᵀ)
-    / s`` (``M_i(before)`` holds ``M + s·E`` after :func:`project` with the same ``s``; the batched padding's is
-    ``s·E``); the output stays in the gradients' (scaled) units.
+    :class:`StepFlags` of :func:`average`; where the step is not finite the error memory is left unchanged (used to keep
+    the state valid on a non-finite step without a host sync). ``local_p`` / ``local_q`` (flat like ``p`` / ``q``, at
+    most one): the error becomes the local residual ``M_i − P_local·Q_iᵀ`` / ``M_i − P_i·Q_localᵀ`` (a hook that
+    all-reduces one factor per step), the output stays ``P_i·(scale·Q_i)ᵀ``. ``commit=(which, kept)``: also the
+    warm-start update ``kept_i <- p_i`` (``which="p"``) or ``q_i`` (``"q"``) for every matrix whose factor is not all
+    zero, where the step is finite; needs ``update_error`` from :func:`average` on the same factor (as
+    :func:`commit_factor`, in the same launch). Deterministic (no atomics). Padding of the batched view is never stored
+    in the bucket; its error memory is updated like the rest (PyTorch's batched hook). ``loss_scale`` (one-element
+    float32 device tensor ``s``, with ``error``): the error memory is in unscaled units, ``E_i ← (M_i(before) −
+    P_i·(scale·Q_i)ᵀ) / s`` (``M_i(before)`` holds ``M + s·E`` after :func:`project` with the same ``s``; the batched
+    padding's is ``s·E``); the output stays in the gradients' (scaled) units.
 
     ``orthogonalize_kept`` (flat like ``kept``, not ``kept`` itself; ``q``/``p`` may be it: it is written last),
     with ``commit``: the caller will set it to ``orthogonalize(kept, epsilon=0)`` next (warm start). Where that is
@@ -369,7 +369,7 @@ def _check_packed(name, t, layout, device):
 
 def pack_uncompressed(buffer, layout: BucketLayout, dst, *, backend: str = "auto") -> None:
     """Copy the uncompressed gradients of the bucket into ``dst`` (flat, ``layout.uncompressed_numel`` elements,
-    any float dtype, e.g. a slice of the alternating hook's single all-reduce buffer). One launch."""
+    any float dtype, e.g. a slice of a one-all-reduce hook's single buffer). One launch."""
     _check_buffer(buffer, layout)
     _check_packed("dst", dst, layout, buffer.device)
     if layout.uncompressed_numel == 0:

@@ -87,7 +87,7 @@ def _project_kernel(
     buf_ptr,  # bucket buffer (fp32/fp16/bf16), M_i at buf_ptr + off, row-major n x m
     q_ptr,  # flat Q (float32), Q_i row-major m x r at q_ptr + q_off
     p_ptr,  # flat P output, P_i row-major n x r at p_ptr + p_off
-    p2_ptr,  # second P output (HAS_P2: the alternating hook's local copy), same layout
+    p2_ptr,  # second P output (HAS_P2: a half-step hook's local copy), same layout
     e_ptr,  # flat error memory (float32), E_i row-major n x m at e_ptr + e_off (unused unless HAS_ERROR)
     table_ptr,  # int64 [L, TABLE_WIDTH] layout table
     tiles_ptr,  # int32 [T, TILE_WIDTH] (TILE_MAT: matrix, TILE_FIRST: first row)

@@ -83,7 +83,7 @@ def _project_t_kernel(
     buf_ptr,  # bucket buffer, M_i row-major n x m at buf_ptr + off
     p_ptr,  # flat P (float32), P_i row-major n x r
     q_ptr,  # flat Q output, Q_i row-major m x r
-    q2_ptr,  # second Q output (HAS_Q2: the alternating hook's local copy)
+    q2_ptr,  # second Q output (HAS_Q2: a half-step hook's local copy)
     e_ptr,  # flat error memory (PAD_ERROR only: the padding's error of the batched view)
     ws_ptr,  # float32 workspace for partial sums of split matrices
     table_ptr,  # int64 [L, TABLE_WIDTH] layout table

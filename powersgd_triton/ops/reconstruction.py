@@ -1,6 +1,6 @@
 """Fused reconstruction with error feedback: ``M_i ← P_i·(s·Q_i)ᵀ`` and ``E_i ← M_i(before) − P_i·(s·Q_i)ᵀ``.
 
-``LOCAL_ERR`` switches the error to the local residual of the alternating hook: ``E_i ← M_i − P_local·Q_iᵀ`` (a
+``LOCAL_ERR`` switches the error to the local residual of a half-step hook: ``E_i ← M_i − P_local·Q_iᵀ`` (a
 P step, where P was all-reduced) or ``E_i ← M_i − P_i·Q_localᵀ`` (a Q step), while M_i still receives the
 averaged ``P_i·(s·Q_i)ᵀ``.
 

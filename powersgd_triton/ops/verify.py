@@ -18,7 +18,7 @@ the ranks agree on the verdict: one all-reduce (MAX) of a few int32 flags, one p
 checkable, 2 disagrees), over the hook's process group; with one rank there is nothing to agree on. With several
 ranks that all-reduce happens at the first compressed step of every bucket memory on every rank, whatever each
 rank knew before (from its file or another group's check): no rank-local knowledge decides whether a collective
-happens. A kernel a step does not launch stays unjudged: the alternating hook's first P step runs no
+happens. A kernel a step does not launch stays unjudged: a half-step hook's first P step runs no
 ``project_t``, so its first Q step is checked too.
 
 Non-finite steps. A launch whose torch result holds NaN or inf (NaN gradients, an overflow step, or another rank's:

@@ -222,7 +222,7 @@ def _new_settings(state, index: int, mem: Optional[BucketMemory], layout: Bucket
     otherwise. The error memory does not depend on the rank: each matrix compressed before and after keeps its own
     (a newly compressed one starts from zero, one no longer compressed drops it). P and Q are kept where a matrix
     keeps its rank; when any rank changed the bucket draws a fresh initial Q on its next step (warm start restarts,
-    the alternating hook with a P step). Warns once per bucket, naming what changed."""
+    a hook of half-steps with a P step). Warns once per bucket, naming what changed."""
     if mem is None or mem.layout is None or mem.layout.device != buffer.device or mem.p is None:
         return None
     old, new_sig = mem.layout.signature, layout.signature
@@ -434,8 +434,8 @@ def _migrate(state, index: int, layout: BucketLayout, params, buffer: torch.Tens
             continue
         rows.append((s, mem, row))
     phases = sorted({mem.phase for _, mem, _ in rows})
-    if len(phases) > 1:  # alternating hook: the matrices of one bucket must take the same half-step next
-        wrong.append(f"memory from buckets in different alternating phases {phases}")
+    if len(phases) > 1:  # a hook of half-steps: the matrices of one bucket must take the same half-step next
+        wrong.append(f"memory from buckets in different half-step phases {phases}")
     if missing or wrong:
         if strict:
             what = []

@@ -4,7 +4,7 @@
   :mod:`powersgd_triton.state.powersgd_state` docstring);
 * :class:`BucketMemories`: ``state.buckets``, the bucket index -> :class:`BucketMemory` dict, with the bookkeeping
   that keeps it matched to DDP's buckets (used by :mod:`powersgd_triton.state.buckets`);
-* :func:`allocate`, :func:`adopt_loaded`, :func:`allocate_alternating`: the tensors of one memory, on the bucket's
+* :func:`allocate`, :func:`adopt_loaded`: the tensors of one memory, on the bucket's
   device, in :func:`memory_dtype`; :func:`follow_error_feedback`: the error memory after ``use_error_feedback``
   changed;
 * :func:`draw_q`: PyTorch's random initial Q.
@@ -31,7 +31,7 @@ class BucketMemory:
     __slots__ = (
         "layout", "signature", "backend", "configs", "steps", "error", "p", "q", "q_work", "q_initialized",
         "q_predrawn", "q_next",
-        "phase", "comm", "local", "p_work", "p_comm", "q_comm",
+        "phase", "comm", "local", "p_work", "p_comm", "q_comm", "draws_q_each_step",
         "params", "param_names", "matrices", "strict", "verified", "order", "order_params", "shapes",
         "verify_pending",
     )
@@ -82,15 +82,16 @@ class BucketMemory:
         # :class:`powersgd_triton.hooks.driver.NextQ` that says from which `q` it was made, or None (see
         # powersgd_triton.hooks.driver.orthogonalize_next_q).
         self.q_next = None
-        # Alternating hook only (see powersgd_triton.hooks.alternating): the half-step the next compressed call takes
-        # ("p" or "q"; saved), and three transient float32 buffers allocated on its first call (not saved):
-        # `comm` (factor + uncompressed gradients, the one all-reduced buffer), `local` (this rank's factor, for
-        # the local-residual error) and `p_work` (the orthogonalized kept P of a Q step; a P step orthogonalizes
-        # the kept Q into `q_work`).
+        # The factor the next compressed step computes first ("p" or "q"; saved): "p" for the hooks that compute
+        # both in each step; a hook of half-steps flips it. `comm`, `local`, `p_work`: transient work buffers in the
+        # memory's dtype (not saved), allocated by the hook whose step class uses them (its docstring says how).
         self.phase: str = "p"
         self.comm: Optional[torch.Tensor] = None
         self.local: Optional[torch.Tensor] = None
         self.p_work: Optional[torch.Tensor] = None
+        # Without warm start, this memory's steps draw a fresh random Q each (PyTorch's hooks; the hook's
+        # HookStep.draws_q_each_step, set at each compressed call; not saved): the state dict draws them ahead.
+        self.draws_q_each_step: bool = True
         # Layer-wise and batched hooks on the Triton backend, when P and Q travel in another dtype than the
         # memory's: P and Q in that dtype, written by the kernels and all-reduced there (see p_comm, q_comm; not
         # saved).
@@ -156,7 +157,7 @@ class BucketMemories(dict):
         self.backend_devices: set = set()
         # bucket index -> weak references to its parameters at the last warm-up call (_models.check_one_model)
         self.index_params: Dict[int, tuple] = {}
-        # bucket index -> (bucket dtype, hook: "layerwise" | "batched" | "alternating") at the last warm-up call
+        # bucket index -> (bucket dtype, batched, draws_q_each_step: of the hook) at the last warm-up call
         # (with index_params: the first compressed step's draws, made ahead for a state dict; powersgd_triton.state.predraw)
         self.index_dtypes: Dict[int, tuple] = {}
         # the state's process group was compared with its DDP model's (_models.check_bucket_group, first call)
@@ -231,28 +232,11 @@ def adopt_loaded(mem: BucketMemory, layout: BucketLayout, buffer: torch.Tensor, 
     mem.q_work = torch.empty(layout.q_numel, **f32)
 
 
-def allocate_alternating(mem: BucketMemory, buffer: torch.Tensor) -> None:
-    """The alternating hook's transient buffers for ``mem`` (once per layout; after a load, on first use)."""
-    layout = mem.layout
-    factor = max(layout.p_numel, layout.q_numel)
-    f32 = dict(device=buffer.device, dtype=memory_dtype(buffer.dtype))
-    numel = factor + layout.uncompressed_numel
-    if mem.comm is None or mem.comm.numel() != numel or mem.comm.device != buffer.device or \
-            mem.comm.dtype != f32["dtype"]:
-        mem.comm = torch.empty(numel, **f32)
-        mem.local = torch.empty(factor, **f32) if mem.error is not None else None
-        p_work(mem)
-    if mem.error is not None and mem.local is None:  # error feedback turned on since
-        mem.local = torch.empty(factor, **f32)
-    if mem.q_work is None:
-        mem.q_work = torch.empty(layout.q_numel, **f32)
-
-
 def p_work(mem: BucketMemory) -> torch.Tensor:
     """``mem.p_work``, allocated like ``mem.p`` when missing or of another size: the layer-wise and batched hooks
     all-reduce P there (or copy it there from ``p_comm`` after its all-reduce) and orthogonalize it into ``mem.p``
     (out of place: the orthogonalize launch may split a factor's rows over programs that all read the whole factor;
-    the alternating hook uses it as its own work buffer)."""
+    a hook's step class may use it as its own work buffer)."""
     if mem.p_work is None or mem.p_work.numel() != mem.p.numel() or mem.p_work.device != mem.p.device \
             or mem.p_work.dtype != mem.p.dtype:
         mem.p_work = torch.empty_like(mem.p)

@@ -26,9 +26,10 @@ Per bucket index the state keeps a :class:`BucketMemory`:
   into ``p`` (from ``p_comm`` on the Triton backend: one copy); ``p_comm`` / ``q_comm``: on the Triton backend when
   the communication dtype is not float32, P and Q of the step in flight in that dtype, all-reduced there (no work
   buffer is saved);
-* for :func:`~powersgd_triton.alternating_powerSGD_hook`: ``p`` / ``q`` are the kept factors (the averaged P of
-  the last P step, the averaged Q of the last Q step or the initial random Q), ``error`` the local residual, and
-  ``phase`` (``"p"`` or ``"q"``) the half-step the bucket takes next; its communication buffers are transient.
+* for a hook of half-steps (one factor all-reduced per step; :data:`powersgd_triton.variants.VARIANTS`): ``p`` /
+  ``q`` are the kept factors (the averaged P of the last P step, the averaged Q of the last Q step or the initial
+  random Q), ``error`` the local residual, and ``phase`` (``"p"`` or ``"q"``) the half-step the bucket takes next;
+  its communication buffers (``comm``, ``local``) are transient.
 
 Persistence: :meth:`PowerSGDState.state_dict` holds only tensors and plain Python types (``torch.load(...,
 weights_only=True)`` reads it); pickling goes through it too. The process group is never saved: a loaded or
@@ -160,9 +161,8 @@ def _check_process_group(group: Any) -> None:
 
 
 class PowerSGDState:
-    r"""Hyper-parameters and per-bucket state of :func:`~powersgd_triton.powerSGD_hook`,
-    :func:`~powersgd_triton.batched_powerSGD_hook` and :func:`~powersgd_triton.alternating_powerSGD_hook` (one
-    state serves one hook).
+    r"""Hyper-parameters and per-bucket state of :func:`~powersgd_triton.powerSGD_hook` and our other hooks
+    (:data:`powersgd_triton.variants.VARIANTS`; one state serves one hook).
 
     Same arguments and defaults as PyTorch's ``PowerSGDState`` (see its documentation for tuning advice), plus:
 
@@ -180,7 +180,7 @@ class PowerSGDState:
             P) stays float32: the packed P (and Q) buffer is cast once before its all-reduce and copied back once
             after it. The cast rounds to nearest; a value beyond the dtype's range becomes inf (never a finite
             wrong value), so the step is non-finite and skipped by GradScaler, its memory kept. The uncompressed
-            gradients travel in the bucket's dtype (the alternating hook's single buffer: in this dtype too).
+            gradients travel in the bucket's dtype (a one-all-reduce hook's single buffer: in this dtype too).
         grad_scaler: a ``torch.amp.GradScaler`` (or None). With it, the error memory is kept in unscaled units: the
             hook reads the loss scale ``s`` from the scaler's scale tensor (a one-element float32 device tensor; no
             host synchronization), adds ``s·E`` to the (scaled) gradients and stores ``(M + s·E − P·Qᵀ) / s``, so a

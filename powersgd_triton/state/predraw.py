@@ -29,8 +29,9 @@ from powersgd_triton.state.state_dict import bucket_entry
 from powersgd_triton.layout import BucketLayout
 
 
-def _warmup_bucket(state, index: int) -> Optional[Tuple[tuple, torch.dtype, str]]:
-    """``(params, bucket dtype, hook)`` of bucket ``index`` at the last warm-up call, or None when unknown."""
+def _warmup_bucket(state, index: int) -> Optional[Tuple[tuple, torch.dtype, bool, bool]]:
+    """``(params, bucket dtype, batched, draws_q_each_step)`` of bucket ``index`` at the last warm-up call (the last
+    two: of the hook that made it), or None when unknown."""
     refs = state.buckets.index_params.get(index)
     seen = state.buckets.index_dtypes.get(index)
     if refs is None or seen is None:
@@ -41,12 +42,12 @@ def _warmup_bucket(state, index: int) -> Optional[Tuple[tuple, torch.dtype, str]
     return (params,) + seen
 
 
-def _layout(state, params, dtype: torch.dtype, hook: str) -> Tuple[BucketLayout, torch.Tensor]:
+def _layout(state, params, dtype: torch.dtype, batched: bool) -> Tuple[BucketLayout, torch.Tensor]:
     """The layout the hook will build for a bucket of ``params`` (DDP lays their gradients out back to back), on a
     CPU stand-in of the bucket buffer."""
     sizes = [p.numel() for p in params]
     buffer = torch.empty(sum(sizes), dtype=dtype)
-    if hook == "batched":
+    if batched:
         return BucketLayout.batched(buffer.numel(), state.matrix_approximation_rank, buffer.device, dtype), buffer
     gradients = [g.view(p.shape) for g, p in zip(buffer.split(sizes), params)]
     return BucketLayout.from_gradients(buffer, gradients, state.matrix_approximation_rank,
@@ -81,23 +82,23 @@ def first_draws(state) -> Tuple[Dict[int, Dict[str, Any]], Optional[tuple]]:
         return {}, None
     drawer = _drawer(state)
     entries = {}
-    for index, (params, dtype, hook) in zip(pending, found):
-        layout, buffer = _layout(state, params, dtype, hook)
+    for index, (params, dtype, batched, redraws) in zip(pending, found):
+        layout, buffer = _layout(state, params, dtype, batched)
         mem = BucketMemory()
         allocate(mem, layout, buffer, state.use_error_feedback)
         mem.layout, mem.signature, mem.params = layout, repr(layout.signature), params
         mem.order_params = params if layout.batched else None
         draw_q(drawer, mem, dtype)  # one seed per bucket, in DDP's call order, as the hook's first step
-        mem.q_predrawn = not state.warm_start and hook != "alternating"
+        mem.q_predrawn = not state.warm_start and redraws
         entries[index] = bucket_entry(state, mem)
     return entries, drawer.rng.get_state()
 
 
 def _redraws(state) -> Tuple[Dict[int, Dict[str, Any]], Optional[tuple]]:
-    """Without warm start: every bucket's next Q, drawn (layer-wise and batched hooks; the alternating hook, whose
-    memory has ``comm``, draws only once)."""
+    """Without warm start: every bucket's next Q, drawn (the hooks whose steps each draw one: their memory's
+    ``draws_q_each_step``)."""
     mems = [state.buckets[i] for i in sorted(state.buckets)]
-    if state.warm_start or any(m.layout is None or m.comm is not None for m in mems):
+    if state.warm_start or any(m.layout is None or not m.draws_q_each_step for m in mems):
         return {}, None
     drawer = _drawer(state)
     entries = {}

@@ -129,7 +129,7 @@ def check_bucket(index: Any, saved: Any) -> Dict[str, Any]:
         raise ValueError(f"{where}, 'signature' {exc}") from None
     dtype = layout.signature[2]
     out: Dict[str, Any] = {"signature": saved["signature"]}
-    phase = saved.get("phase", "p")  # absent in state dicts saved before the alternating hook
+    phase = saved.get("phase", "p")  # absent in state dicts saved before the half-step hook
     if phase not in ("p", "q"):
         raise ValueError(f"{where}, 'phase' must be 'p' or 'q', got {phase!r}")
     out["phase"] = phase
@@ -138,7 +138,7 @@ def check_bucket(index: Any, saved: Any) -> Dict[str, Any]:
         raise ValueError(f"{where}, 'predrawn' must be a bool, got {predrawn!r}")
     out["predrawn"] = predrawn
     out["error"] = _tensor(f"{where}, 'error'", saved["error"], layout.e_numel, dtype)
-    # P is read by the next step only at phase "q" (the alternating hook's kept P); powerSGD_hook's memories stay
+    # P is read by the next step only at phase "q" (a half-step hook's kept P); powerSGD_hook's memories stay
     # at phase "p" and recompute P every step
     out["p"] = _tensor(f"{where}, 'p'", saved["p"], layout.p_numel, dtype, unread=phase == "p")
     out["q"] = _tensor(f"{where}, 'q'", saved["q"], layout.q_numel, dtype)

@@ -12,8 +12,8 @@ A :class:`MemoryDict` shows both, so that either hook runs on a :class:`~powersg
   silently replaced by one of another size);
 * ``del d[i]`` / ``d.pop(i)`` / ``d.clear()`` / ``state.error_dict = {}`` act on both, as on PyTorch's state: a
   deleted error memory restarts from zero, a deleted P or Q makes the bucket draw a fresh random initial Q at its
-  next compressed step (PyTorch's hook draws one when ``p_memory_dict`` lacks the bucket); for the alternating
-  hook, also the next half-step is a P step again.
+  next compressed step (PyTorch's hook draws one when ``p_memory_dict`` lacks the bucket); for a hook
+  of half-steps, also the next half-step is a P step again.
 """
 
 from collections.abc import MutableMapping

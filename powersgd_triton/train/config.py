@@ -9,11 +9,13 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Tuple
 
+from powersgd_triton.variants import NAMES, VARIANTS
 
-HOOKS = ("powersgd", "batched", "alternating", "reference", "allreduce")
-COMPARE_HOOKS = ("powersgd", "alternating", "reference", "allreduce")
-# With --fsdp RxS (HSDP): our two hooks over the replicate group, and native HSDP ("allreduce": a 2-D mesh).
-FSDP_HOOKS = ("powersgd", "alternating", "allreduce")
+# ours (powersgd_triton.variants), then PyTorch's powerSGD_hook and plain all-reduce
+HOOKS = NAMES + ("reference", "allreduce")
+COMPARE_HOOKS = tuple(v.name for v in VARIANTS if v.compared) + ("reference", "allreduce")
+# With --fsdp RxS (HSDP): our layer-wise hooks over the replicate group, and native HSDP ("allreduce": a 2-D mesh).
+FSDP_HOOKS = tuple(v.name for v in VARIANTS if v.fsdp) + ("allreduce",)
 
 # Per-workload defaults (chosen so that a default run takes well under a minute on 2 CPU cores).
 WORKLOAD_DEFAULTS: Dict[str, Dict[str, Any]] = {
@@ -98,8 +100,9 @@ class TrainConfig:
         if cfg.matrix_approximation_rank < 1:
             raise ValueError("--matrix-approximation-rank must be at least 1, got "
                              f"{cfg.matrix_approximation_rank}")
-        if "alternating" in cfg.hooks and not cfg.warm_start:
-            raise ValueError("--hook alternating needs warm start (its kept factors carry the power iteration): "
+        warm_only = [v.name for v in VARIANTS if v.warm_start_only and v.name in cfg.hooks]
+        if warm_only and not cfg.warm_start:
+            raise ValueError(f"--hook {warm_only[0]} needs warm start (its kept factors carry the power iteration): "
                              "drop --no-warm-start")
         if cfg.start_iter < 2 and (cfg.use_error_feedback or cfg.warm_start):
             raise ValueError(
@@ -146,8 +149,7 @@ class TrainConfig:
 
 # ------------------------------------------------------------------------------- --fsdp RxS (see train.fsdp)
 FSDP_LABELS = {
-    "powersgd": "powersgd_triton.powerSGD_hook over the replicate group",
-    "alternating": "powersgd_triton.alternating_powerSGD_hook over the replicate group",
+    **{v.name: f"{v.function} over the replicate group" for v in VARIANTS if v.fsdp},
     "allreduce": "native HSDP (2-D mesh) all-reduce",
 }
 

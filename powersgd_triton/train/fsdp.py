@@ -3,7 +3,8 @@
 The ranks form a 2-D mesh ``(replicate=R, shard=S)`` (rank ``i`` is replica ``i // S``, shard ``i % S``). Every module
 of the workload's model that has parameters of its own, then the root, is sharded with ``fully_shard``:
 
-* our hooks (``powersgd``, ``alternating``): on the 1-D shard mesh ``mesh["shard"]``, with
+* our layer-wise hooks (:data:`powersgd_triton.variants.VARIANTS` with ``fsdp``): on the 1-D shard mesh
+  ``mesh["shard"]``, with
   :func:`powersgd_triton.fsdp.hsdp.register_fsdp` doing the replicate all-reduce over ``mesh["replicate"]``;
 * ``allreduce``: native HSDP, ``fully_shard(..., mesh=mesh)`` on the 2-D mesh (FSDP's own replicate all-reduce).
 
@@ -72,7 +73,7 @@ def wrap_model(hook_name: str, cfg, model: torch.nn.Module, rank: int) -> FSDPRu
     from powersgd_triton.fsdp.hsdp import register_fsdp
 
     state, hook = make_powersgd_hook(
-        "alternating" if hook_name == "alternating" else "ours", cfg.matrix_approximation_rank, backend=cfg.kernels,
+        hook_name, cfg.matrix_approximation_rank, backend=cfg.kernels,
         start_powerSGD_iter=cfg.start_iter, min_compression_rate=cfg.min_compression_rate,
         use_error_feedback=cfg.use_error_feedback, warm_start=cfg.warm_start, random_seed=cfg.seed,
         process_group=replicate, verify=cfg.verify,

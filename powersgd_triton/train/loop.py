@@ -36,6 +36,7 @@ from powersgd_triton.train.config import (  # noqa: F401 - COMPARE_HOOKS, FSDP_H
 )
 from powersgd_triton.train.counting import AllReduceCounter
 from powersgd_triton.train.models import build_model
+from powersgd_triton.variants import VARIANTS
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -121,20 +122,18 @@ def make_hook(name: str, cfg: TrainConfig, grad_scaler=None):
         raise ValueError(f"unknown hook {name!r}; expected one of {HOOKS}")
     from powersgd_triton.benchmarking import make_hook as make_powersgd_hook
 
-    impl = {"reference": "pytorch", "powersgd": "ours", "batched": "ours"}.get(name, name)
+    impl = "pytorch" if name == "reference" else name  # make_hook knows our variants by name
     extra = {}
     if impl != "pytorch":
         extra = dict(communication_dtype=cfg.communication_dtype, grad_scaler=grad_scaler, verify=cfg.verify)
-    return make_powersgd_hook(impl, cfg.matrix_approximation_rank, batched=name == "batched", backend=cfg.kernels,
+    return make_powersgd_hook(impl, cfg.matrix_approximation_rank, backend=cfg.kernels,
                               start_powerSGD_iter=cfg.start_iter, min_compression_rate=cfg.min_compression_rate,
                               use_error_feedback=cfg.use_error_feedback, warm_start=cfg.warm_start,
                               random_seed=cfg.seed, **extra)
 
 
 HOOK_LABELS = {
-    "powersgd": "powersgd_triton.powerSGD_hook",
-    "batched": "powersgd_triton.batched_powerSGD_hook",
-    "alternating": "powersgd_triton.alternating_powerSGD_hook",
+    **{v.name: v.function for v in VARIANTS},
     "reference": "torch powerSGD_hook",
     "allreduce": "all-reduce",
 }
