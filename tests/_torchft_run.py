@@ -93,7 +93,7 @@ def _clone(obj):
     return copy.deepcopy(obj)
 
 
-def train(replica: int, config: Config, lighthouse: str, events: dict, barrier) -> dict:
+def train(replica: int, config: Config, lighthouse: str, events: dict, barrier, joined) -> dict:
     net = model(config)
     inner = torch.optim.SGD(net.parameters(), lr=config.inner_lr)
     outers = [torch.optim.SGD(b.parameters(), lr=0.7, momentum=0.9, nesterov=True) for b in net]
@@ -115,6 +115,14 @@ def train(replica: int, config: Config, lighthouse: str, events: dict, barrier) 
                       timeout=timedelta(seconds=10))
     state = PowerSGDState(None, matrix_approximation_rank=config.rank, start_powerSGD_iter=2, backend="torch",
                           communication_dtype=config.communication_dtype, random_seed=config.seed)
+    if events.get(("barrier", (replica, 0))):  # the replica that joins late: tell the others when it asks to join
+        start_quorum = manager.start_quorum
+
+        def start_quorum_and_tell(*args, **kwargs):
+            joined.set()
+            return start_quorum(*args, **kwargs)
+
+        manager.start_quorum = start_quorum_and_tell
     records, failed_checks = {}, []
     try:
         with PowerSGDDiLoCo(manager, list(net), inner, outers, config.sync_every, state=state, backup_device=None,
@@ -135,6 +143,8 @@ def train(replica: int, config: Config, lighthouse: str, events: dict, barrier) 
                 if events.get(("barrier", key)):
                     events[("barrier", key)] = False
                     barrier.wait()
+                    if step > 0:  # the others wait until the joiner asks for a quorum (else they may finish first)
+                        joined.wait(timeout=60)
                 if step not in records:
                     user = manager._manager_state_dict()["user"]
                     records[step] = {
@@ -199,13 +209,14 @@ def run(config: Config, attempts: int = 3) -> List[dict]:
     for r, s in config.barrier_at.items():
         events[("barrier", (r, s))] = True
     barrier = threading.Barrier(len(config.barrier_at)) if config.barrier_at else None
+    joined = threading.Event()
     lock = threading.Lock()
     failures = [0] * config.replicas
 
     def replica_main(r: int) -> dict:
         for attempt in range(attempts):
             try:
-                out = train(r, config, lighthouse.address(), events, barrier)
+                out = train(r, config, lighthouse.address(), events, barrier, joined)
                 out["failures"] = failures[r]
                 return out
             except InjectedFailure:

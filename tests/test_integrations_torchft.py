@@ -11,7 +11,11 @@ state dict checks.
 import pytest
 import torch
 
-pytest.importorskip("torchft", reason="torchft is not installed (optional extra [torchft]; needs Python >= 3.11)")
+try:
+    import torchft.local_sgd  # noqa: F401
+except Exception as exc:  # absent (the compat tier's py3.10 pairs), or not importable with this torch
+    pytest.skip(f"torchft not importable (optional extra [torchft]): {type(exc).__name__}: {exc}",
+                allow_module_level=True)
 
 import _torchft_run as R  # noqa: E402
 from powersgd_triton import PowerSGDState  # noqa: E402
@@ -93,7 +97,7 @@ def test_diloco_recovery():
     """Replica 1 fails at step 2, restarts, heals from replica 0 (its Q, a zero error memory) and continues."""
     results = R.run(R.Config(steps=4, fail_at={1: 2}))
     assert results[1]["failures"] == 1
-    _assert_replicas_equal(results, 1)
+    _assert_replicas_equal(results, 1, min_common=2)
     for r in results:
         assert r["failed"] == [] or all(all(v for k, v in c.items() if k != "fragment") for c in r["failed"])
 
@@ -110,7 +114,6 @@ def test_diloco_commit_failure():
     _assert_replicas_equal(results, 1)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("delay,alpha", [(0, 0.0), (1, 0.5)])
 def test_streaming_diloco_commit_failure(delay, alpha):
     config = R.Config(fragments=2, sync_every=4, steps=4, fail_allreduce_at={0: 1, 1: 1},
@@ -121,12 +124,11 @@ def test_streaming_diloco_commit_failure(delay, alpha):
     _assert_replicas_equal(results, 2, final=False)
 
 
-@pytest.mark.slow
 def test_streaming_diloco_recovery():
     results = R.run(R.Config(fragments=2, sync_every=4, steps=4, fail_at={1: 2},
                              diloco={"fragment_sync_delay": 1}))
     assert results[1]["failures"] == 1
-    _assert_replicas_equal(results, 2, final=False)
+    _assert_replicas_equal(results, 2, min_common=2, final=False)
 
 
 @pytest.mark.slow
@@ -134,7 +136,7 @@ def test_streaming_diloco_upscale():
     """A third replica joins after two steps (heals from a peer) and stays bitwise equal to the others."""
     results = R.run(R.Config(replicas=3, fragments=2, sync_every=4, steps=4, barrier_at={0: 0, 1: 2, 2: 2},
                              diloco={"fragment_sync_delay": 1}))
-    _assert_replicas_equal(results, 2, final=False)
+    _assert_replicas_equal(results, 2, min_common=2, final=False)
 
 
 @pytest.mark.slow
