@@ -147,6 +147,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=("fp16", "bf16"), default=None,
                    help="mixed precision: autocast the forward in float16 (with a GradScaler, given to our hooks' "
                         "state as grad_scaler) or bfloat16 (no loss scaling); the gradients stay float32")
+    p.add_argument("--outer", choices=("diloco",), default=None,
+                   help="diloco: DiLoCo on torchft instead of DDP (--world-size replica groups of one rank, a "
+                        "lighthouse started and stopped here); --compare: diloco, diloco+powersgd, ddp+powersgd")
+    p.add_argument("--sync-every", type=positive(int), default=20, metavar="H",
+                   help="with --outer diloco: inner steps between outer syncs")
+    p.add_argument("--outer-lr", type=positive(float), default=0.5, help="with --outer diloco: the outer SGD's lr")
+    p.add_argument("--outer-momentum", type=float, default=0.5,
+                   help="with --outer diloco: the outer SGD's (Nesterov) momentum, in [0, 1)")
     p.add_argument("--out", default=None, metavar="metrics.json", help="write the metrics of every run as JSON")
     p.add_argument("--port", type=_port, default=0, help="rendezvous port on 127.0.0.1 (0: a free one)")
     p.add_argument("--timeout", type=positive(float), default=900.0,
@@ -313,8 +321,13 @@ def run(args: argparse.Namespace) -> int:
             f"matrix approximation rank {resolved.matrix_approximation_rank}, compression from step {resolved.start_iter}",
             flush=True,
         )
+    if args.outer and (tr is not None or args.fsdp is not None):
+        return _error("--outer diloco starts its replicas itself: not under torchrun, not with --fsdp", 2)
+    from powersgd_triton.train import diloco  # noqa: F401 - only imports torch (torchft when a run starts)
     try:
-        result = run_training(resolved)  # validated above: not checked again
+        result = (diloco.run_diloco(resolved, args.sync_every, bool(args.compare), args.outer_lr, args.outer_momentum)
+                  if args.outer
+                  else run_training(resolved))  # validated above: not checked again
     except launch.PortInUse as exc:
         return _error(str(exc), 2)
     except launch.LaunchError as exc:
@@ -324,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
     if result is None:  # a non-zero torchrun rank
         return 0
     print()
-    print(format_table(result), flush=True)
+    print(format_table(result) if not args.outer else diloco.format_table(result), flush=True)
     if args.out:
         atomic_write_json(args.out, result, sort_keys=False)
         print(f"\nmetrics written to {args.out}", flush=True)
