@@ -11,6 +11,7 @@
 
 import importlib.util
 import os
+from html.parser import HTMLParser
 import re
 import subprocess
 import sys
@@ -159,4 +160,53 @@ def test_mkdocs_build_strict(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(600))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (tmp_path / "site" / "index.html").exists() and (tmp_path / "site" / "reference" / "api" / "index.html").exists()
+    assert (tmp_path / "site" / "index.html").exists()
+    for page in ("api", "state", "hooks", "fsdp", "checkpoints", "integrations", "tools"):  # the API reference
+        assert (tmp_path / "site" / "reference" / page / "index.html").exists(), page
+    site = tmp_path / "site"
+    words = {os.path.relpath(path, site): article_words(path) for path in site.rglob("*.html")}
+    assert words["reference/api/index.html"] > 100
+    too_long = {page: n for page, n in words.items() if n > MAX_PAGE_WORDS}
+    assert not too_long, f"pages over {MAX_PAGE_WORDS} words (rendered): {too_long}"
+
+
+MAX_PAGE_WORDS = 2500  # a docs page a newcomer reads, as rendered (code blocks and API entries included)
+
+
+class _Article(HTMLParser):
+    """The text of a built page's ``<article>`` (mkdocs-material's page body: no navigation, no search index)."""
+
+    def __init__(self):
+        super().__init__()
+        self.depth, self.skip, self.text = 0, 0, []
+
+    def handle_starttag(self, tag, attrs):
+        if self.depth:
+            self.depth += tag not in ("br", "img", "hr", "input", "wbr", "meta", "link")
+            self.skip += tag in ("script", "style")
+        elif tag == "article":
+            self.depth = 1
+
+    def handle_endtag(self, tag):
+        if self.depth:
+            self.skip -= tag in ("script", "style")
+            self.depth -= 1
+
+    def handle_data(self, data):
+        if self.depth and not self.skip:
+            self.text.append(data)
+
+
+def article_words(path) -> int:
+    parser = _Article()
+    with open(path, encoding="utf-8") as f:
+        parser.feed(f.read())
+    return len(" ".join(parser.text).split())
+
+
+def test_the_word_count_reads_the_article_only(tmp_path):
+    page = tmp_path / "index.html"
+    page.write_text("<html><nav>menu words here</nav><article class='md-content__inner'><h1>Two words</h1>"
+                    "<p>and<br>three <code>more</code></p><script>var x = 1;</script></article>"
+                    "<footer>not counted</footer></html>")
+    assert article_words(page) == 5
