@@ -63,6 +63,11 @@ class Net(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
+def _sequential():
+    """The same three layers as an ordinary ``nn.Sequential``, registered in the order of their use."""
+    return nn.Sequential(nn.Linear(16, 40), nn.Tanh(), nn.Linear(40, 24), nn.Tanh(), nn.Linear(24, 12))
+
+
 def _batch(step, rank, seed):
     g = torch.Generator().manual_seed(seed + 1000 * step + rank)
     return torch.randn(16, 16, generator=g), torch.randn(16, 12, generator=g)
@@ -87,6 +92,21 @@ def _run(model, steps, rank, seed, lr=0.05):
         grads.append(_grads(model))
         opt.step()
     return grads, {n.removeprefix("module."): _local(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _run_with_losses(model, steps, rank, seed):
+    """:func:`_run`'s steps; the gradients and the loss of each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    grads, losses = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = _batch(step, rank, seed)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        grads.append(_grads(model))
+        losses.append(float(loss))
+        opt.step()
+    return grads, losses
 
 
 def _run_accumulating(model, steps, rank, seed, mode):
@@ -166,9 +186,33 @@ def _replicate_worker(rank, world_size, seed, cases):
     if REPLICATE_MISSING:
         return out
     from torch.distributed._composable.replicate_with_fsdp import replicate
+    from powersgd_triton.fsdp_replicate import register_replicate
+
+    if "sequential" in cases:
+        # --- a plain nn.Sequential (registered in the order of use): DDP's rebuilt bucket holds the matrices last
+        # layer first, the replicate() group in parameters() order, so the two states draw different initial Qs
+        from torch.nn.parallel import DistributedDataParallel
+
+        out["sequential"] = {}
+        for hook in (powerSGD_hook, alternating_powerSGD_hook):
+            torch.manual_seed(0)
+            ddp = DistributedDataParallel(_sequential())
+            d_state = _state(2)
+            ddp.register_comm_hook(d_state, hook)
+            d_grads, d_losses = _run_with_losses(ddp, 8, rank, seed)
+            torch.manual_seed(0)
+            model = replicate(_sequential())
+            state = _state(2)
+            register_replicate(model, state, hook)
+            r_grads, r_losses = _run_with_losses(model, 8, rank, seed)
+            out["sequential"][hook.__name__] = {
+                "layouts": (_layout(d_state), _layout(state)),
+                "grad_errors": _compare(d_grads, r_grads),
+                "loss_errors": [abs(a - b) / abs(a) for a, b in zip(d_losses, r_losses)],
+                "ranks": [int(torch.linalg.matrix_rank(g["4.weight"])) for g in (d_grads[2], r_grads[2])],
+            }
 
     from powersgd_triton.compat import versions as _compat
-    from powersgd_triton.fsdp_replicate import register_replicate
     from powersgd_triton.train.counting import AllReduceCounter
 
     steps = 6
@@ -311,7 +355,7 @@ def _check_common(out):
     assert out["untouched"], "a refused registration changed the model"
 
 
-_CASES = {2: ("ddp_replicate",), 4: ("multi", "multi_group")}
+_CASES = {2: ("ddp_replicate", "sequential"), 4: ("multi", "multi_group")}
 
 
 @pytest.fixture(scope="module")
@@ -365,6 +409,27 @@ def test_replicate_on_submodules_and_root(launched):
         assert m["modules"] == ["", "b", "a"], m  # model.modules() order: the root's group holds c
         assert max(m["grad_errors"]) <= 1e-5 and m["replicas_equal"], m
         assert m["compressed"] == [(0, 2), (1, 2), (2, 2)], m  # weight and bias (min_compression_rate 1e-9)
+
+
+@needs_replicate
+def test_plain_sequential_draws_another_initial_q(launched):
+    """What docs/guides/replicate.md claims for an ordinary ``nn.Sequential`` (layers registered in the order of
+    their use), DDP + our hook against replicate() + register_replicate, rank 2, 8 steps, 2 ranks: the same
+    compressed matrices in opposite orders (DDP's rebuilt bucket: last layer first; the replicate() group:
+    ``parameters()`` order), so each state draws another initial Q from the same seed. Equal: the gradients of the
+    warm-up steps (bitwise) and the losses up to the first compressed step's (bitwise). Not equal: the first
+    compressed step's gradients (two rank-2 approximations from different Qs: 0.86-1.6 relative in the runs measured)
+    and every loss after it (1e-5 to 1.4e-3 relative measured; within 1e-2 here: the same method, another draw)."""
+    for out in launched(2):
+        for name, r in out["sequential"].items():
+            ddp_layout, ours = r["layouts"]
+            shapes = [(12, 24, 2), (24, 40, 2), (40, 16, 2)]
+            assert ddp_layout == {0: (shapes, 76)} and ours == {0: (shapes[::-1], 76)}, (name, r["layouts"])
+            errs, losses = r["grad_errors"], r["loss_errors"]
+            assert errs[:2] == [0.0, 0.0] and losses[:3] == [0.0, 0.0, 0.0], (name, errs, losses)
+            assert min(errs[2:]) > 0.1, (name, errs)  # another initial Q: another rank-2 approximation
+            assert r["ranks"] == [2, 2], (name, r["ranks"])  # the last layer, lossy in both
+            assert all(0 < e <= 1e-2 for e in losses[3:]), (name, losses)
 
 
 def test_ddp_based_replicate_takes_our_ddp_hook(launched):
