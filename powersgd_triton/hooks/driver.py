@@ -389,8 +389,8 @@ def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor, hook: Optional[t
     check_backend_runs(state, buffer)
     group = process_group(state)
     world_size = group_size(group)
-    if not state.buckets.group_checked:
-        check_bucket_group(state, bucket, group)  # the state's group is DDP's: checked once, at the first call
+    if state.buckets.group_checked is not group:  # the state's group is DDP's: checked again when it changed
+        check_bucket_group(state, bucket, group)
     if state.iter < state.start_powerSGD_iter:
         check_one_model(state, bucket)  # a second DDP model on this state: refused at its first call
         hook = HookStep if hook is None else hook  # for powersgd_triton.state.predraw:

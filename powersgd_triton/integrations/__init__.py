@@ -130,8 +130,9 @@ def register(model, state, hook=None):
         if hook in ours:
             from powersgd_triton.state.models import check_group
 
-            check_group(state, model, _step.process_group(state))  # DDP's group: a mismatch refused now
-            state.buckets.group_checked = True  # the first hook call need not look for the DDP again (a gc scan)
+            group = _step.process_group(state)
+            check_group(state, model, group)  # DDP's group: a mismatch refused now
+            state.buckets.group_checked = group  # the first hook call need not look for the DDP again (a gc scan)
         _step.bind_model(state, model)
     model.register_comm_hook(state, hook)
     return model

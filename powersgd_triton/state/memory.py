@@ -136,8 +136,9 @@ class BucketMemories(dict):
     * ``backend_devices``: devices where ``backend="triton"`` was found to run (checked once each);
     * ``index_params``: per bucket index, weak references to its parameters at the last warm-up call (a second DDP
       model on the same state is refused: ``powersgd_triton.state.models.check_one_model``);
-    * ``group_checked``: the state's process group was compared with its DDP model's
-      (``powersgd_triton.state.models.check_bucket_group``, at the first hook call).
+    * ``group_checked``: the process group (resolved: None is WORLD) last compared with the DDP model's
+      (``powersgd_triton.state.models.check_bucket_group``), None before the first hook call: the hooks compare it
+      by identity with the state's group at every call and check again when ``state.process_group`` changed.
     * ``fsdp_model``: a weak reference to the model ``register_fsdp`` / ``register_replicate`` registered the state on
       (a second live model is refused: ``powersgd_triton.fsdp.checks.check_state_free``).
     """
@@ -160,8 +161,8 @@ class BucketMemories(dict):
         # bucket index -> (bucket dtype, batched, draws_q_each_step: of the hook) at the last warm-up call
         # (with index_params: the first compressed step's draws, made ahead for a state dict; powersgd_triton.state.predraw)
         self.index_dtypes: Dict[int, tuple] = {}
-        # the state's process group was compared with its DDP model's (_models.check_bucket_group, first call)
-        self.group_checked = False
+        # the process group last compared with the DDP model's (_models.check_bucket_group), None before the first call
+        self.group_checked = None
         # weakref to the model register_fsdp / register_replicate registered the state on (_fsdp_checks.claim_state)
         self.fsdp_model = None
 

@@ -159,13 +159,14 @@ def check_group(state, ddp, group) -> None:
 
 
 def check_bucket_group(state, bucket, group) -> None:
-    """Once per state, at its first hook call: :func:`check_group` against the DDP model the state is registered on
-    (found from the bucket's parameters: one scan of the garbage collector's objects). Buckets without
+    """At the first hook call, and again at the first call after ``state.process_group`` changed (a new group object;
+    the hooks compare identities, ``state.buckets.group_checked``): :func:`check_group` against the DDP model the state
+    is registered on (found from the bucket's parameters: one scan of the garbage collector's objects). ``group`` is
+    remembered only when it passes, so a refused group is refused at every call (nothing changes). Buckets without
     ``nn.Parameter`` objects, and states registered through a wrapper, are not checked."""
-    state.buckets.group_checked = True
     params = bucket_params(bucket)
-    if params is None:
-        return
-    found = _holders(_registered_ddps(state), params)
-    if len(found) == 1:
-        check_group(state, found[0], group)
+    if params is not None:
+        found = _holders(_registered_ddps(state), params)
+        if len(found) == 1:
+            check_group(state, found[0], group)
+    state.buckets.group_checked = group
