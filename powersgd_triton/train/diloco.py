@@ -12,7 +12,9 @@ to it, per outer sync). ``--compare`` runs ``diloco``, ``diloco+powersgd`` and `
 sync) on the test set.
 """
 
+import logging
 import math
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -36,8 +38,33 @@ LABELS = {
 }
 
 
+class InjectedFailure(RuntimeError):
+    """A replica killed on purpose (``--debug-fail-rank R --debug-fail-step S``: torchft's failure injection)."""
+
+
 def _replica(name: str, replica: int, cfg, sync_every: int, data, lighthouse: str, barrier,
              outer_lr: float, outer_momentum: float) -> Dict[str, Any]:
+    """One replica group of one rank: trains, syncs every ``sync_every`` steps, returns its metrics. With
+    ``cfg.fail_rank == replica`` it raises at inner step ``cfg.fail_step`` (once) and restarts as torchft's replicas do:
+    a fresh model and manager, the data from the start of the interval it died in (its local steps there are
+    replaced when it heals from a peer at the next sync's quorum: model, inner and outer optimizers, our Q)."""
+    from powersgd_triton.train.loop import training_plan
+
+    n_items, per_epoch, total = training_plan(cfg, data)
+    run = {"step": 0, "sent": 0, "syncs": 0, "losses": [], "restarts": 0, "t0": None}
+    for attempt in range(2):
+        try:
+            return _replica_attempt(name, replica, cfg, sync_every, data, lighthouse, barrier if attempt == 0 else None,
+                                    outer_lr, outer_momentum, run, (n_items, per_epoch, total), inject=attempt == 0)
+        except InjectedFailure:
+            run["restarts"] += 1
+            run["step"] -= run["step"] % sync_every  # the interval it died in is trained again, then healed over
+            del run["losses"][run["step"]:]
+    raise AssertionError("unreachable: the failure is injected once")
+
+
+def _replica_attempt(name: str, replica: int, cfg, sync_every: int, data, lighthouse: str, barrier,
+                     outer_lr: float, outer_momentum: float, run: Dict[str, Any], plan, inject: bool) -> Dict[str, Any]:
     from torchft.local_sgd import DiLoCo
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
@@ -45,7 +72,7 @@ def _replica(name: str, replica: int, cfg, sync_every: int, data, lighthouse: st
     from powersgd_triton import PowerSGDState
     from powersgd_triton.integrations.torchft import PowerSGDDiLoCo
     from powersgd_triton.train import data as data_mod
-    from powersgd_triton.train.loop import _schedule, batch_loss, evaluate, rank_batch, training_plan
+    from powersgd_triton.train.loop import _schedule, batch_loss, evaluate, rank_batch
     from powersgd_triton.train.models import build_model
 
     with _SEED_LOCK:  # the replicas are threads: the global RNG seeds the weights under a lock
@@ -71,17 +98,14 @@ def _replica(name: str, replica: int, cfg, sync_every: int, data, lighthouse: st
                       store_addr="localhost", store_port=store.port, rank=0, world_size=1,
                       lighthouse_addr=lighthouse, port=0, init_sync=False, timeout=timeout,
                       quorum_timeout=timeout, connect_timeout=timeout)
-    sent = [0]
     allreduce = manager.allreduce
 
     def counted(tensor, *args, **kwargs):  # what this replica hands to Manager.allreduce
-        sent[0] += tensor.numel() * tensor.element_size()
+        run["sent"] += tensor.numel() * tensor.element_size()
         return allreduce(tensor, *args, **kwargs)
 
     manager.allreduce = counted
-    n_items, per_epoch, total = training_plan(cfg, data)
-    losses: List[float] = []
-    syncs = [0]
+    n_items, per_epoch, total = plan
     try:
         kwargs = dict(backup_device=torch.device("cpu"), pin_memory=False)
         if name == "diloco+powersgd":
@@ -96,27 +120,33 @@ def _replica(name: str, replica: int, cfg, sync_every: int, data, lighthouse: st
             diloco = PowerSGDDiLoCo(manager, [model], inner, outer, sync_every, state=state, **kwargs)
         else:
             diloco = DiLoCo(manager, [model], inner, outer, sync_every, **kwargs)
-        barrier.wait()
-        t0 = time.perf_counter()
+        if barrier is not None:
+            barrier.wait()
+        if run["t0"] is None:
+            run["t0"] = time.perf_counter()
         with diloco:
-            step = 0
-            for epoch in range(math.ceil(total / per_epoch)):
-                perm = data_mod.epoch_permutation(n_items, cfg.seed, epoch)
-                for i in range(min(per_epoch, total - step)):
-                    for group in inner.param_groups:
-                        group["lr"] = _schedule(total, cfg.lr, step)
-                    x, y = rank_batch(cfg, data, perm, i, epoch, replica, torch.device("cpu"))
-                    loss = batch_loss(cfg, model, x, y)
-                    inner.zero_grad(set_to_none=True)
-                    loss.backward()
-                    if cfg.clip:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-                    inner.step()  # DiLoCo's post-hook syncs every sync_every steps
-                    losses.append(float(loss.detach()))
-                    step += 1
-                    if step % sync_every == 0:
-                        syncs[0] += 1
-        seconds = time.perf_counter() - t0
+            perm_epoch, perm = None, None
+            while run["step"] < total:
+                step = run["step"]
+                if inject and cfg.fail_rank == replica and step == cfg.fail_step:
+                    raise InjectedFailure(f"replica {replica} killed at step {step} (--debug-fail-rank)")
+                epoch, i = divmod(step, per_epoch)
+                if epoch != perm_epoch:
+                    perm_epoch, perm = epoch, data_mod.epoch_permutation(n_items, cfg.seed, epoch)
+                for group in inner.param_groups:
+                    group["lr"] = _schedule(total, cfg.lr, step)
+                x, y = rank_batch(cfg, data, perm, i, epoch, replica, torch.device("cpu"))
+                loss = batch_loss(cfg, model, x, y)
+                inner.zero_grad(set_to_none=True)
+                loss.backward()
+                if cfg.clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+                inner.step()  # DiLoCo's post-hook syncs every sync_every steps
+                run["losses"].append(float(loss.detach()))
+                run["step"] = step = step + 1
+                if step % sync_every == 0:
+                    run["syncs"] += 1
+        seconds = time.perf_counter() - run["t0"]
         frag = diloco._fragments[0]
         with torch.no_grad():  # the global model: the parameters of the last sync
             for n, p in model.named_parameters():
@@ -126,10 +156,12 @@ def _replica(name: str, replica: int, cfg, sync_every: int, data, lighthouse: st
     finally:
         manager.shutdown(wait=False)
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    out = {"hook": name, "steps": total, "outer_syncs": committed, "outer_syncs_attempted": syncs[0],
-           "sync_every": sync_every, "allreduce_bytes_total": sent[0],
-           "allreduce_bytes_per_outer_sync": sent[0] / max(1, syncs[0]), "gradient_bytes": gradient_bytes,
-           "seconds_total": seconds, "seconds_per_step": seconds / max(1, total), "loss": losses}
+    syncs = run["syncs"]
+    out = {"hook": name, "steps": total, "outer_syncs": committed, "outer_syncs_attempted": syncs,
+           "sync_every": sync_every, "allreduce_bytes_total": run["sent"],
+           "allreduce_bytes_per_outer_sync": run["sent"] / max(1, syncs), "gradient_bytes": gradient_bytes,
+           "seconds_total": seconds, "seconds_per_step": seconds / max(1, total), "loss": run["losses"],
+           "replica_restarts": run["restarts"]}
     if ev:
         out.update(final_test_accuracy=ev["accuracy"], final_test_loss=ev["loss"])
         if "bits_per_char" in ev:
@@ -166,6 +198,7 @@ def train_diloco(name: str, cfg, sync_every: int, outer_lr: float = OUTER_LR,
         lighthouse.shutdown()
     out = results[0]
     out["allreduce_bytes_per_replica"] = [r["allreduce_bytes_total"] for r in results]
+    out["replica_restarts"] = sum(r["replica_restarts"] for r in results)
     return out
 
 
@@ -175,6 +208,7 @@ def run_diloco(cfg, sync_every: int, compare: bool, outer_lr: float = OUTER_LR,
     ``compare``, else ``diloco+powersgd``, or ``diloco`` with ``--hook allreduce``)."""
     from powersgd_triton.train.loop import _config_json, run_training
 
+    quiet_torchft()
     try:
         import torchft.local_sgd  # noqa: F401
     except Exception as exc:
@@ -191,7 +225,8 @@ def run_diloco(cfg, sync_every: int, compare: bool, outer_lr: float = OUTER_LR,
     for name in names:
         print(f"[{name}] {LABELS[name]} ...", flush=True)
         if name == "ddp+powersgd":
-            ddp = run_training(replace(cfg, hooks=("powersgd",)))["runs"]["powersgd"]
+            # the failure injection is DiLoCo's (a replica restarts and heals); DDP's would end the run
+            ddp = run_training(replace(cfg, hooks=("powersgd",), fail_rank=None))["runs"]["powersgd"]
             ddp["hook"] = name
             ddp["outer_syncs"] = ddp["steps"]
             ddp["allreduce_bytes_total"] = sum(ddp["allreduce_bytes"])
@@ -204,6 +239,23 @@ def run_diloco(cfg, sync_every: int, compare: bool, outer_lr: float = OUTER_LR,
     config.update(outer="diloco", sync_every=sync_every, outer_optimizer=f"SGD(lr={outer_lr}, "
                   f"momentum={outer_momentum}, nesterov={outer_momentum > 0})", hook_labels={n: LABELS[n] for n in names})
     return {"runs": runs, "config": config}
+
+
+class _NoFlightRecorder(logging.Filter):
+    """Drops torchft's warning that it cannot reset NCCL's flight recorder (printed at every quorum on gloo)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "flight recorder" not in record.getMessage()
+
+
+def quiet_torchft() -> None:
+    """torchft's progress logs off for the command: its Rust side logs every quorum at INFO (hundreds of lines a
+    run; the level is read once, when torchft is first imported: ``RUST_LOG=info`` set by the user still wins), and
+    its manager warns about NCCL's flight recorder at every quorum on gloo. Warnings and errors still show."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    logger = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _NoFlightRecorder) for f in logger.filters):
+        logger.addFilter(_NoFlightRecorder())
 
 
 def format_table(result: Dict[str, Any]) -> str:
@@ -235,6 +287,10 @@ def format_table(result: Dict[str, Any]) -> str:
     notes = ["bytes: handed to Manager.allreduce by one replica (DDP: dist.all_reduce per rank, per compressed step), "
              "averaged over the outer syncs; accuracy: the global model after the last sync",
              f"outer optimizer {cfg['outer_optimizer']}; inner: the workload's optimizer and schedule"]
+    restarts = {n: r["replica_restarts"] for n, r in runs.items() if r.get("replica_restarts")}
+    if restarts:
+        notes.append(f"replica {cfg['fail_rank']} killed at step {cfg['fail_step']} (--debug-fail-rank), restarted and "
+                     f"healed from a peer at the next sync: {', '.join(restarts)}")
     return "\n".join([title, "", text_table(head, rows), ""] + [f"* {n}" for n in notes])
 
 
