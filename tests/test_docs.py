@@ -31,7 +31,7 @@ QUICK_START = ('python3 -m venv .venv && . .venv/bin/activate && pip install tor
                '&& powersgd-triton train')
 TEST_COMMAND = ('python3 -m venv .venv-test && . .venv-test/bin/activate && pip install torch==2.13.0 && pip install -e '
                 '".[test]" && python -m pytest tests bench --quick --benchmark-disable -m "not aot_matrix and not slow" '
-                '-n auto --maxprocesses 4 --dist loadgroup')
+                '-n auto --maxprocesses 4 --dist loadgroup -rs')
 
 
 def _rel(path):
@@ -145,7 +145,7 @@ def test_ci_and_the_load_run_use_readmes_test_command():
     setup, tests = TEST_COMMAND.split(" && python -m pytest ")
     tests = "python -m pytest " + tests
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
-        assert tests in f.read()
+        assert f"\ntier main {tests}\n" in f.read()  # the whole line: nothing added or left out
     with open(os.path.join(ROOT, ".ci", "loadrun"), encoding="utf-8") as f:
         load = f.read()
     assert f"SETUP='{setup}'" in load and f"TESTS='{tests}'" in load

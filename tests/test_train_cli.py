@@ -106,11 +106,25 @@ def test_compare_is_deterministic_across_hooks_and_counts_bytes(tmp_path):
     assert ref["allreduce_calls_per_step"] == 3  # uncompressed part, P, Q
     assert "| torch powerSGD_hook" in proc.stdout and "| all-reduce" in proc.stdout
     assert "one DDP bucket" in proc.stdout
+    assert ref["bucket_cap_mb"] == base["bucket_cap_mb"] == 1024  # every row on PyTorch's hook's buckets
+
+
+def test_rows_beside_pytorchs_hook_take_its_buckets():
+    """The DDP bucket cap of each row: PyTorch's hook its own (one bucket on gloo); beside it every other row the same
+    unless --bucket-cap-mb sets ours; alone, --bucket-cap-mb or DDP's default (None)."""
+    from powersgd_triton.train.loop import TrainConfig, ddp_bucket_cap_mb
+
+    side = TrainConfig(hooks=("powersgd", "reference", "allreduce"))
+    assert [ddp_bucket_cap_mb(h, side) for h in side.hooks] == [1024.0, 1024.0, 1024.0]
+    own = TrainConfig(hooks=("powersgd", "reference"), bucket_cap_mb=25.0, reference_bucket_cap_mb=512.0)
+    assert [ddp_bucket_cap_mb(h, own) for h in own.hooks] == [25.0, 512.0]
+    assert ddp_bucket_cap_mb("powersgd", TrainConfig(hooks=("powersgd", "allreduce"))) is None
+    assert ddp_bucket_cap_mb("allreduce", TrainConfig(hooks=("allreduce",), bucket_cap_mb=2.0)) == 2.0
 
 
 @pytest.mark.slow
 def test_ours_tracks_pytorchs_hook(tmp_path):
-    """Digits fits one DDP bucket, so ours (default buckets) and PyTorch's hook see the same bucket: same seed,
+    """Beside PyTorch's hook ours runs on its bucket (one: digits fits it anyway): same seed,
     same losses step by step (up to float rounding), same bytes and calls. Ours on the torch backend, as on a CPU
     without the interpreter (the Triton kernels' steps against PyTorch's hook: test_hooks_equivalence)."""
     out = tmp_path / "m.json"

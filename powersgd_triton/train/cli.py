@@ -130,9 +130,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
                    help="backend= of powersgd_triton's hooks: Triton kernels or their torch reference")
     p.add_argument("--bucket-cap-mb", type=positive(float), default=None,
-                   help="DDP bucket_cap_mb for our hooks and all-reduce (default: DDP's buckets)")
+                   help="DDP bucket_cap_mb for our hooks and all-reduce (default: DDP's buckets; beside PyTorch's hook "
+                        "(--compare): --reference-bucket-cap-mb, so that every row runs on the same buckets)")
     p.add_argument("--reference-bucket-cap-mb", type=positive(float), default=1024.0,
-                   help="DDP bucket_cap_mb for PyTorch's hook (large: one bucket, which it needs on gloo)")
+                   help="DDP bucket_cap_mb for PyTorch's hook (large: one bucket, which it needs on gloo), and for "
+                        "the other rows beside it unless --bucket-cap-mb is given")
     p.add_argument("--no-error-feedback", dest="use_error_feedback", action="store_false",
                    help="turn off error feedback")
     p.add_argument("--no-warm-start", dest="warm_start", action="store_false", help="turn off warm start")
@@ -289,7 +291,8 @@ def format_table(result: Dict[str, Any]) -> str:
     if "reference" in runs:
         notes.append(
             "torch powerSGD_hook runs with one DDP bucket (large bucket_cap_mb): with several buckets it issues "
-            "collectives from gloo callback threads in a rank-dependent order and aborts"
+            "collectives from gloo callback threads in a rank-dependent order and aborts; the other rows take the "
+            "same bucket_cap_mb unless --bucket-cap-mb is given"
         )
     return "\n".join([title, "", text_table(head, rows), ""] + [f"* {n}" for n in notes])
 

@@ -238,6 +238,18 @@ def _bucket_sizes(ddp) -> List[int]:
         return []
 
 
+def ddp_bucket_cap_mb(hook_name: str, cfg: TrainConfig) -> Optional[float]:
+    """The DDP ``bucket_cap_mb`` of ``hook_name``'s run (None: DDP's default). PyTorch's hook takes
+    ``--reference-bucket-cap-mb`` (one bucket: it needs one on gloo); beside it, every other row takes the same, so that
+    the rows of a comparison run on the same buckets, unless ``--bucket-cap-mb`` sets ours; alone, ``--bucket-cap-mb``
+    or DDP's default."""
+    if hook_name == "reference":
+        return cfg.reference_bucket_cap_mb
+    if cfg.bucket_cap_mb is not None:
+        return cfg.bucket_cap_mb
+    return cfg.reference_bucket_cap_mb if "reference" in cfg.hooks else None
+
+
 def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.device, log) -> Dict[str, Any]:
     """Train a fresh model (seeded) under ``hook_name``; returns this rank's metrics (losses are local)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -261,10 +273,9 @@ def train_one(hook_name: str, cfg: TrainConfig, data, rank: int, device: torch.d
         counted_ranks = fsdp_run.replicate_ranks
         evaluates = fsdp_run.evaluates
     else:
-        if hook_name == "reference":
-            ddp_kwargs["bucket_cap_mb"] = cfg.reference_bucket_cap_mb
-        elif cfg.bucket_cap_mb is not None:
-            ddp_kwargs["bucket_cap_mb"] = cfg.bucket_cap_mb
+        cap = ddp_bucket_cap_mb(hook_name, cfg)
+        if cap is not None:
+            ddp_kwargs["bucket_cap_mb"] = cap
         if device.type == "cuda":
             ddp_kwargs["device_ids"] = [device.index]
         ddp = DDP(model, **ddp_kwargs)
