@@ -362,7 +362,7 @@ def _loaded_names_match(state, mem: BucketMemory, params) -> bool:
     return tuple(param_name(state, p) for p in params) == tuple(mem.param_names)
 
 
-def _sources(state) -> Dict[int, Tuple[BucketMemory, Tuple[int, ...]]]:
+def matrix_sources(state) -> Dict[int, Tuple[BucketMemory, Tuple[int, ...]]]:
     """id(parameter) -> (memory, packing row) of every compressed matrix the state holds memory for.
 
     Rows are ``(grad_index, n, m, rank, p_offset, q_offset, e_offset)``. Live memories are keyed by their
@@ -409,7 +409,7 @@ def _migrate(state, index: int, layout: BucketLayout, params, buffer: torch.Tens
         new.phase = old.phase
         return new
     strict = any(m.strict for m in list(state.buckets.retired) + list(state.buckets.values()))
-    sources = _sources(state)
+    sources = matrix_sources(state)
     if not sources:
         if strict:
             raise ValueError(

@@ -70,7 +70,7 @@ from powersgd_triton.state import predraw as _predraw
 from powersgd_triton.state import state_dict as _state_dict
 from powersgd_triton.ops.backend import BACKENDS, check_backend, triton_unusable_reason  # noqa: F401 - BACKENDS: importable here
 from powersgd_triton.state.memory import BucketMemories, BucketMemory  # noqa: F401 - BucketMemory: importable from here as before
-from powersgd_triton.state.torch_interop import KINDS, MemoryDict, written_entries
+from powersgd_triton.state.torch_interop import MemoryDict, memory_dicts, written_entries
 
 logger = logging.getLogger("powersgd_triton.state")  # the public module's name, as before the re-seat
 
@@ -336,7 +336,7 @@ class PowerSGDState:
         self.buckets: BucketMemories = BucketMemories()
         # error_dict / p_memory_dict / q_memory_dict: live mappings over self.buckets, also holding what PyTorch's
         # own hook writes when it is given this state (powersgd_triton.state.torch_interop)
-        self._memory_dicts = {kind: MemoryDict(self, kind) for kind in KINDS}
+        self._memory_dicts = memory_dicts(self)
 
     @property
     def verify(self) -> str:
@@ -370,8 +370,8 @@ class PowerSGDState:
     @property
     def error_dict(self) -> MemoryDict:
         """Bucket index -> flat error memory: our hooks' (float32, compressed gradients only), or what PyTorch's
-        hook wrote when it runs on this state. A live mapping: assigning, ``del`` and ``clear()`` act
-        (:mod:`powersgd_triton.state.torch_interop`)."""
+        hook wrote when it runs on this state (it is handed ours in its whole-bucket form). A live mapping: assigning,
+        ``del`` and ``clear()`` act as on PyTorch's state (:mod:`powersgd_triton.state.torch_interop`)."""
         return self._memory_dicts["error"]
 
     @error_dict.setter
