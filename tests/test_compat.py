@@ -83,6 +83,25 @@ def test_ast_source_refuses_the_old_signature_by_name(monkeypatch):
         _compat.ast_source(lambda: None, {"x": "i32"}, {})
 
 
+def test_jit_specialization_is_the_jits():
+    """What Triton's JIT makes of a launch's arguments on a GPU (the compile table compiles it in): a 16-byte aligned
+    tensor and an integer divisible by 16 are marked ``tt.divisibility = 16``, an unaligned tensor and another
+    integer are not, the integer 1 becomes a constant, a float is not specialized. The compat tier runs this under
+    triton 3.4 (Python specializer), 3.6 and 3.8 (C++)."""
+    pytest.importorskip("triton")
+    base = torch.zeros(16)
+    assert _compat.jit_specialization(base) == ("*fp32", "D", [["tt.divisibility", 16]])
+    assert _compat.jit_specialization(base[1:]) == ("*fp32", "", [])  # 4 bytes past an aligned start
+    assert _compat.jit_specialization(base[4:])[1] == "D"  # 16 bytes past it
+    assert _compat.jit_specialization(torch.zeros(8, dtype=torch.bfloat16)[8:])[0] == "*bf16"
+    assert _compat.jit_specialization(48) == ("i32", "D", [["tt.divisibility", 16]])
+    assert _compat.jit_specialization(0)[1] == "D"
+    assert _compat.jit_specialization(17) == ("i32", "", [])
+    assert _compat.jit_specialization(1)[:2] == ("constexpr", 1)
+    assert _compat.jit_specialization(2**40)[:2] == ("i64", "D")
+    assert _compat.jit_specialization(0.5)[1] is None
+
+
 def test_gpu_target_fields():
     pytest.importorskip("triton")
     t = _compat.gpu_target(90)

@@ -1,6 +1,9 @@
 """The kernels' heuristic configs for sm_90: registers, spills and compile time, without a GPU.
 
-Compiled ahead of time (``aot_compile.compile_aot``, a fresh Triton cache so nothing is read back), in a pool of 2
+Compiled ahead of time (``aot_compile.compile_aot``, a fresh Triton cache so nothing is read back) as Triton's JIT
+compiles the launch on a GPU: every pointer argument 16-byte aligned (what the hooks pass: each buffer an allocation of
+its own) marked ``tt.divisibility = 16``, integers specialized as the JIT does (``aot_compile.jit_attributes``;
+``tests/test_aot_jit_match.py`` checks the binaries against the JIT's own under a fake GPU driver), in a pool of 2
 processes; registers and spill bytes come from ``ptxas -v`` (``tools.aot.resource_usage``). The table
 (``aot_compile.table_jobs``): every kernel function (the launches: project, project_t and its reducer, reconstruct,
 orthogonalize and its Gram launch, copy_segments, average, commit_factor) x every feature variant it is launched with
@@ -206,8 +209,9 @@ WIRE_SCRIPT = textwrap.dedent(
 
 @pytest.mark.timeout(900)
 def test_factors_in_the_communication_dtype_compile_for_sm90(tmp_path):
-    """The launches that write or read P or Q in a bfloat16 all-reduce buffer (``variants(...)``'s ``wire``:
-    project, project_t and its reducer, average) compile for sm_90 under the installed Triton (the compat tier runs
+    """The launches that write or read P or Q (or the packed uncompressed gradients) in a bfloat16 all-reduce buffer
+    (``variants(...)``'s ``wire``: project, project_t and its reducer, average, copy_segments) compile for sm_90
+    under the installed Triton (the compat tier runs
     this under each supported one: triton 3.6 cannot compile a float64 ``tl.dot`` of a 16-bit load, which is why
     orthogonalize reads a float32 copy of P)."""
     script = tmp_path / "wire.py"
@@ -218,5 +222,5 @@ def test_factors_in_the_communication_dtype_compile_for_sm90(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout)
-    assert {r["kernel"] for r in rows} == {"project", "project_t", "reduce_splits", "average"}, rows
+    assert {r["kernel"] for r in rows} == {"project", "project_t", "reduce_splits", "average", "copy_segments"}, rows
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]

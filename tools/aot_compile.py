@@ -1,7 +1,9 @@
 """Ahead-of-time compilation of the bucket kernels for a GPU target on a machine without GPU.
 
 :data:`KERNEL_FUNCTIONS` maps each launch's name to its ``@triton.jit`` function; :func:`compile_aot` compiles
-one with a config and feature variant exactly as its launcher would launch it; :func:`variants` lists the
+one with a config and feature variant exactly as its launcher would launch it, with the argument attributes
+Triton's JIT specializes a GPU launch on (:func:`jit_attributes`: 16-byte aligned pointers, integers divisible by
+16 or equal to 1); :func:`variants` lists the
 feature-flag combinations each kernel is launched with. Used by :mod:`tools.aot`,
 :mod:`powersgd_triton.perfmodel` and the compile tests.
 """
@@ -27,21 +29,27 @@ from powersgd_triton.ops.segments import AVERAGE_BLOCK, SEGMENT_BLOCK, _average_
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def _signature(kernel: str, grad_dtype: torch.dtype, wire: bool = False) -> Dict[str, str]:
+def _signature(kernel: str, grad_dtype: torch.dtype, wire: bool = False, variant=None) -> Dict[str, str]:
     """The argument types of a kernel launch on a bucket of ``grad_dtype``; ``wire``: the factor the launch writes
     (project: P, project_t and reduce_splits: Q) or reads (average: Q) is the buffer it is all-reduced in, in the
-    communication dtype (here the bucket's: the hooks' default on the Triton backend)."""
+    communication dtype (here the bucket's: the hooks' default on the Triton backend); copy_segments: the packed
+    buffer is in the bucket's dtype (the hooks') instead of float32. An optional tensor the launch goes without is
+    passed as the tensor the launcher puts in its place (project: P; reconstruct: P), of that tensor's type, as
+    the JIT sees it (``variant``'s feature flags say which are absent)."""
     g = "*" + _TRITON_DTYPES[grad_dtype]
     f, i64, i32 = "*fp32", "*i64", "*i32"
     w = g if wire else f
+    v = variant or {}
     if kernel == "project":
-        return dict(buf_ptr=g, q_ptr=f, p_ptr=w, p2_ptr=w, e_ptr=f, table_ptr=i64, tiles_ptr=i32, ls_ptr=f)
+        err = v.get("HAS_ERROR", True)
+        return dict(buf_ptr=g, q_ptr=f, p_ptr=w, p2_ptr=w, e_ptr=f if err else w, table_ptr=i64, tiles_ptr=i32,
+                    ls_ptr=f if v.get("LOSS_SCALE", False) else w)
     if kernel == "project_t":
         return dict(buf_ptr=g, p_ptr=f, q_ptr=w, q2_ptr=w, e_ptr=f, ws_ptr=f, table_ptr=i64, tiles_ptr=i32, ls_ptr=f)
     if kernel == "reduce_splits":
         return dict(ws_ptr=f, q_ptr=w, q2_ptr=w, table_ptr=i64, reduce_tiles_ptr=i32)
     if kernel == "copy_segments":
-        return dict(src_ptr=g, dst_ptr=f, tiles_ptr=i64, scale="fp32")
+        return dict(src_ptr=g, dst_ptr=w, tiles_ptr=i64, scale="fp32")
     if kernel == "average":
         return dict(f_ptr=w, fo_ptr=f, src_ptr=g, dst_ptr=g, flags_ptr="*u8", tiles_ptr=i64, world="fp32")
     if kernel == "commit_factor":
@@ -51,8 +59,8 @@ def _signature(kernel: str, grad_dtype: torch.dtype, wire: bool = False) -> Dict
     if kernel == "orthogonalize_gram":
         return dict(x_ptr=f, ws_ptr="*fp64", tasks_ptr=i64)
     return dict(
-        buf_ptr=g, p_ptr=f, q_ptr=f, lf_ptr=f, e_ptr=f, kept_ptr=f, flags_ptr="*u8", first_ptr=i32, table_ptr=i64,
-        tiles_ptr=i32, ls_ptr=f, n_flags="i32", scale="fp32",
+        buf_ptr=g, p_ptr=f, q_ptr=f, lf_ptr=f, e_ptr=f, kept_ptr=f, flags_ptr="*u8" if v.get("HAS_FLAG", True) else f,
+        first_ptr=i32, table_ptr=i64, tiles_ptr=i32, ls_ptr=f, n_flags="i32", scale="fp32",
     )
 
 
@@ -97,18 +105,25 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
     return c
 
 
+# The launch options the launchers of the helper kernels pass (ops/segments.py: num_warps only, so Triton's default
+# num_stages applies), compiled alike: the JIT's binary of the launch (tests/test_aot_jit_match.py).
+HELPER_OPTIONS = {"copy_segments": {"num_warps": 4}, "average": {"num_warps": 4}, "commit_factor": {"num_warps": 4}}
+
+
 def _compile_args(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: int, variant=None):
     """(argument types with the constexprs marked, constexprs, launch options) of a launch: what one compile is."""
     if kernel == "project_t":  # what project_t() launches for this variant
         config = padding_error_config(config, (variant or {}).get("PAD_ERROR", False))
     constexprs = _constexprs(kernel, config, max_rank, variant or {})
-    signature = dict(_signature(kernel, grad_dtype, bool((variant or {}).get("wire", False))))
+    signature = dict(_signature(kernel, grad_dtype, bool((variant or {}).get("wire", False)), variant))
     if kernel == "copy_segments" and not (variant or {}).get("to_packed", True):
         signature["src_ptr"], signature["dst_ptr"] = signature["dst_ptr"], signature["src_ptr"]
     for name in constexprs:
         signature[name] = "constexpr"
     if kernel == "reduce_splits":  # launched with its own options, whatever project_t's config
         options = {"num_warps": 4, "num_stages": 1}
+    elif kernel in HELPER_OPTIONS:
+        options = dict(HELPER_OPTIONS[kernel])
     else:
         options = _launch_options(config)
     return signature, constexprs, options
@@ -160,14 +175,77 @@ def table_jobs(ranks=TABLE_RANKS, dtypes=TABLE_DTYPES, num_sms: int = 132) -> li
     return jobs
 
 
-def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: int, arch: int, variant=None):
-    """Compile ``kernel`` with ``config`` for ``sm_<arch>`` (e.g. 80, 90) without a GPU; returns the compiled kernel.
+# Torch dtypes of the pointer types of _signature: a stand-in tensor of each is what jit_attributes specializes.
+_POINTEE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64,
+            "i64": torch.int64, "i32": torch.int32, "u8": torch.uint8}
+
+
+def launch_ints(kernel: str, variant=None) -> Dict[str, int]:
+    """The integer runtime arguments of a launch as :func:`compile_aot` compiles them by default: reconstruct's
+    ``n_flags`` (the step flags' count, one per program of the average launch: 0 without ``HAS_FLAG``, which the JIT
+    marks divisible by 16 like any multiple of 16; else 3, a count that is neither 1 nor a multiple of 16, the
+    general case: a layout whose average runs exactly one program, or a multiple of 16 programs, compiles another
+    binary, as the JIT would -- pass the layout's own count in ``ints``). The only integer runtime argument of our
+    kernels; the others are pointers and floats."""
+    if kernel == "reconstruct":
+        return {"n_flags": 3 if (variant or {}).get("HAS_FLAG", True) else 0}
+    return {}
+
+
+def jit_attributes(kernel: str, signature: Dict[str, str], arch: int, aligned=True, ints=None):
+    """What Triton's JIT specializes in a launch of ``kernel`` on a GPU, for an ahead-of-time compile of the same
+    binary: ``(signature, constexprs, attrs)`` -- the signature with an integer argument of value 1 turned into a
+    constexpr, those constexprs, and the attributes per argument index (``tt.divisibility = 16`` on a pointer whose
+    tensor is 16-byte aligned and on an integer that is a multiple of 16).
+
+    ``aligned``: True (every pointer argument's tensor 16-byte aligned: what the hooks launch, every buffer being an
+    allocation of its own -- the bucket, the factors, the error memory, the tables), False (none), or the names of
+    the aligned ones. ``ints``: name -> value of integer arguments (default :func:`launch_ints`). Each value goes
+    through Triton's own specialization (:func:`powersgd_triton.compat.versions.jit_specialization`) on a stand-in:
+    a CPU tensor of the pointee dtype (aligned, or one element past an aligned start), or the integer."""
+    from powersgd_triton.compat.versions import gpu_target, jit_specialization
+
+    fn = KERNEL_FUNCTIONS[kernel]
+    target = gpu_target(arch)
+    ints = dict(ints or {})
+    names = list(fn.arg_names)
+    out_sig, constexprs, attrs = dict(signature), {}, {}
+    for name, ty in signature.items():
+        if ty == "constexpr":
+            continue
+        if ty.startswith("*"):
+            is_aligned = aligned if isinstance(aligned, bool) else name in aligned
+            base = torch.empty(8, dtype=_POINTEE[ty[1:]])
+            value = base if is_aligned else base[1:]
+        elif ty[0] in "iu" and ty != "u1":
+            if name not in ints:
+                raise KeyError(f"{kernel}: no value for the integer argument {name} (ints=)")
+            value = int(ints[name])
+        else:  # floats and bools: never specialized
+            continue
+        jit_ty, key, attr = jit_specialization(value, target)
+        if jit_ty == "constexpr":
+            out_sig[name], constexprs[name] = "constexpr", value
+        elif key is not None:
+            attrs[(names.index(name),)] = attr
+    return out_sig, constexprs, attrs
+
+
+def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: int, arch: int, variant=None, *,
+                aligned=True, ints=None, jit=True):
+    """Compile ``kernel`` with ``config`` for ``sm_<arch>`` (e.g. 80, 90) without a GPU, as Triton's JIT compiles the
+    launch on that GPU; returns the compiled kernel.
 
     ``variant`` sets the feature constexprs (``HAS_ERROR``, ``HAS_FLAG``, commit_factor's ``ROWS_COL``/``OFF_COL``);
     ``orthogonalize`` also compiles ``orthogonalize_gram`` (its first launch for split factors) unless
     ``WITH_GRAM=False``; ``project_t`` compiles the config its launcher would use for the variant
-    (:func:`padding_error_config`). Must run with ``TRITON_INTERPRET`` unset (the interpreter replaces ``@triton.jit`` functions at import time). Raises
-    ``RuntimeError`` under the interpreter and whatever Triton raises on a compile error.
+    (:func:`padding_error_config`). ``aligned`` and ``ints``: the launch's pointer alignment and integer arguments
+    as :func:`jit_attributes` takes them (default: every pointer 16-byte aligned, what the hooks launch, and
+    :func:`launch_ints`); the JIT's specialization of them (pointer divisibility, integers divisible by 16 or equal
+    to 1) is compiled in. ``jit=False``: no specialization at all (every pointer and integer unknown: the compile
+    before issue 39, for comparisons). Must run with ``TRITON_INTERPRET`` unset (the interpreter replaces
+    ``@triton.jit`` functions at import time). Raises ``RuntimeError`` under the interpreter and whatever Triton
+    raises on a compile error.
     """
     from powersgd_triton.compat.versions import ast_source, gpu_target
 
@@ -175,15 +253,22 @@ def compile_aot(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: in
     if not hasattr(fn, "arg_names") or _env.interpreter_enabled():
         raise RuntimeError("compile_aot needs TRITON_INTERPRET unset (kernels are interpreted functions here)")
     signature, constexprs, options = _compile_args(kernel, config, grad_dtype, max_rank, variant)
+    attrs = None
+    if jit:
+        values = launch_ints(kernel, variant)
+        values.update(ints or {})
+        signature, ints_const, attrs = jit_attributes(kernel, signature, arch, aligned, values)
+        constexprs = dict(constexprs, **ints_const)
     if kernel == "project_t":  # what project_t() launches for this variant
         config = padding_error_config(config, (variant or {}).get("PAD_ERROR", False))
-    src = ast_source(fn, signature, constexprs)
+    src = ast_source(fn, signature, constexprs, attrs)
     compiled = triton.compile(src, target=gpu_target(arch), options=options)
+    more = dict(aligned=aligned, jit=jit)
     if kernel == "project_t" and variant is not None and variant.get("split"):  # the split path's reducer too
         compile_aot("reduce_splits", config, grad_dtype, max_rank, arch, dict(HAS_Q2=variant.get("HAS_Q2", False),
-                                                                               wire=variant.get("wire", False)))
+                                                                               wire=variant.get("wire", False)), **more)
     if kernel == "orthogonalize" and (variant or {}).get("WITH_GRAM", True):  # and the Gram launch of split factors
-        compile_aot("orthogonalize_gram", config, grad_dtype, max_rank, arch, variant)
+        compile_aot("orthogonalize_gram", config, grad_dtype, max_rank, arch, variant, **more)
     return compiled
 
 
@@ -199,7 +284,8 @@ def variants(kernel: str) -> Iterable[dict]:
     alternating hook's P and Q steps (local error, commit of P or Q), the batched view's padding error.
     ``wire`` (not a constexpr: the argument types): P (project) or Q (project_t, reduce_splits, average) in the
     buffer it is all-reduced in, in the communication dtype (the layer-wise and batched hooks on the Triton backend
-    when it is not float32: by default for fp16/bf16 buckets). Not orthogonalize: triton 3.6 cannot compile its
+    when it is not float32: by default for fp16/bf16 buckets); copy_segments: the packed uncompressed gradients in
+    that dtype too (else float32). Not orthogonalize: triton 3.6 cannot compile its
     float64 ``tl.dot`` of a 16-bit load (an LLVM assertion on sm_90), so it reads a float32 copy of P.
     """
     if kernel == "project":
@@ -230,7 +316,8 @@ def variants(kernel: str) -> Iterable[dict]:
                 dict(PAD_ERROR=True, LOSS_SCALE=True), dict(split=True, wire=True),
                 dict(PAD_ERROR=True, LOSS_SCALE=True, wire=True)]
     if kernel == "copy_segments":
-        return [dict(to_packed=True), dict(to_packed=False)]
+        return [dict(to_packed=True), dict(to_packed=False), dict(to_packed=True, wire=True),
+                dict(to_packed=False, wire=True)]
     if kernel == "reduce_splits":
         return [dict(HAS_Q2=True), dict(), dict(wire=True)]
     if kernel == "average":

@@ -12,6 +12,7 @@ floors in ``pyproject.toml`` (``torch>=2.8``, ``triton>=3.4``) are the tested mi
 | ``tl.dot(a, b, input_precision="ieee")`` (the kernels' fp32 products on FMA units) | triton 3.0 (before: ``allow_tf32=``) | a triton older than :data:`MIN_TRITON` is not used: ``backend="auto"`` runs the torch backend, ``"triton"`` raises naming the version (:func:`triton_too_old`) |
 | ``triton.compiler.ASTSource(fn, signature, constexprs=...)``, the signature keyed by argument name | triton 3.2 (3.0/3.1: ``constants=``, keyed by index) | :func:`ast_source` |
 | ``triton.backends.compiler.GPUTarget(backend, arch, warp_size)`` | triton 3.0 | :func:`gpu_target` |
+| the JIT's argument specialization (16-byte aligned pointers and integers divisible by 16 marked ``tt.divisibility = 16``, an integer 1 a constant) | triton 3.6: ``native_specialize_impl`` (C++; 3.4: ``runtime.jit.create_specialize_impl``, Python, the same rules) | :func:`jit_specialization` (the compile table compiles as the JIT does) |
 | smallest inner dimension ``K`` of ``tl.dot`` on NVIDIA (float64: 16 in triton 3.6, 4 in 3.9) | triton 3.7-3.9 | :func:`dot_min_k` (the orthogonalization kernel's float64 products broadcast below it) |
 | float64 operands of ``tl.dot`` (the orthogonalization kernel's Gram and products) | after triton 3.4 (3.6 has them) | :func:`dot_float64_supported` (without: broadcast and sum) |
 | ``FSDPModule.set_all_reduce_hook`` (FSDP2 over the replicate group of HSDP) | torch 2.7 | :func:`fsdp_all_reduce_hook_missing` |
@@ -80,12 +81,13 @@ def untested_versions() -> Tuple[str, ...]:
     return tuple(notes)
 
 
-def ast_source(fn, signature: dict, constexprs: dict):
+def ast_source(fn, signature: dict, constexprs: dict, attrs: Optional[dict] = None):
     """``triton.compiler.ASTSource`` of a ``@triton.jit`` function for an ahead-of-time compile.
 
     ``signature``: argument name -> Triton type (``"*fp32"``, ``"i32"``, ``"constexpr"``); ``constexprs``: name ->
-    value. Raises ``RuntimeError`` naming the version on a triton whose ``ASTSource`` takes ``constants=`` keyed by
-    index (3.0/3.1, below :data:`MIN_TRITON`).
+    value; ``attrs``: ``{(argument index,): [[attribute, value], ...]}`` (e.g. ``[["tt.divisibility", 16]]``, what
+    :func:`jit_specialization` gives the JIT), none by default. Raises ``RuntimeError`` naming the version on a
+    triton whose ``ASTSource`` takes ``constants=`` keyed by index (3.0/3.1, below :data:`MIN_TRITON`).
     """
     from triton.compiler import ASTSource
 
@@ -96,7 +98,44 @@ def ast_source(fn, signature: dict, constexprs: dict):
         raise RuntimeError(f"triton {triton.__version__}: ASTSource has no constexprs= (it takes "
                            f"{', '.join(p for p in params if p != 'self')}); ahead-of-time compiles need triton >= "
                            f"{'.'.join(map(str, MIN_TRITON))}")
+    if attrs:
+        return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+
+
+def jit_specialization(value, target=None) -> Tuple[str, Optional[str], list]:
+    """What Triton's JIT makes of one runtime argument ``value`` of a launch on a GPU (every parameter of our kernels
+    is specialized: none is ``do_not_specialize``): ``(type, key, attributes)``.
+
+    ``type``: the signature type (``"*fp32"`` for a float32 tensor, ``"i32"``/``"i64"``, ``"fp32"``, or
+    ``"constexpr"`` for the integer 1, which the JIT compiles in as a constant); ``key``: ``"D"`` for a tensor whose
+    ``data_ptr()`` is a multiple of 16 bytes or an integer that is a multiple of 16 (0 included), ``""`` for
+    another tensor or integer, None for floats and bools (not specialized); ``attributes``: the key as the compiler
+    takes it (``[["tt.divisibility", 16]]`` for ``"D"``, else ``[]``), by the backend of ``target``
+    (a ``GPUTarget``; default sm_90). Read in triton 3.4, 3.6, 3.8 and 3.9 (``runtime/jit.py``): 3.6 to 3.9's
+    binder calls ``native_specialize_impl(backend, arg, is_const, specialize, align)`` (C++), 3.4's the Python
+    ``create_specialize_impl(backend.get_arg_specialization)``; both with the same rules, then
+    ``backend.parse_attr`` (the base backend's, which the NVIDIA backend keeps). Raises ``RuntimeError`` on a triton
+    with neither."""
+    from triton.backends.compiler import BaseBackend
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(target if target is not None else gpu_target(90))
+    try:
+        from triton._C.libtriton import native_specialize_impl
+    except ImportError:  # triton 3.4: the binder's specializer is Python
+        try:
+            from triton.runtime.jit import create_specialize_impl
+        except ImportError as exc:
+            import triton
+
+            raise RuntimeError(f"triton {triton.__version__}: neither native_specialize_impl nor "
+                               "create_specialize_impl (read in 3.4-3.9): cannot specialize arguments as its JIT "
+                               "does") from exc
+        ty, key = create_specialize_impl(type(backend).get_arg_specialization)(value, False, True, True)[:2]
+    else:
+        ty, key = native_specialize_impl(BaseBackend, value, False, True, True)[:2]
+    return ty, key, (backend.parse_attr(key) if isinstance(key, str) else [])
 
 
 def gpu_target(arch: int, backend: str = "cuda", warp_size: int = 32):
