@@ -6,11 +6,15 @@ memory held and peak). Prints a markdown table; ``--json``/``--markdown`` also w
 tables see ``bench/``; for a full GPU check ``bench/gpu_check.py``.
 
     powersgd-triton bench --models resnet50 --matrix-approximation-ranks 4 --dtypes fp32 --rounds 7
+
+``--link RATES`` instead times whole training steps of 2 ranks over a link of each rate
+(:mod:`powersgd_triton.linkbench`).
 """
 
 import json
 
 from powersgd_triton.cli_common import RANK_HELP, add_rank_option, comma_list, positive
+from powersgd_triton.linkbench import options as link_options  # no torch either
 from powersgd_triton.shapes import MODELS  # no torch: the parser is built without it
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")  # powersgd_triton.benchmarking.DTYPES (tests/test_cli_help.py checks)
@@ -53,6 +57,7 @@ def add_parser(subparsers):
     p.add_argument("--no-history", action="store_true", help="record nothing in the history")
     p.add_argument("--compare-to", default=None, metavar="REF",
                    help="after the run, compare its rows with the history's rows of git ref REF on this device")
+    link_options.add_options(p)  # bench --link RATES (powersgd_triton.linkbench)
     p.set_defaults(func=run)
     return p
 
@@ -71,6 +76,10 @@ def _usage(message: str) -> int:
 
 
 def run(args) -> int:
+    if getattr(args, "link", None):
+        from powersgd_triton.linkbench.run import run as run_link
+
+        return run_link(args)
     import torch
 
     from powersgd_triton import benchmarking as B
