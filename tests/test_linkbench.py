@@ -115,9 +115,10 @@ def test_the_crossover_is_interpolated_on_log_rate_and_log_ratio():
     assert c["kind"] == "below" and c["between"] == ("100mbit", "1gbit")
     assert c["bits_per_second"] == pytest.approx(10 ** (8 + t), rel=1e-9)
     assert "slower than" in report.crossover_text(c)
-    # unlimited sits one decade above the fastest limited rate
+    # unlimited has no rate: a crossing next to it is only located between the two
     c = report.crossover(rows_with_ratios({"100mbit": 0.2, "1gbit": 0.5, "unlimited": 2.0}), "mnist5k")
-    assert c["between"] == ("1gbit", "unlimited") and 1e9 < c["bits_per_second"] < 1e10
+    assert c == {"kind": "below", "bits_per_second": None, "between": ("1gbit", "unlimited")}
+    assert report.crossover_text(c) == "powersgd pays at 1gbit, not at unlimited: the crossover lies between them"
     assert report.crossover(rows_with_ratios({"100mbit": 0.2, "unlimited": 0.9}), "mnist5k")["kind"] == "always"
     assert report.crossover(rows_with_ratios({"100mbit": 1.2, "unlimited": 3.0}), "mnist5k")["kind"] == "never"
     assert report.crossover(rows_with_ratios({"100mbit": 1.2, "unlimited": 0.5}), "mnist5k")["kind"] == "above"
@@ -131,7 +132,7 @@ def test_the_chart_is_a_png_with_the_crossover(tmp_path):
     notes = report.plot(str(path), rows, title="test")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    assert notes[0].startswith("mnist5k: powersgd pays on links slower than") and "1gbit and unlimited" in notes[0]
+    assert notes[0] == "mnist5k: powersgd pays at 1gbit, not at unlimited: the crossover lies between them"
     assert notes[1].startswith("resnet18: powersgd pays on links slower than") and "100mbit and 1gbit" in notes[1]
 
 

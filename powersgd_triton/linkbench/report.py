@@ -12,11 +12,12 @@ mean over the timed steps. The chart needs matplotlib (an optional dependency): 
 
 import importlib.util
 import math
+import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from powersgd_triton.cli_common import text_table
 from powersgd_triton.linkbench.names import ALLREDUCE, OURS, REFERENCE, BF16_SUFFIX, is_ours
-from powersgd_triton.linkbench.rates import parse_rate
+from powersgd_triton.linkbench.rates import UNLIMITED, parse_rate
 
 ROW_FIELDS = ("rate", "workload", "hook", "step_ms_median", "step_ms_p10", "step_ms_p90", "bytes_per_step",
               "ratio_to_allreduce")
@@ -27,6 +28,9 @@ HOOK_LABELS = {
     "alternating": "ours, alternating",
     "batched": "ours, batched",
 }
+
+COLORS = {ALLREDUCE: "tab:gray", REFERENCE: "tab:purple", "powersgd": "tab:green", "alternating": "tab:orange",
+          "powersgd_bf16": "tab:red", "batched": "tab:blue", "alternating_bf16": "tab:brown", "batched_bf16": "tab:cyan"}
 
 
 def hook_label(hook: str) -> str:
@@ -126,7 +130,8 @@ def crossover(rows: Sequence[Dict[str, Any]], workload: str, hook: str = OURS) -
 
     Returns ``{"kind": "below", "bits_per_second": x, "between": (slower label, faster label)}`` (it pays on links
     slower than x), ``{"kind": "above", ...}`` (it pays on faster ones), ``{"kind": "always"}``, ``{"kind":
-    "never"}``, or ``{"kind": "unknown"}`` when there are no ratios."""
+    "never"}``, or ``{"kind": "unknown"}`` when there are no ratios. ``bits_per_second`` is ``None`` when the
+    crossing is between the fastest limited rate and ``unlimited`` (no rate to interpolate to)."""
     pts = [r for r in rows if r["workload"] == workload and r["hook"] == hook and r["ratio_to_allreduce"]]
     pos = rate_positions([r["rate"] for r in pts])
     pts.sort(key=lambda r: pos[r["rate"]])
@@ -139,16 +144,21 @@ def crossover(rows: Sequence[Dict[str, Any]], workload: str, hook: str = OURS) -
         return {"kind": "never"}
     for a, b in zip(pts, pts[1:]):
         if (a["ratio_to_allreduce"] < 1.0) != (b["ratio_to_allreduce"] < 1.0):
+            kind = "below" if a["ratio_to_allreduce"] < 1.0 else "above"
+            if b["rate"] == UNLIMITED:  # no rate to interpolate to: the crossover is somewhere above a's
+                return {"kind": kind, "bits_per_second": None, "between": (a["rate"], b["rate"])}
             la, lb = math.log(a["ratio_to_allreduce"]), math.log(b["ratio_to_allreduce"])
             xa, xb = math.log(pos[a["rate"]]), math.log(pos[b["rate"]])
             t = (0.0 - la) / (lb - la) if lb != la else 0.5
-            return {"kind": "below" if a["ratio_to_allreduce"] < 1.0 else "above",
-                    "bits_per_second": math.exp(xa + t * (xb - xa)), "between": (a["rate"], b["rate"])}
+            return {"kind": kind, "bits_per_second": math.exp(xa + t * (xb - xa)), "between": (a["rate"], b["rate"])}
     return {"kind": "unknown"}  # pragma: no cover - a change of sign is found above
 
 
 def crossover_text(c: Dict[str, Any], hook: str = OURS) -> str:
     """One line for a :func:`crossover`."""
+    if c["kind"] in ("below", "above") and c["bits_per_second"] is None:
+        yes, no = c["between"] if c["kind"] == "below" else c["between"][::-1]
+        return f"{hook} pays at {yes}, not at {no}: the crossover lies between them"
     if c["kind"] in ("below", "above"):
         return (f"{hook} pays on links {'slower' if c['kind'] == 'below' else 'faster'} than ~"
                 f"{fmt_rate(c['bits_per_second'])} (between {c['between'][0]} and {c['between'][1]})")
@@ -190,8 +200,8 @@ def plot(path: str, rows: Sequence[Dict[str, Any]], title: str = "", hook: str =
             med = [r["step_ms_median"] for r in pts]
             err = [[m - r["step_ms_p10"] for m, r in zip(med, pts)], [r["step_ms_p90"] - m for m, r in zip(med, pts)]]
             style = "-" if is_ours(h) else "--"
-            ax.errorbar(xs, med, yerr=err, marker="o", ls=style, capsize=3, lw=2 if h == hook else 1.3,
-                        label=hook_label(h))
+            ax.errorbar(xs, med, yerr=err, marker="o", ls=style, capsize=3, lw=2.4 if h == hook else 1.3,
+                        label=hook_label(h), color=COLORS.get(h), zorder=3 if h == hook else 2)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ticks = sorted(set(pos.values()))
@@ -201,13 +211,17 @@ def plot(path: str, rows: Sequence[Dict[str, Any]], title: str = "", hook: str =
         c = crossover(rows, workload, hook)
         line = crossover_text(c, hook)
         notes.append(f"{workload}: {line}")
-        if c["kind"] in ("below", "above"):
+        if c["kind"] in ("below", "above") and c["bits_per_second"] is None:
+            ax.axvspan(pos[c["between"][0]], pos[c["between"][1]], color="black", alpha=0.08, lw=0)
+            ax.text(0.98, 0.03, f"{hook}: crossover in the shaded span", transform=ax.transAxes, ha="right",
+                    fontsize=8)
+        elif c["kind"] in ("below", "above"):
             x = c["bits_per_second"]
             ax.axvline(x, color="black", ls=":", lw=1.2)
             ax.annotate(f"{hook} pays {'below' if c['kind'] == 'below' else 'above'}\n~{fmt_rate(x)}",
-                        xy=(x, 0.97), xycoords=("data", "axes fraction"), va="top",
-                        ha="left" if c["kind"] == "below" else "right", fontsize=8, xytext=(3, 0),
-                        textcoords="offset points")
+                        xy=(x, 0.03), xycoords=("data", "axes fraction"), va="bottom",
+                        ha="right" if c["kind"] == "below" else "left", fontsize=8,
+                        xytext=(-3 if c["kind"] == "below" else 3, 0), textcoords="offset points")
         else:
             ax.text(0.02, 0.02, line, transform=ax.transAxes, fontsize=8)
         ax.set_title(workload)
@@ -216,7 +230,7 @@ def plot(path: str, rows: Sequence[Dict[str, Any]], title: str = "", hook: str =
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
     if title:
-        fig.suptitle(title, fontsize=8)
+        fig.suptitle("\n".join(textwrap.wrap(title, 110 * len(workloads))), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
