@@ -189,7 +189,8 @@ def test_no_iproute2_is_refused_in_one_line(no_launch, capsys, monkeypatch):
     assert "--netns needs iproute2 (tc not found on PATH): apt-get install iproute2" in err
 
 
-@pytest.mark.parametrize("rates, message", [("100mbitt", "bad link rate '100mbitt'"), ("1gbit,1000mbit", "listed twice"),
+@pytest.mark.parametrize("rates, message", [("100mbitt", "bad link rate '100mbitt'"),
+                                            ("1gbit,1000mbit", "listed twice"),
                                             ("0kbit", "at least 1 bit per second"), (",", "at least one rate")])
 def test_bad_rates_are_refused(no_launch, capsys, rates, message):
     code, err = bench(capsys, "--link", rates, "--netns")

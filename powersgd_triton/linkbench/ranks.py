@@ -56,8 +56,9 @@ def bucket_cap_mb(spec: Spec, hook_name: str, device: torch.device) -> Optional[
 def measure(spec: Spec) -> Optional[Dict[str, Any]]:
     """Run ``spec`` as the rank ``env://`` names (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
 
-    Returns, on rank 0, ``{"rate", "workload", "world_size", "hooks": {hook: {"step_ms": [float, one per timed
-    step], "bytes_per_step", "calls_per_step", "kernel_backend", "final_loss"}}, "environment": {...}}``; ``None``
+    Returns, on rank 0, ``{"rate", "workload", "world_size", "batch_size", "timed_steps", "hooks": {hook:
+    {"step_ms": [float, one per timed step], "bytes_per_step", "calls_per_step", "kernel_backend", "bucket_cap_mb",
+    "final_loss"}}, "environment": {...}}``; ``None``
     on the other ranks. Raises what the workload, DDP or a collective raises (a rank that fails makes the others
     fail at their next collective, or at ``spec.collective_timeout``)."""
     from powersgd_triton import teardown
@@ -142,7 +143,8 @@ def _measure(spec: Spec, rank: int, world: int, device: torch.device) -> Optiona
     from powersgd_triton.benchmarking.environment import environment
 
     timed = range(spec.start_iter, total)
-    out: Dict[str, Any] = {"rate": spec.rate, "workload": spec.workload, "world_size": world, "hooks": {},
+    out: Dict[str, Any] = {"rate": spec.rate, "workload": spec.workload, "world_size": world,
+                           "batch_size": wl.batch_size, "timed_steps": spec.steps, "hooks": {},
                            "environment": environment(device)}
     for i, (name, _, _, state) in enumerate(runs):
         backends = sorted({str(m.backend) for m in getattr(state, "buckets", {}).values()

@@ -30,7 +30,8 @@ HOOK_LABELS = {
 }
 
 COLORS = {ALLREDUCE: "tab:gray", REFERENCE: "tab:purple", "powersgd": "tab:green", "alternating": "tab:orange",
-          "powersgd_bf16": "tab:red", "batched": "tab:blue", "alternating_bf16": "tab:brown", "batched_bf16": "tab:cyan"}
+          "powersgd_bf16": "tab:red", "batched": "tab:blue", "alternating_bf16": "tab:brown",
+          "batched_bf16": "tab:cyan"}
 
 
 def hook_label(hook: str) -> str:
@@ -187,6 +188,7 @@ def plot(path: str, rows: Sequence[Dict[str, Any]], title: str = "", hook: str =
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     fig, axes = plt.subplots(1, len(workloads), figsize=(6.4 * len(workloads), 4.8), squeeze=False)
@@ -204,6 +206,9 @@ def plot(path: str, rows: Sequence[Dict[str, Any]], title: str = "", hook: str =
                         label=hook_label(h), color=COLORS.get(h), zorder=3 if h == hook else 2)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        # plain numbers at 1-2-3-5 steps: a panel of 1.6 to 6 s has no power of ten on it
+        ax.yaxis.set_major_locator(ticker.LogLocator(base=10.0, subs=(1.0, 2.0, 3.0, 5.0)))
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ticks = sorted(set(pos.values()))
         ax.set_xticks(ticks, [next(k for k, v in pos.items() if v == t) for t in ticks])
         ax.minorticks_off()

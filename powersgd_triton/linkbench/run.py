@@ -195,7 +195,9 @@ def _environment(results: List[Dict[str, Any]], loads: List[List[float]], args, 
     env.update(mode=mode, world_size=results[0]["world_size"] if results else None,
                matrix_approximation_rank=_rank(args),
                start_powerSGD_iter=args.start_iter, seed=args.seed,
-               load_1min_min=min(flat) if flat else None, load_1min_max=max(flat) if flat else None)
+               load_1min_min=min(flat) if flat else None, load_1min_max=max(flat) if flat else None,
+               workloads={r["workload"]: {"batch_size_per_rank": r.get("batch_size"),
+                                          "timed_steps": r.get("timed_steps")} for r in results})
     return env
 
 
