@@ -157,10 +157,10 @@ class LinkPair:
     # ------------------------------------------------------------------------------------------------- use
     def set_rate(self, rate: Rate) -> None:
         """Limit each direction to ``rate`` (a tbf qdisc on both veth ends), or remove the limit (unlimited)."""
-        for ns, veth in zip(self.names, self.veths):
+        for side, (ns, veth) in enumerate(zip(self.names, self.veths)):
             if rate.limited:
                 _run(["tc", "-n", ns, "qdisc", "replace", "dev", veth, "root"] + tbf_args(rate.bits_per_second))
-            elif "tbf" in self.qdisc(0 if ns == self.names[0] else 1):
+            elif "tbf" in self.qdisc(side):
                 _run(["tc", "-n", ns, "qdisc", "del", "dev", veth, "root"])
         self.rate = rate
 

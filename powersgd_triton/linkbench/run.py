@@ -24,7 +24,7 @@ from contextlib import ExitStack
 from typing import Any, Dict, List, Optional
 
 from powersgd_triton.linkbench import netns, report
-from powersgd_triton.linkbench.names import ALLREDUCE, DEFAULT_STEPS, Spec
+from powersgd_triton.linkbench.names import ALLREDUCE, DEFAULT_STEPS, RESNET18, Spec
 from powersgd_triton.linkbench.rates import Rate
 
 PROG = "powersgd-triton bench"
@@ -87,7 +87,7 @@ def check(args, torchrun: bool) -> Optional[str]:
     from powersgd_triton.train.data import DataUnavailable, check_available
 
     for w in args.workload:
-        if w in DEFAULT_STEPS and w != "resnet18":
+        if w != RESNET18:  # generated data; the others read an installed package
             try:
                 check_available(w)
             except DataUnavailable as exc:
