@@ -20,6 +20,7 @@ floors in ``pyproject.toml`` (``torch>=2.8``, ``triton>=3.4``) are the tested mi
 | FSDP2's parameter groups per module: ``FSDPState._fsdp_param_groups`` (a list) | after torch 2.11 (2.8-2.11: one ``_fsdp_param_group``) | :func:`fsdp_param_groups` |
 | a custom gradient divide factor: ``FSDPParamGroup.gradient_divide_factor`` | torch 2.8 (2.7: ``reduce_scatter_reduce_op``) | :func:`fsdp_divide_factor_set` |
 | ``FSDPModule.set_reduce_scatter_unused_params`` (zero gradients for unused parameters) | after torch 2.11 | :func:`fsdp_unused_params_option` |
+| the byte limits of DDP's bucket rebuild after its first iteration (the first bucket's, the others'): ``DistributedDataParallel._bucket_config`` (``first_bucket_bytes_cap``, ``bucket_bytes_cap``; custom ``per_bucket_bytes_caps``) | after torch 2.11 (2.8-2.11: ``bucket_bytes_cap``, and ``dist._DEFAULT_FIRST_BUCKET_BYTES`` for the first bucket where ``bucket_bytes_cap_default``) | :func:`ddp_rebuild_caps` |
 | FSDP2-based ``replicate()`` (``torch.distributed._composable.replicate_with_fsdp``: a ``DDPMeshInfo`` parameter group whose native all-reduce runs over ``mesh_info.replicate_process_group``, read through ``FSDPParamGroup._all_reduce_process_group``, before the all-reduce hook) | after torch 2.8 (read in 2.11, 2.13 and 2.14) | :func:`replicate_with_fsdp_missing`, :func:`fsdp_replicate_group_unknown` |
 """
 
@@ -335,3 +336,22 @@ def fsdp_replicate_group_unknown(fsdp_group) -> Optional[str]:
     except Exception as exc:  # noqa: BLE001 - any failure: unknown internals
         return f"FSDPParamGroup._all_reduce_process_group raised {type(exc).__name__}: {exc}"
     return None
+
+
+def ddp_rebuild_caps(ddp) -> Optional[Tuple[int, int]]:
+    """``(first bucket's bytes, other buckets' bytes)``: the limits a ``DistributedDataParallel`` passes its reducer
+    for the bucket rebuild after its first iteration (read in torch 2.8, 2.11, 2.13 and 2.14; the reducer rebuilds with
+    ``[first, other]``); None where this torch's DDP has custom per-bucket limits (``bucket_cap_mb`` a list) or
+    neither attribute set."""
+    import torch.distributed as dist
+
+    config = getattr(ddp, "_bucket_config", None)
+    if config is not None:
+        if getattr(config, "per_bucket_bytes_caps", ()):
+            return None
+        return int(config.first_bucket_bytes_cap), int(config.bucket_bytes_cap)
+    cap = getattr(ddp, "bucket_bytes_cap", None)
+    default = getattr(ddp, "bucket_bytes_cap_default", None)
+    if cap is None or default is None:
+        return None
+    return int(dist._DEFAULT_FIRST_BUCKET_BYTES if default else cap), int(cap)

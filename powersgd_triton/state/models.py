@@ -30,8 +30,15 @@ def registered_module(state, params) -> Optional[torch.nn.Module]:
     """The module of the DistributedDataParallel that ``state`` is registered on as a comm hook state (DDP keeps the
     ``(hook, state)`` pairs of ``register_comm_hook`` in ``_comm_hooks``) and that holds ``params``; None when there
     is not exactly one (a state registered on an old DDP and on a fresh one is resolved by the parameters)."""
+    ddp = registered_ddp(state, params)
+    return None if ddp is None else ddp.module
+
+
+def registered_ddp(state, params):
+    """The DistributedDataParallel that ``state`` is registered on and that holds ``params``, or None when there is
+    not exactly one (:func:`registered_module`)."""
     found = _holders(_registered_ddps(state), params)
-    return found[0].module if len(found) == 1 else None
+    return found[0] if len(found) == 1 else None
 
 
 def _holders(ddps, params) -> list:

@@ -453,7 +453,9 @@ class PowerSGDState:
 
         Only tensors and plain Python types (``torch.load(..., weights_only=True)`` reads it); the tensors are the
         state's own (not copies), on their devices, like ``nn.Module.state_dict()``. Error memory is per rank: save
-        every rank's state to resume exactly. The process group is not saved.
+        every rank's state to resume exactly. The process group is not saved. Warns (``RuntimeWarning``) at iteration
+        1 with ``start_powerSGD_iter=1`` where the buckets DDP rebuilds cannot be told
+        (:mod:`powersgd_triton.state.rebuild`).
         """
         # saved at iter == start_powerSGD_iter: the first compressed step's Qs, drawn now (powersgd_triton.state.predraw)
         first, rng_after = _predraw.first_draws(self)

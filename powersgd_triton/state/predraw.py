@@ -11,7 +11,9 @@ Without warm start the same holds at every compressed step (each draws a fresh Q
 
 So :meth:`PowerSGDState.state_dict` draws those Qs itself, from a copy of ``state.rng``, for the buckets of the last
 warm-up iteration (``state.buckets.index_params``: the rebuilt buckets, DDP rebuilds after the first iteration and
-``start_powerSGD_iter >= 2`` with warm start; without it, the buckets of its memory), and saves them as each bucket's
+``start_powerSGD_iter >= 2`` with warm start; with ``start_powerSGD_iter=1``, the buckets DDP will rebuild from its
+first iteration, :mod:`powersgd_triton.state.rebuild`, or a warning where they cannot be told; without warm start,
+the buckets of its memory), and saves them as each bucket's
 memory (the error, the drawn Q, the parameter names; marked ``predrawn`` without warm start) with the RNG state after
 the draws. The resumed state's memory then follows its parameters into
 whatever buckets the fresh DDP has (:func:`powersgd_triton.state.buckets.prepare_bucket`), and draws nothing at that step:
@@ -19,12 +21,14 @@ bitwise the uninterrupted run. The live state is not changed (its next step draw
 """
 
 import types
+import warnings
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
 from powersgd_triton.state.memory import BucketMemory, allocate, draw_q
+from powersgd_triton.state.rebuild import rebuilt_buckets
 from powersgd_triton.state.state_dict import bucket_entry
 from powersgd_triton.layout import BucketLayout
 
@@ -76,10 +80,23 @@ def first_draws(state) -> Tuple[Dict[int, Dict[str, Any]], Optional[tuple]]:
         return _redraws(state)
     pending = sorted(buckets.index_params)
     found = [_warmup_bucket(state, i) for i in pending]
-    # start_powerSGD_iter 1 (allowed without warm start and error feedback): the only warm-up iteration saw DDP's
-    # first buckets, not the rebuilt ones the first compressed step meets
-    if not pending or any(f is None for f in found) or state.start_powerSGD_iter < 2:
+    if not pending or any(f is None for f in found):
         return {}, None
+    if state.start_powerSGD_iter < 2:
+        # start_powerSGD_iter 1 (allowed without warm start and error feedback): the only warm-up iteration saw
+        # DDP's first buckets, not the rebuilt ones the first compressed step meets (powersgd_triton.state.rebuild)
+        rebuilt, why = rebuilt_buckets(state, [f[0] for f in found])
+        if rebuilt is None or len({f[1:] for f in found}) != 1:
+            warnings.warn(
+                "PowerSGD: state_dict() at iteration 1, before the first compressed step (start_powerSGD_iter=1): "
+                f"the buckets DDP builds for that step cannot be told ({why or 'buckets of several dtypes'}), so a "
+                "resume from this state dict draws that step's random Qs for other buckets and is not bitwise; save "
+                "at another iteration for a bitwise resume",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return {}, None
+        pending, found = list(range(len(rebuilt))), [(params,) + found[0][1:] for params in rebuilt]
     drawer = _drawer(state)
     entries = {}
     for index, (params, dtype, batched, redraws) in zip(pending, found):

@@ -255,9 +255,9 @@ def hand_over(state, bucket, index: int) -> None:
 
     Due when our hooks have memory, at PyTorch's hook's first access to the bucket, or when iterations ran without
     it since its last access to the bucket (``handed``: the state's iteration at each access, and for its loaded
-    memory the iteration before the state's; our hooks ran since, so their memory is the newer one). Then PyTorch's entries for the bucket are replaced by
-    :func:`torch_forms` of our memory, or dropped with one warning when our memory does not cover the bucket's
-    matrices (PyTorch's hook then starts its own)."""
+    memory the iteration before the state's; our hooks ran since, so their memory is the newer one). Then PyTorch's
+    entries for the bucket are replaced by :func:`torch_forms` of our memory, or dropped with one warning when our
+    memory does not cover the bucket's matrices (PyTorch's hook then starts its own)."""
     dicts = state._memory_dicts
     handed = dicts["error"].handed
     last, now = handed.get(index), state.iter
