@@ -37,10 +37,15 @@ The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_chec
 3. Programs are dispatched in program-id order, each to the first free slot (:func:`makespan`, the block
    scheduler's in-order dispatch): a launch's latency time is when its last program ends. The launch takes the
    longest of that, its bytes at copy bandwidth (``hbm_bandwidth * copy_fraction``), its L2 traffic (factor
-   re-reads, spills) at ``l2_bandwidth`` and its multiply-adds at ``fp32_flops * fma_efficiency`` (FMA issue slots
-   shared with address arithmetic, loads and conversions) plus its tensor-core multiply-adds (the plan's
+   re-reads, spills) at ``l2_bandwidth`` and its instruction issue (``"issue"``, issue 39): the warp instructions
+   of its compiled SASS (:func:`issued_instructions`: main-loop instructions x loop trips x warps, every instruction
+   counted -- address arithmetic, masks, conversions, loads, stores, not only the multiply-adds) at
+   ``sms * issue_per_clock * clock_hz`` (132 x 4 x 1.98 GHz), plus its tensor-core multiply-adds (the plan's
    ``tensor_flops``: project_t's split bfloat16 path) at ``tensor_flops``, the data sheet's dense bfloat16 peak
-   (not measured).
+   (not measured). A launch whose issue term is the longest is "issue-bound": no tile makes it faster, only fewer
+   instructions per element (vector-wide accesses, fewer masks). ``issue_ratio`` = issue time / time of its bytes
+   at copy bandwidth (1.0: even perfect issue only just keeps up with copy bandwidth). Without compiled SASS (a
+   hand-made usage) the multiply-adds at ``fp32_flops * fma_efficiency`` stand in (``"compute"``).
 4. Each launch adds ``launch_overhead_s`` (start-up and tail of a kernel on a busy stream, no CUDA graph).
 5. ``serial`` launches pay ``l2_latency_s`` per iteration instead.
 6. ``overlapped`` launches (with warm start, the orthogonalization of the next step's Q, made at the end of the
@@ -51,7 +56,7 @@ The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_chec
 
 7. Orthogonalize's serial r x r Gram-Schmidt (the plan's ``rank_steps``, R per program of the finishing launch)
    adds one block-wide reduction per column (``block_reduction_s``) to each of its programs (1 block per SM).
-8. The host (:class:`HostSpec`, measured by ``powersgd-triton bench --host-overhead`` on a CPU, recorded with the
+8. The host (:class:`~powersgd_triton.perfmodel_host.HostSpec`, measured by ``powersgd-triton bench --host-overhead`` on a CPU, recorded with the
    Triton version): the step is three segments between its collectives (pack, project | all-reduce P |
    orthogonalize P, project_t | all-reduce Q | average, reconstruct, the next Q's orthogonalization). A segment's
    host time is its share of the hook's own Python (``step_s / 3``), ``launch_s`` per launch and
@@ -82,10 +87,11 @@ import torch
 from powersgd_triton.benchmarking import DTYPES, FakeGradBucket, model_bucket_shapes
 from powersgd_triton.cli_common import RANK_HELP, add_rank_option, positive
 from powersgd_triton.layout import BucketLayout
+from powersgd_triton.perfmodel_host import HOSTS, SEGMENTS, HostSpec, default_host, predict_host  # noqa: F401
 from powersgd_triton.shapes import MODELS, numel
 
-__all__ = ["GPUSpec", "GPUS", "step_plan", "depth", "makespan", "predict", "predict_step", "predict_measured", "spec_for_device", "model_table",
-           "main"]
+__all__ = ["GPUSpec", "GPUS", "step_plan", "depth", "makespan", "predict", "predict_step", "predict_measured",
+           "spec_for_device", "model_table", "issued_instructions", "kernel_report", "main"]
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,12 @@ class GPUSpec:
     dram_latency_s: float = 800e-9
     l2_latency_s: float = 300e-9
     launch_overhead_s: float = 2.0e-6
-    fma_efficiency: float = 0.5
+    fma_efficiency: float = 0.5  # the FMA term of a launch without compiled SASS (a hand-made usage) only
+    # instruction issue: each SM issues at most ``issue_per_clock`` warp instructions per clock (4 schedulers on
+    # sm_80/sm_90) at ``clock_hz`` (the H100/H200 SXM boost clock, 1.98 GHz); the issue term of a launch
+    # (:func:`issued_instructions`)
+    clock_hz: float = 1.98e9
+    issue_per_clock: int = 4
     # one block-wide reduction (warp shuffles, a shared-memory round trip and two barriers, float64) of the serial
     # Gram-Schmidt loop of orthogonalize, per column: ~600 cycles at ~1.9 GHz (an estimate, not measured)
     block_reduction_s: float = 0.3e-6
@@ -126,38 +137,6 @@ GPUS: Dict[str, GPUSpec] = {
 }
 
 
-
-@dataclass(frozen=True)
-class HostSpec:
-    """Host costs of a compressed bucket step, in seconds, measured on one machine by ``powersgd-triton bench
-    --host-overhead`` (:mod:`powersgd_triton.benchmarking.host`: the C launch and the collectives stubbed) with one
-    Triton version: ``launch_s`` one kernel launch through its launch plan (our launcher and Triton's
-    ``CompiledKernel.run``), ``step_s`` the hook's own Python per bucket step besides its launches, ``collective_s``
-    one async all-reduce call and its future (gloo, world size 1: NCCL's call is of the same order)."""
-
-    name: str
-    triton: str
-    launch_s: float
-    step_s: float
-    collective_s: float
-
-
-# Measured on this project's CPU machine by `powersgd-triton bench --host-overhead` (bench/RESULTS.md, "C-level
-# stand-ins, and P and Q written in the communication dtype", 2026-12-02): AMD EPYC, 2 cores, idle (load average
-# < 1.6), the C launch entry a C no-op and the collectives' futures torch's C futures; medians of 7 runs (triton 3.9,
-# torch 2.13 CPU) and 5 runs (triton 3.6, torch 2.11). launch_s: one projection.project through its launch plan;
-# step_s: ResNet-50 r4 fp32's mean host time per bucket step (3.9: 54 us, 3.6: 68 us) less its 7.8 launches;
-# collective_s: a gloo all_reduce call of one element with its future, world size 1.
-HOSTS: Dict[str, HostSpec] = {
-    "epyc-2core-t39": HostSpec("AMD EPYC, 2 cores, idle", "3.9.0", launch_s=2.1e-6, step_s=38e-6,
-                               collective_s=50e-6),
-    "epyc-2core-t36": HostSpec("AMD EPYC, 2 cores, idle", "3.6.0", launch_s=2.7e-6, step_s=47e-6,
-                               collective_s=54e-6),
-}
-
-# The step's segments between its collectives, by step_plan's step names, and the all-reduce calls ending each
-# (the uncompressed gradients' is issued first, in the first segment).
-SEGMENTS = (("pack", "project"), ("orthogonalize P", "project_t"), ("average", "reconstruct", "orthogonalize Q"))
 
 Usage = Callable[[dict, int], dict]
 _USAGE: Dict[tuple, dict] = {}
@@ -184,35 +163,60 @@ def checkout_tools():
     return aot, aot_compile
 
 
+def kernel_report(models: Sequence[str], dtypes: Sequence[str], rank: int, *, json_path: Optional[str] = None,
+                  gpu: str = "h200") -> int:
+    """``powersgd-triton bench --kernel-report``: :func:`tools.kernel_report.run` of this checkout (see
+    :func:`checkout_tools`): each launch of a compressed bucket step compiled for sm_90 as the JIT compiles it,
+    read from the compiled code. Returns the exit status; raises ``RuntimeError`` without the checkout's tools/."""
+    checkout_tools()
+    from tools import kernel_report as report
+
+    return report.run(models, dtypes, rank, json_path, gpu)
+
+
 def compiled_usage(launch: dict, arch: int) -> dict:
     """Registers, spills, shared memory, warps, stages, blocks per SM and ``pipelined`` of one planned launch,
-    from an ahead-of-time compile for ``sm_<arch>`` (cached per kernel, config, variant, dtype and rank). Needs
+    from an ahead-of-time compile for ``sm_<arch>`` as Triton's JIT compiles the launch on a GPU (every pointer
+    16-byte aligned, the launch's integer arguments: the plan's ``ints``; cached per kernel, config, variant, dtype,
+    rank and integers), with its SASS main loop (``loop``: :func:`tools.aot.main_loop`), its SASS instruction count
+    (``kernel_instructions``) and the widths of its global accesses (:func:`tools.aot.ptx_access_bytes`). Needs
     ``TRITON_INTERPRET`` unset; raises what the compiler raises."""
     aot, aot_compile = checkout_tools()
     from powersgd_triton.layout import padded_rank
 
+    ints = dict(launch.get("ints") or {})
     key = (launch["kernel"], repr(sorted(launch["config"].items())), repr(sorted(launch["variant"].items())),
-           launch["dtype"], padded_rank(launch["max_rank"], launch["config"].get("USE_DOT", False)), arch)
+           launch["dtype"], padded_rank(launch["max_rank"], launch["config"].get("USE_DOT", False)), arch,
+           repr(sorted(ints.items())))
     if key not in _USAGE:
         compiled = aot_compile.compile_aot(launch["kernel"], launch["config"], getattr(torch, launch["dtype"]),
-                                          launch["max_rank"], arch, launch["variant"])
+                                          launch["max_rank"], arch, launch["variant"], ints=ints)
         usage = aot.resource_usage(compiled, arch)
         ptx = compiled.asm["ptx"]
         usage["pipelined"] = bool(re.search(r"cp\.async|cp\.async\.bulk", ptx if isinstance(ptx, str) else ptx.decode()))
         usage["loop"] = aot.main_loop(compiled, arch)
         usage["trip_latencies"] = usage["loop"]["trip_latencies"] if usage["loop"] else None
+        usage["kernel_instructions"] = aot.sass_instructions(aot.sass_text(compiled, arch))
+        usage.update(aot.ptx_access_bytes(ptx))
+        usage["ptx_sha256"] = aot.ptx_digest(ptx)
         _USAGE[key] = usage
     return dict(_USAGE[key])
 
 
 def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_feedback: bool = True,
-              warm_start: bool = True, configs: Optional[Dict[str, dict]] = None) -> List[dict]:
+              warm_start: bool = True, configs: Optional[Dict[str, dict]] = None,
+              wire: Optional[bool] = None) -> List[dict]:
     """The launches of one compressed step of ``powerSGD_hook`` on ``layout`` (Triton backend, heuristic configs
     unless ``configs`` gives some): pack, orthogonalize Q, project, orthogonalize P, project_t (+ reduce),
     average, reconstruct. Each entry has a ``step`` name besides :func:`plans.plan`'s keys; with
     ``warm_start`` the orthogonalize Q launches are ``overlapped`` (made on a side stream during the step
-    before)."""
+    before). ``wire``: P, Q and the packed uncompressed gradients are written in the bucket's dtype, the buffers
+    they are all-reduced in (the hooks' default on the Triton backend for a bucket that is not float32: the
+    ``wire`` variants); default: whether ``dtype`` is not float32. reconstruct carries ``ints``: its ``n_flags``,
+    the average launch's programs (the JIT specializes it)."""
+    from powersgd_triton.layout import padded_rank
     from powersgd_triton.ops import orthogonalization, plans
+    from powersgd_triton.ops.configs import _ortho_constexprs
 
     configs = configs or {}
     out: List[dict] = []
@@ -222,29 +226,36 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
             launch["step"] = step
             out.append(launch)
 
+    wire = dict(wire=True) if (dtype != torch.float32 if wire is None else wire) else {}
     if len(layout.uncompressed) > 1:
         add("pack", plans.plan("copy_segments", layout, dtype, num_sms=num_sms, variant=dict(to_packed=True)))
     # with warm start made at the end of the last step on a side stream (hooks._Step; _step.orthogonalize_next_q)
     add("orthogonalize Q", [dict(launch, overlapped=warm_start)
                             for launch in orthogonalization.orthogonalize_plan(layout, "q", configs.get("orthogonalize"))])
     add("project", plans.plan("project", layout, dtype, configs.get("project"), num_sms=num_sms,
-                          variant=dict(HAS_ERROR=error_feedback)))
+                          variant=dict(HAS_ERROR=error_feedback, **wire)))
     # out of place (the hooks all-reduce P in mem.p_work and orthogonalize it into mem.p): APPLY_ROWS applies
     add("orthogonalize P", orthogonalization.orthogonalize_plan(layout, "p", configs.get("orthogonalize")))
     add("project_t", plans.plan("project_t", layout, dtype, configs.get("project_t"), num_sms=num_sms,
-                            variant=dict(PAD_ERROR=False)))
+                            variant=dict(PAD_ERROR=False, **wire)))
     for launch in out:
         if launch["kernel"] == "reduce_splits":
-            launch["variant"] = dict(HAS_Q2=False)
+            launch["variant"] = dict(HAS_Q2=False, **wire)
     add("average", plans.plan("average", layout, dtype, num_sms=num_sms, variant=dict(which="q")))
+    flags = sum(launch["programs"] for launch in out if launch["kernel"] == "average")  # one per program
     variant = dict(HAS_ERROR=error_feedback, HAS_FLAG=error_feedback or warm_start, COMMIT=2 if warm_start else 0)
     add("reconstruct", plans.plan("reconstruct", layout, dtype, configs.get("reconstruct"), num_sms=num_sms,
                               variant=variant))
     for launch in out:
+        if launch["kernel"] == "orthogonalize":  # its plan counts tiles; one trip of its chunk loop takes CHUNK_TILES
+            R = padded_rank(launch["max_rank"])
+            launch["issue_steps_per_trip"] = _ortho_constexprs(launch["config"], R)["CHUNK_TILES"]
         if launch["kernel"] == "average":
-            launch["variant"] = {}
+            launch["variant"] = dict(wire)
         if launch["kernel"] == "copy_segments":
-            launch["variant"] = dict(to_packed=True)
+            launch["variant"] = dict(to_packed=True, **wire)
+        if launch["kernel"] == "reconstruct":
+            launch["ints"] = dict(n_flags=flags if variant["HAS_FLAG"] else 0)
     return out
 
 
@@ -312,10 +323,15 @@ def predict(launch: dict, spec: GPUSpec, usage: Optional[dict] = None) -> dict:
         "latency": makespan(durations, slots),
         "bandwidth": total / spec.copy_bandwidth,
         "l2": l2 / spec.l2_bandwidth,
-        # FMA pipe and tensor cores charged one after the other (both take issue slots of the same warps)
-        "compute": flops / (spec.fp32_flops * spec.fma_efficiency)
-        + (tensor_flops / spec.tensor_flops if tensor_flops else 0.0),
     }
+    tensor_s = tensor_flops / spec.tensor_flops if tensor_flops else 0.0
+    issued = issued_instructions(launch, usage)
+    if issued is not None:  # the compiled code's instructions at the SMs' issue rate, tensor cores after them
+        issue_s = issued / (spec.sms * spec.issue_per_clock * spec.clock_hz)
+        parts["issue"] = issue_s + tensor_s
+    else:  # no SASS (a hand-made usage): FMA pipe and tensor cores one after the other
+        issue_s = None
+        parts["compute"] = flops / (spec.fp32_flops * spec.fma_efficiency) + tensor_s
     overlapped = bool(launch.get("overlapped"))
     if overlapped:
         # off the critical path, on a side stream: what it takes from the work it overlaps, its SM time (each
@@ -331,7 +347,30 @@ def predict(launch: dict, spec: GPUSpec, usage: Optional[dict] = None) -> dict:
         iterations=iterations, blocks_per_sm=bpsm, occupancy=min(1.0, resident * warps / 64),
         registers=usage.get("registers"), spill_bytes=usage.get("spill_bytes", 0), stages=stages,
         bytes=total, time_s=time_s, copy_fraction=total / time_s / spec.copy_bandwidth, bound=bound,
+        issued=issued, issue_s=issue_s,
+        issue_ratio=None if issue_s is None or not total else issue_s / (total / spec.copy_bandwidth),
     )
+
+
+def issued_instructions(launch: dict, usage: dict) -> Optional[float]:
+    """Warp instructions one launch issues, from its compiled SASS: the main loop's instructions (``usage["loop"]``)
+    x the loop trips of every program (the plan's ``program_iterations``, loop steps, over its ``steps_per_trip``,
+    rounded up) x the warps of a program; a kernel without a loop, its instructions up to ``EXIT``
+    (``usage["kernel_instructions"]``) once per program and warp. Counts every instruction (address arithmetic,
+    masks, conversions, loads and stores, not only the multiply-adds); leaves out the code before and after the loop
+    (a few percent of a streaming kernel's). For orthogonalize (nested loops; its plan counts tiles, a trip of its
+    largest loop takes ``CHUNK_TILES`` of them: the plan's ``issue_steps_per_trip``) an estimate. None without SASS
+    in ``usage`` (a hand-made one)."""
+    loop = usage.get("loop")
+    warps = int(usage.get("num_warps", 4))
+    programs = max(1, int(launch["programs"]))
+    if loop:
+        per = launch.get("program_iterations") or [max(1, int(launch["iterations"]))] * programs
+        steps = max(1, int(launch.get("issue_steps_per_trip", launch.get("steps_per_trip", 1))))
+        return float(loop["instructions"]) * sum(-(-int(it) // steps) for it in per) * warps
+    if usage.get("kernel_instructions"):
+        return float(usage["kernel_instructions"]) * programs * warps
+    return None
 
 
 def floor_bytes(layout: BucketLayout, dtype: torch.dtype) -> int:
@@ -356,40 +395,6 @@ def predict_step(layout: BucketLayout, dtype: torch.dtype, spec: GPUSpec, *, usa
     if host is not None:
         out["host"] = predict_host(rows, layout, dtype, host)
     return out
-
-
-def predict_host(launches: Sequence[dict], layout: BucketLayout, dtype: torch.dtype, host: HostSpec,
-                 wire_dtype: Optional[torch.dtype] = None) -> dict:
-    """The step of one bucket as host and device work per segment between collectives (:data:`SEGMENTS`).
-
-    ``launches``: :func:`predict`'s rows of the step (with their ``step`` names); ``wire_dtype``: the dtype P and Q
-    are all-reduced in (default the bucket's; on the Triton backend project and project_t write the factors in it
-    and average reads Q from it; when it is not float32, P's copy back into float32 before orthogonalize P is one
-    torch op, charged ``launch_s``). Returns ``segments`` (per segment: ``host_s``, ``device_s``, ``time_s`` = the larger, ``bound``),
-    ``host_s``, ``device_s``, ``time_s`` (the sum of the segments' times) and ``bound`` ("host" when the host's total
-    is the larger, else "device")."""
-    wire = dtype if wire_dtype is None else wire_dtype
-    collectives = [1 + (1 if layout.uncompressed_numel else 0), 1, 0]
-    torch_ops = [0, 1 if wire != torch.float32 else 0, 0]  # P's copy back, in the orthogonalize P segment
-    segments = []
-    for names, calls, ops in zip(SEGMENTS, collectives, torch_ops):
-        rows = [r for r in launches if r["step"] in names]
-        host_s = host.step_s / len(SEGMENTS) + (len(rows) + ops) * host.launch_s + calls * host.collective_s
-        device_s = sum(r["time_s"] for r in rows)
-        segments.append(dict(host_s=host_s, device_s=device_s, time_s=max(host_s, device_s),
-                             bound="host" if host_s > device_s else "device"))
-    host_s = sum(g["host_s"] for g in segments)
-    device_s = sum(g["device_s"] for g in segments)
-    return dict(segments=segments, host_s=host_s, device_s=device_s, time_s=sum(g["time_s"] for g in segments),
-                bound="host" if host_s > device_s else "device")
-
-
-def default_host() -> HostSpec:
-    """The :data:`HOSTS` entry measured with the installed Triton's version, else the first."""
-    from powersgd_triton.compat.versions import triton_version
-
-    v = ".".join(map(str, triton_version() or ()))
-    return next((h for h in HOSTS.values() if h.triton == v), next(iter(HOSTS.values())))
 
 
 def spec_for_device(device) -> Optional[GPUSpec]:
@@ -506,6 +511,9 @@ def format_table(rows: Sequence[dict]) -> str:
         grouped.setdefault((r["model"], r["dtype"], r["rank"], name), []).append(r)
     lines = ["| model | dtype | rank | launch | programs | waves | blocks/SM | regs | spills | MB moved | "
              "predicted µs | % of copy BW | bound |", "|" + "---|" * 13]
+    def bound(text):  # "issue" -> "issue-bound", "overlapped (latency)" -> "overlapped (latency-bound)"
+        return re.sub(r"(\w+)(\)?)$", r"\1-bound\2", text) if text else text
+
     for (model, dname, rank, step), rs in grouped.items():
         if step == "step":
             t = sum(r["time_s"] for r in rs)
@@ -524,7 +532,7 @@ def format_table(rows: Sequence[dict]) -> str:
             f"| {model} | {dname} | {rank} | {step} | {worst['programs']} | {worst['waves']} | "
             f"{worst['blocks_per_sm']} | {worst['registers']} | {worst['spill_bytes']} | "
             f"{sum(r['bytes'] for r in rs) / 1e6:.1f} | {sum(r['time_s'] for r in rs) * 1e6:.1f} | "
-            f"{100 * worst['copy_fraction']:.0f} | {worst['bound']} |"
+            f"{100 * worst['copy_fraction']:.0f} | {bound(worst['bound'])} |"
         )
     return "\n".join(lines)
 

@@ -71,6 +71,26 @@ def test_compute_and_l2_bound_launches():
     assert r["time_s"] == pytest.approx((1e9 + 2 * 100 * 128 * 40 * 10) / 1e13 + 1e-6)
 
 
+def test_issue_bound_launch_from_the_compiled_instructions():
+    """With the compiled SASS in its usage, a launch's compute term is its issued warp instructions (main-loop
+    instructions x loop trips of every program x warps) at SMs x issue_per_clock x clock_hz, not its multiply-adds:
+    40 programs x 10 steps (2 per trip: 5 trips) x 100 instructions x 4 warps = 80,000 warp instructions at 10 x 4 x
+    1 GHz = 2 us, above 1 MB at 1 TB/s (1 us) and the latency (2 waves x 12 ns): issue-bound, issue ratio 2.0."""
+    spec = dataclasses.replace(SPEC, dram_latency_s=1e-9, clock_hz=1e9, issue_per_clock=4)
+    usage = dict(USAGE, loop=dict(instructions=100, trip_latencies=1.0), kernel_instructions=300)
+    launch = _launch(bytes_read=600_000, bytes_written=400_000, flops=1e14, program_iterations=[10] * 40,
+                     steps_per_trip=2)
+    assert M.issued_instructions(launch, usage) == 40 * 5 * 100 * 4
+    r = M.predict(launch, spec, usage)
+    assert r["bound"] == "issue" and r["time_s"] == pytest.approx(2e-6 + 1e-6)  # the flops are not charged
+    assert r["issue_ratio"] == pytest.approx(2.0) and r["issued"] == 80_000
+    # a kernel without a loop: its instructions once per program and warp
+    assert M.issued_instructions(launch, dict(usage, loop=None)) == 300 * 40 * 4
+    # no SASS (a hand-made usage): the multiply-adds stand in, as before
+    assert M.issued_instructions(launch, USAGE) is None
+    assert M.predict(launch, spec, USAGE)["bound"] == "compute"
+
+
 def test_tensor_core_flops_at_their_own_rate():
     # 1e11 FMA-pipe flop at 1e15 flop/s (100 us) plus 1e12 tensor-core flop at 1e16 flop/s (100 us), one after the
     # other; a spec without a tensor-core rate refuses them

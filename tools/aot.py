@@ -135,22 +135,79 @@ def sass_loops(sass: str, trips: int = 16) -> List[dict]:
     return out
 
 
-def main_loop(compiled, arch: int) -> Optional[dict]:
-    """:func:`sass_loops` of a kernel compiled by ``aot_compile.compile_aot`` for ``sm_<arch>`` (its cubin through
-    the ``cuobjdump`` Triton ships), the loop with the most instructions (the streaming loop of the bucket
-    kernels); None when the kernel has no loop. Raises ``RuntimeError`` when cuobjdump is missing or fails."""
+_SASS_CACHE: Dict[tuple, str] = {}
+
+
+def sass_text(compiled, arch: int) -> str:
+    """``cuobjdump -sass`` of a compiled kernel's cubin (the ``cuobjdump`` Triton ships for ``sm_<arch>``), cached per
+    binary. Raises ``RuntimeError`` when cuobjdump is missing or fails."""
+    import hashlib
+
+    cubin = compiled.asm["cubin"]
+    key = (hashlib.sha256(cubin).hexdigest(), arch)
+    if key in _SASS_CACHE:
+        return _SASS_CACHE[key]
     tool = _nvidia_tool("cuobjdump", arch)
     if tool is None:
         raise RuntimeError("cuobjdump not found (triton ships it under triton/backends/nvidia/bin)")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "kernel.cubin")
         with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
+            f.write(cubin)
         proc = subprocess.run([tool, "-sass", path], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"cuobjdump -sass failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    found = sass_loops(proc.stdout)
+    _SASS_CACHE[key] = proc.stdout
+    return proc.stdout
+
+
+def sass_instructions(sass: str) -> int:
+    """SASS instructions of a kernel up to its last ``EXIT`` (the padding after it, ``BRA`` to itself and ``NOP``s,
+    not counted): what one program of a kernel without a loop issues per warp, at most."""
+    code = [m.group(2).strip() for line in sass.splitlines() for m in [_SASS_LINE.match(line)] if m]
+    last = max((i for i, t in enumerate(code) if re.sub(r"^@!?U?P[T\d]+\s+", "", t).startswith("EXIT")),
+               default=len(code) - 1)
+    return last + 1
+
+
+def main_loop(compiled, arch: int) -> Optional[dict]:
+    """:func:`sass_loops` of a kernel compiled by ``aot_compile.compile_aot`` for ``sm_<arch>`` (its cubin through
+    the ``cuobjdump`` Triton ships), the loop with the most instructions (the streaming loop of the bucket
+    kernels); None when the kernel has no loop. Raises ``RuntimeError`` when cuobjdump is missing or fails."""
+    # not the one-instruction branch to itself after EXIT (padding, never executed)
+    found = [lp for lp in sass_loops(sass_text(compiled, arch)) if lp["instructions"] > 1]
     return max(found, key=lambda lp: lp["instructions"]) if found else None
+
+
+def ptx_digest(ptx) -> str:
+    """SHA-256 of a kernel's PTX without its comment lines: equal for the same code, however it was compiled."""
+    import hashlib
+
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    body = "\n".join(ln for ln in ptx.splitlines() if not re.match(r"^\s*//", ln))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+# A global load or store of PTX: "ld.global.nc.v4.b32 {...}, [%rd1];", "@%p1 st.global.b16 [%rd2], %rs1;"
+_PTX_ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[\w:]+)*)\s")
+
+
+def ptx_access_bytes(ptx, max_element_bits: int = 32) -> dict:
+    """Widths in bytes of the global loads and stores of a kernel's PTX (``ld.global`` / ``st.global``: vector count
+    x element bits / 8; ``ld.global.v4.b32`` is 16 bytes, ``ld.global.b16`` 2) whose elements have at most
+    ``max_element_bits`` bits: by default the data (float32, bfloat16, float16 gradients, error memory and factors;
+    int32 tile rows), not the int64 rows of the layout tables nor float64 Gram slots. Returns ``load_bytes`` and
+    ``store_bytes`` (the widest), ``narrowest_load_bytes`` and ``narrowest_store_bytes`` (0 when there is none)."""
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    widths: Dict[str, List[int]] = {"ld": [], "st": []}
+    for m in _PTX_ACCESS.finditer(ptx):
+        mods = m.group(2).split(".")
+        vec = next((int(x[1:]) for x in mods if re.fullmatch(r"v\d", x)), 1)
+        bits = next((int(t[1:]) for t in reversed(mods) if re.fullmatch(r"[bfsu](8|16|32|64|128)", t)), None)
+        if bits and bits <= max_element_bits:
+            widths[m.group(1)].append(vec * bits // 8)
+    return dict(load_bytes=max(widths["ld"], default=0), store_bytes=max(widths["st"], default=0),
+                narrowest_load_bytes=min(widths["ld"], default=0), narrowest_store_bytes=min(widths["st"], default=0))
 
 
 def resource_usage(compiled, arch: int) -> dict:

@@ -6,6 +6,7 @@ memory held and peak). Prints a markdown table; ``--json``/``--markdown`` also w
 tables see ``bench/``; for a full GPU check ``bench/gpu_check.py``.
 
     powersgd-triton bench --models resnet50 --matrix-approximation-ranks 4 --dtypes fp32 --rounds 7
+    powersgd-triton bench --kernel-report --models resnet50,gpt2 --dtypes fp32,bf16 --rank 4 --json report.json
 
 ``--link RATES`` instead times whole training steps of 2 ranks over a link of each rate
 (:mod:`powersgd_triton.linkbench`).
@@ -45,6 +46,11 @@ def add_parser(subparsers):
                    help="no timing: print the performance model's prediction (powersgd_triton.perfmodel) for "
                         "--models/--matrix-approximation-ranks/--dtypes on --gpu, from the kernels compiled for it (no GPU "
                         "needed; a clone of the repository is: the ahead-of-time compile is its tools/)")
+    p.add_argument("--kernel-report", action="store_true",
+                   help="no timing, no GPU: compile each launch of a compressed bucket step for sm_90 as Triton's JIT "
+                        "compiles it on a GPU and report, per launch, registers, spills, the widest global load and "
+                        "store (PTX), SASS instructions per element and the issue ratio, and the launches per bucket "
+                        "step (tools/kernel_report.py of a clone of the repository; --json writes it)")
     p.add_argument("--host-overhead", action="store_true",
                    help="no GPU: time the host side of a compressed bucket step, ours (Triton launch path, the C "
                         "launch and the collectives stubbed) against PyTorch's hook, with Python calls per bucket "
@@ -104,6 +110,14 @@ def run(args) -> int:
         if args.gpu not in perfmodel.GPUS:
             return _usage(f"--gpu must be one of {sorted(perfmodel.GPUS)}, got {args.gpu!r}")
         return perfmodel.run(argparse_namespace(models=models, ranks=ranks, dtypes=dtypes, gpu=args.gpu))
+    if getattr(args, "kernel_report", False):
+        from powersgd_triton import perfmodel
+
+        if args.gpu not in perfmodel.GPUS:
+            return _usage(f"--gpu must be one of {sorted(perfmodel.GPUS)}, got {args.gpu!r}")
+        if len(ranks) != 1:
+            return _usage("--kernel-report takes one --matrix-approximation-ranks value")
+        return perfmodel.kernel_report(models, dtypes, ranks[0], json_path=args.json, gpu=args.gpu)
     if getattr(args, "host_overhead", False):
         from powersgd_triton.benchmarking import host
 
