@@ -20,6 +20,8 @@
 #                         bf16, in the rest of the time                            -> $OUT/autotune/
 # $OUT/first_run.md (and first_run.jsonl) list every step's exit status, seconds and outputs after each step.
 # Exit status: 0 when every step exited 0, else 1. What each output decides: docs/guides/gpu-check.md.
+# A rerun of some steps only (a step that failed, in the minutes a lease has left): --steps train,timing, with
+# GPU_FIRST_RUN_BUDGET=SECONDS for what is left (the later steps share the rest of it).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -29,11 +31,20 @@ export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 
 DRY=0
-for arg in "$@"; do
-    case "$arg" in
+STEPS=preflight,gpu_check,train,timing,autotune
+while [ $# -gt 0 ]; do
+    case "$1" in
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
-        *) echo "gpu_first_run.sh: unknown argument $arg (only --dry-run)" >&2; exit 2 ;;
+        --steps) STEPS=${2:?--steps needs a comma list}; shift ;;
+        --steps=*) STEPS=${1#--steps=} ;;
+        -h|--help) awk 'NR > 1 && /^#/ {print; next} NR > 1 {exit}' "$0"; exit 0 ;;
+        *) echo "gpu_first_run.sh: unknown argument $1 (--dry-run, --steps a,b)" >&2; exit 2 ;;
+    esac
+    shift
+done
+for s in ${STEPS//,/ }; do
+    case "$s" in preflight|gpu_check|train|timing|autotune) ;;
+        *) echo "gpu_first_run.sh: unknown step $s (preflight, gpu_check, train, timing, autotune)" >&2; exit 2 ;;
     esac
 done
 
@@ -73,6 +84,7 @@ left() { echo $((BUDGET - (SECONDS - T0))); }
 step() {
     local name=$1 limit=$2 output=$3 t=$SECONDS rc
     shift 3
+    case ",$STEPS," in *",$name,"*) ;; *) return ;; esac  # not asked for (--steps)
     if [ "$limit" -lt 5 ]; then
         echo "gpu_first_run: $name skipped: $limit s left" | tee -a "$OUT/$name.log"
         echo "| $name | skipped (no time left) | 0 | $limit | |" >> "$SUMMARY"
