@@ -28,7 +28,9 @@ Rows: one per distinct launch (model, dtype, step, kernel, config, variant), its
 buckets. ``launches_per_bucket_step``: the launches one compressed bucket step of ``powerSGD_hook`` makes, counted
 on the hook itself run under a fake GPU driver (:func:`tools.jit_launches.hook_step_launches`), the mean over the
 full buckets; each counted launch is matched to its planned row (``as_launched``) and its JIT-compiled PTX
-compared with the row's (``jit_ptx_match``). Needs ``TRITON_INTERPRET`` unset.
+compared with the row's (``jit_ptx_match``). ``steps``: the performance model's whole step per model and dtype
+against the 7-pass floor, with the issue term and with the multiply-adds in its place (the model before issue 39).
+Needs ``TRITON_INTERPRET`` unset.
 """
 
 import json

@@ -66,8 +66,14 @@ OLDER_TRITON_DOT = {(3, 6): {("reconstruct", 32, 4): dict(BLOCK_K=16)}}
 # would make a 50257-row factor 785 slots, each summed by every program of its apply pass). Compiled as the JIT
 # compiles a GPU launch (16-byte aligned pointers marked divisible by 16, issue 39), triton 3.6's R 4 entry (1024
 # rows, 16 warps, 3 stages) drops to 64 registers and spills 1,840 bytes (without the attributes: 128 registers,
-# none); 512 rows at 8 warps (GRAM_ROWS 512, as under 3.4) spill nothing. Not tuned against the model.
-OLDER_TRITON_ORTHO = {(3, 4): {4: (512, 8), 16: (32, 8, 256)}, (3, 6): {4: (512, 8), 8: (256, 8), 16: (128, 8)}}
+# none); 512 rows at 8 warps (GRAM_ROWS 512, as under 3.4) spill nothing. Under triton 3.4, so compiled, R 8's
+# 256 rows at 8 warps (3.6's entry) spill 72 bytes (255 registers): 128 rows at 8 warps, GRAM_ROWS kept at 512, none
+# (171 registers, Gram 80; 16 warps at 256 rows: 612 bytes); R 32's 32 rows at 8 warps spill 2,576 bytes (was
+# 1,868 without the attributes): 16 rows at 8 warps 344 (16 at 4 warps 2,028, 16 at 16 1,636, 32 at 4 9,364, 32 at
+# 16 3,156, 64 at 8 3,856), GRAM_ROWS 128 (tests/test_compile_table.py allows 3.4 this one). Not tuned against the
+# model.
+OLDER_TRITON_ORTHO = {(3, 4): {4: (512, 8), 8: (128, 8, 512), 16: (32, 8, 256), 32: (16, 8, 128)},
+                      (3, 6): {4: (512, 8), 8: (256, 8), 16: (128, 8)}}
 
 
 @functools.lru_cache(maxsize=None)

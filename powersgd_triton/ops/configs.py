@@ -318,8 +318,9 @@ def _ortho_heuristic(R: int) -> dict:
     * ``BLOCK`` rows per tile and warps: :data:`ORTHO_BLOCKS` and :data:`ORTHO_WARPS` (2048 rows at R 1, 1024 at
       R 2-4, 512 at R 8, 256 at R 16, 16 warps; R 32: 32 rows, 8 warps), held in float64 in registers. Chosen from
       the sm_90 compile (ptxas -v, triton 3.9): no spills at any R <= 32, at most 128 registers per thread up to
-      R 16 (triton <= 3.6: half the rows at 8 warps at R 4, 8 and 16, as the JIT compiles them; triton 3.4 also
-      32 rows at R 16: ``compat.tiles.OLDER_TRITON_ORTHO``; at R 32 triton 3.4 spills at every tile tried); the Gram launch
+      R 16 (triton <= 3.6: half the rows at 8 warps at R 4, 8 and 16, as the JIT compiles them; triton 3.4 a
+      quarter at R 8, 32 rows at R 16, 16 at R 32: ``compat.tiles.OLDER_TRITON_ORTHO``; at R 32 triton 3.4 spills at
+      every tile tried); the Gram launch
       reads at most :data:`ORTHO_GRAM_BLOCK` rows per tile;
     * ``SHORT_ROWS``: up to R 4, ``ORTHO_SHORT_BYTES`` of factor per program, at most 32 tiles (8192 rows at R 4,
       16384 at R 2, 32768 at R 1: ResNet-50's, BERT's and GPT-2's layers other than the embeddings are one launch);
