@@ -179,13 +179,25 @@ def main_loop(compiled, arch: int) -> Optional[dict]:
     return max(found, key=lambda lp: lp["instructions"]) if found else None
 
 
+def ptx_code(ptx) -> str:
+    """A kernel's PTX without what names where it was compiled from: comment lines, ``.file`` and ``.loc``
+    directives and the DWARF sections after the code (Triton's disk cache may hand back a binary compiled from
+    another checkout of the same source). Equal for the same code."""
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    out = []
+    for ln in ptx.splitlines():
+        if re.match(r"^\s*\.section\s+\.debug", ln):
+            break
+        if not re.match(r"^\s*(//|\.file\b|\.loc\b)", ln):
+            out.append(ln)
+    return "\n".join(out)
+
+
 def ptx_digest(ptx) -> str:
-    """SHA-256 of a kernel's PTX without its comment lines: equal for the same code, however it was compiled."""
+    """SHA-256 of :func:`ptx_code`: equal for the same code, however and wherever it was compiled."""
     import hashlib
 
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    body = "\n".join(ln for ln in ptx.splitlines() if not re.match(r"^\s*//", ln))
-    return hashlib.sha256(body.encode()).hexdigest()
+    return hashlib.sha256(ptx_code(ptx).encode()).hexdigest()
 
 
 # A global load or store of PTX: "ld.global.nc.v4.b32 {...}, [%rd1];", "@%p1 st.global.b16 [%rd2], %rs1;"

@@ -293,7 +293,8 @@ def variants(kernel: str) -> Iterable[dict]:
                 dict(HAS_ERROR=True), dict(HAS_ERROR=False),
                 dict(HAS_ERROR=False, HAS_P2=True), dict(HAS_ERROR=True, PAD_ERROR=True),
                 dict(HAS_ERROR=True, PAD_ERROR=True, LOSS_SCALE=True),
-                dict(HAS_ERROR=True, wire=True), dict(HAS_ERROR=True, PAD_ERROR=True, LOSS_SCALE=True, wire=True)]
+                dict(HAS_ERROR=True, wire=True), dict(HAS_ERROR=True, PAD_ERROR=True, wire=True),
+                dict(HAS_ERROR=True, PAD_ERROR=True, LOSS_SCALE=True, wire=True)]
     if kernel == "reconstruct":
         return [
             dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=2, COMMIT=2, LOSS_SCALE=True),
@@ -313,7 +314,7 @@ def variants(kernel: str) -> Iterable[dict]:
         return [factor_columns("p"), factor_columns("q")]
     if kernel == "project_t":
         return [dict(split=True, HAS_Q2=True), dict(split=True), dict(), dict(PADDED=True), dict(PAD_ERROR=True),
-                dict(PAD_ERROR=True, LOSS_SCALE=True), dict(split=True, wire=True),
+                dict(PAD_ERROR=True, LOSS_SCALE=True), dict(split=True, wire=True), dict(PAD_ERROR=True, wire=True),
                 dict(PAD_ERROR=True, LOSS_SCALE=True, wire=True)]
     if kernel == "copy_segments":
         return [dict(to_packed=True), dict(to_packed=False), dict(to_packed=True, wire=True),

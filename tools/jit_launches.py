@@ -12,7 +12,6 @@ Needs ``TRITON_INTERPRET`` unset.
 """
 
 import contextlib
-import re
 from typing import Dict, List, Optional
 
 import torch
@@ -155,7 +154,8 @@ def compile_like(launch: dict, job: tuple, arch: int = 90):
 
 
 def ptx_body(compiled) -> str:
-    """A compiled kernel's PTX without its comment lines (the same code compares equal)."""
-    ptx = compiled.asm["ptx"]
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    return "\n".join(ln for ln in ptx.splitlines() if not re.match(r"^\s*//", ln))
+    """A compiled kernel's PTX code (:func:`tools.aot.ptx_code`: no comments, file names, line numbers or debug
+    sections), so that the same code compares equal wherever it was compiled from."""
+    from tools.aot import ptx_code
+
+    return ptx_code(compiled.asm["ptx"])
