@@ -150,7 +150,7 @@ def report(models: Sequence[str], dtypes: Sequence[str], rank: int, *, gpu: str 
                     pred = perfmodel.predict(launch, spec, usage)
                     key = (model, dname, launch["step"], launch["kernel"],
                            json.dumps(launch["config"], sort_keys=True), json.dumps(launch["variant"], sort_keys=True))
-                    keys.append(key)
+                    keys.append((key, usage["ptx_sha256"], _constexprs(launch, dtype)))  # this bucket's binary
                     row = rows.get(key)
                     if row is None:
                         loop = usage.get("loop") or {}
@@ -164,8 +164,7 @@ def report(models: Sequence[str], dtypes: Sequence[str], rank: int, *, gpu: str 
                             kernel_instructions=usage.get("kernel_instructions"), config=launch["config"],
                             variant=launch["variant"], overlapped=bool(launch.get("overlapped")), buckets=0,
                             programs=[], issued=0.0, bytes=0, elements=0, predicted_s=0.0, bound=[],
-                            as_launched=None if not count else False, jit_ptx_match=None,
-                            _sha=usage["ptx_sha256"], _const=_constexprs(launch, dtype))
+                            as_launched=None if not count else False, jit_ptx_match=None)
                     row["buckets"] += 1
                     row["programs"].append(pred["programs"])
                     row["issued"] += pred["issued"] or 0.0
@@ -181,12 +180,13 @@ def report(models: Sequence[str], dtypes: Sequence[str], rank: int, *, gpu: str 
                 free = list(keys)  # each planned launch stands for one recorded launch of its bucket
                 for rec in launched:  # each recorded launch: its planned row, and the same binary?
                     want = (rec["constexprs"], rec["options"])
-                    for key in free:
+                    for entry in free:
+                        key, sha, const = entry
                         row = rows[key]
-                        if row["kernel"] == rec["kernel"] and row["_const"] == want:
-                            free.remove(key)
+                        if row["kernel"] == rec["kernel"] and const == want:
+                            free.remove(entry)
                             row["as_launched"] = True
-                            same = aot.ptx_digest(rec["compiled"].asm["ptx"]) == row["_sha"]
+                            same = aot.ptx_digest(rec["compiled"].asm["ptx"]) == sha
                             row["jit_ptx_match"] = same if row["jit_ptx_match"] is None else (row["jit_ptx_match"]
                                                                                                and same)
                             break
@@ -197,8 +197,6 @@ def report(models: Sequence[str], dtypes: Sequence[str], rank: int, *, gpu: str 
     out_rows = []
     rate = spec.sms * spec.issue_per_clock * spec.clock_hz
     for row in rows.values():
-        row.pop("_sha")
-        row.pop("_const")
         issue_s = row["issued"] / rate
         bytes_s = row["bytes"] / spec.copy_bandwidth
         row["sass_instructions_per_element"] = row["issued"] / max(1, row["elements"])
