@@ -1,6 +1,7 @@
-"""Framework integrations: PyTorch Lightning (:mod:`.lightning`) and Accelerate (:mod:`.accelerate`).
+"""Framework integrations: PyTorch Lightning (:mod:`.lightning`), Accelerate (:mod:`.accelerate`), the Transformers
+Trainer (:mod:`.transformers`) and torchft (:mod:`.torchft`).
 
-This package imports neither framework: each submodule imports its framework when it is imported itself, and
+This package imports none of the frameworks: each submodule imports its framework when it is imported itself, and
 ``import powersgd_triton`` imports none of them. What lives here is framework-free:
 
 * :func:`register` -- ``ddp_model.register_comm_hook(state, hook)`` with the checks the frameworks skip: it refuses
