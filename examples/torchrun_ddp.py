@@ -21,7 +21,6 @@ parameters and a summary). Only ``powersgd_triton`` and ``torch`` are needed.
 """
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -31,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook
+from powersgd_triton import PowerSGDState, alternating_powerSGD_hook, batched_powerSGD_hook, powerSGD_hook, teardown
 from powersgd_triton.checkpoint import load_hook_state, save_hook_state
 from powersgd_triton.cli import DeprecatedAlias
 from powersgd_triton.integrations import register
@@ -181,12 +180,11 @@ def main(argv=None):
                         "compression_stats": list(stats) if stats else None, "resumed_from": resumed_from},
                        args.out)
     dist.barrier()
-    # Free DDP (its reducer holds the process group and its last work objects, in reference cycles) while the
-    # interpreter is alive: left to interpreter finalization, gloo's threads can abort the rank at exit ("terminate
-    # called without an active exception", pytorch/pytorch#190489), after the job has finished.
     del ddp, optimizer, scheduler, state
-    gc.collect()
-    dist.destroy_process_group()
+    # not torch's destroy: on gloo a rank can abort at exit after the job finished ("terminate called without an
+    # active exception": a gloo worker thread still releasing a finished collective's Python objects as the
+    # interpreter shuts down); ours returns once gloo's worker threads are idle (powersgd_triton.teardown)
+    teardown.destroy_process_group()
     return 0
 
 
