@@ -1,8 +1,8 @@
 """The names ``bench --link`` takes and what a pair of ranks is asked to measure (:class:`Spec`), without torch.
 
 Hooks are named as ``powersgd-triton train --hook`` names them (``allreduce``, ``reference`` for PyTorch's
-``powerSGD_hook``, ``powersgd``, ``alternating``, ``batched``), plus ``<ours>_bf16``: our hook with bfloat16 factors
-(``PowerSGDState(communication_dtype=torch.bfloat16)``, ``train --communication-dtype bfloat16``).
+``powerSGD_hook``, and the names of :data:`powersgd_triton.variants.VARIANTS`), plus ``<ours>_bf16``: our hook with
+bfloat16 factors (``PowerSGDState(communication_dtype=torch.bfloat16)``, ``train --communication-dtype bfloat16``).
 """
 
 import json

@@ -18,20 +18,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from powersgd_triton.cli_common import text_table
 from powersgd_triton.linkbench.names import ALLREDUCE, OURS, REFERENCE, BF16_SUFFIX, is_ours
 from powersgd_triton.linkbench.rates import UNLIMITED, parse_rate
+from powersgd_triton.variants import VARIANTS
 
 ROW_FIELDS = ("rate", "workload", "hook", "step_ms_median", "step_ms_p10", "step_ms_p90", "bytes_per_step",
               "ratio_to_allreduce")
-HOOK_LABELS = {
-    ALLREDUCE: "plain all-reduce",
-    REFERENCE: "PyTorch's powerSGD_hook",
-    "powersgd": "ours, layer-wise",
-    "alternating": "ours, alternating",
-    "batched": "ours, batched",
-}
-
-COLORS = {ALLREDUCE: "tab:gray", REFERENCE: "tab:purple", "powersgd": "tab:green", "alternating": "tab:orange",
-          "powersgd_bf16": "tab:red", "batched": "tab:blue", "alternating_bf16": "tab:brown",
-          "batched_bf16": "tab:cyan"}
+HOOK_LABELS = {ALLREDUCE: "plain all-reduce", REFERENCE: "PyTorch's powerSGD_hook",
+               **{v.name: f"ours, {'batched' if v.batched else v.name if v.pytorch_twin is None else 'layer-wise'}"
+                  for v in VARIANTS}}
+_PALETTE = ("tab:green", "tab:blue", "tab:orange", "tab:olive", "tab:pink")
+_PALETTE_BF16 = ("tab:red", "tab:cyan", "tab:brown", "black", "gold")
+# each of our variants in the table's order takes a colour, its bf16-factor run the matching one of the second row
+COLORS = {ALLREDUCE: "tab:gray", REFERENCE: "tab:purple",
+          **{v.name: _PALETTE[i % len(_PALETTE)] for i, v in enumerate(VARIANTS)},
+          **{v.name + BF16_SUFFIX: _PALETTE_BF16[i % len(_PALETTE_BF16)] for i, v in enumerate(VARIANTS)}}
 
 
 def hook_label(hook: str) -> str:
