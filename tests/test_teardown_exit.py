@@ -100,7 +100,8 @@ def _run_pair(tmp_path):
 def test_worker_releasing_a_work_as_the_interpreter_finalizes_aborts(tmp_path):
     (rc0, out0, err0), (rc1, _, err1) = _run_pair(tmp_path)
     assert rc1 == 0, err1[-3000:]
-    assert out0.strip() == "trained", err0[-3000:]
+    # torch 2.8's gloo prints its "[Gloo] Rank 0 is connected to ..." line to stdout first
+    assert out0.strip().splitlines()[-1:] == ["trained"], (out0[-500:], err0[-3000:])
     if rc0 == 0:
         pytest.skip("this torch's gloo worker released the work without the GIL (torch 2.8 and 2.11 may)")
     assert rc0 == -6 and "terminate called without an active exception" in err0, (rc0, err0[-3000:])
