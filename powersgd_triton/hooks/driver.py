@@ -36,7 +36,10 @@ either
 ``tests/hooks/test_hooks_streams.py`` checks this on the then() chain (``OPTIONS.callback_chain``) with a test double.
 """
 
+import functools
+import itertools
 import logging
+import operator
 from typing import Dict, Optional
 
 import torch
@@ -44,6 +47,7 @@ import torch.distributed as dist
 
 from powersgd_triton.ops import verify
 from powersgd_triton.ops.backend import device_backend
+from powersgd_triton.ops.launch import TRUST  # noqa: F401 - the hooks' steps set it around their launches
 # the hooks' entry points into the state
 from powersgd_triton.state.buckets import bind_model, end_of_iteration, prepare_bucket  # noqa: F401
 from powersgd_triton.state.memory import (  # noqa: F401
@@ -233,6 +237,30 @@ def allreduce_factor(state: PowerSGDState, factor: torch.Tensor, buffer: torch.T
     sent = factor.to(wire)
     fut = dist.all_reduce(sent, group=group, async_op=True).get_future()
     return fut.then(lambda f: factor.copy_(f.value()[0]))
+
+
+_PRESENT = functools.partial(operator.is_not, None)
+_DTYPE = operator.attrgetter("dtype")
+_SIXTEEN = itertools.repeat(16)  # endless: map() stops at its other iterable's end
+
+
+def launch_trust(steps, tensors: tuple):
+    """The :data:`powersgd_triton.ops.launch.TRUST` key of a hook step's launches: the facts
+    Triton specializes a kernel on (type, dtype, data pointer modulo 16 bytes) of ``tensors`` (None allowed), read
+    once per step in C calls (no Python call per tensor). Every tensor the step's launches take is one of them, a
+    table of the bucket's layout (made once, never written), or one the step or a launcher allocates (its dtype fixed
+    by the code, its address aligned by the allocator: 64 bytes on CPU, 512 on CUDA); a launch plan that checked its
+    tensors under the same key object then skips that check (``DirectLaunch``). The key is kept in ``steps.facts``
+    (:class:`~powersgd_triton.ops.backend.TritonSteps`): the same object while the facts stay equal, a new one when
+    they change. None for the torch backend."""
+    if getattr(steps, "backend", None) != "triton":
+        return None
+    present = tuple(filter(_PRESENT, tensors))
+    facts = (tuple(map(type, tensors)), tuple(map(_DTYPE, present)),
+             tuple(map(operator.mod, map(torch.Tensor.data_ptr, present), _SIXTEEN)))
+    if facts != steps.facts:  # TritonSteps.facts: the same object while the facts stay equal
+        steps.facts = facts
+    return steps.facts
 
 
 def check_backend_runs(state, buffer: torch.Tensor) -> None:

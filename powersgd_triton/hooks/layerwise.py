@@ -73,7 +73,7 @@ class _Step(_step.HookStep):
 
     __slots__ = ("state", "mem", "layout", "buffer", "bucket_buffer", "order", "remap", "group", "world_size", "unc",
                  "packed", "unc_work", "backend", "eps", "loss_scale", "p_raw", "p_send", "q_raw", "steps", "check",
-                 "pending", "kept")
+                 "pending", "kept", "trust")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int,
                  work=None):
@@ -105,6 +105,7 @@ class _Step(_step.HookStep):
         # triton 3.6 cannot compile its float64 tl.dot of a 16-bit load), while average divides Q from q_raw into
         # float32 itself
         self.p_raw = self.p_send = self.q_raw = None
+        self.trust = None  # the TRUST key of this step's launches (begin)
         if mem.layout.num_matrices:
             in_kernels = self.backend == "triton" and _step.OPTIONS.wire_in_kernels
             wire = _step.wire_dtype(state, buffer, mem.p.dtype) if in_kernels else None
@@ -118,10 +119,18 @@ class _Step(_step.HookStep):
         state.total_numel_before_compression += layout.numel_before_compression
         state.total_numel_after_compression += layout.numel_after_compression
         _step.report_compression_stats(state, bucket)
-        if self.mem.verify_pending:
+        mem = self.mem
+        if mem.verify_pending:
             self.begin_check(len(layout.uncompressed) > 1, bucket.index())
-        self.start_uncompressed()
-        self.compute_p()
+        if self.check is None and layout.num_matrices:  # the memory's own steps, on the memory's own tensors
+            self.trust = _step.launch_trust(self.steps, (self.buffer, mem.q, mem.q_work, mem.p, self.p_raw,
+                                                         self.p_send, self.q_raw, mem.error, self.loss_scale))
+        _step.TRUST.key = self.trust
+        try:
+            self.start_uncompressed()
+            self.compute_p()
+        finally:
+            _step.TRUST.key = None
         # Inside a then() callback (its own pool stream on NCCL): what the hook body allocated and the callback reads
         # is recorded on the callback's stream (see the stream rule in powersgd_triton.hooks.driver)
         self.kept = (self.packed, self.loss_scale, None if self.order is None else self.buffer)
@@ -184,9 +193,14 @@ class _Step(_step.HookStep):
         mem, layout = self.mem, self.layout
         if self.p_send is not self.p_raw:
             self.p_raw.copy_(self.p_send)  # the all-reduced P in float32 (exact)
-        self.steps.orthogonalize(self.p_raw, layout, "p", self.eps, out=mem.p)
-        self.steps.project_t(self.buffer, layout, mem.p, self.q_raw, error=mem.error if layout.batched else None,
-                             loss_scale=self.loss_scale if layout.batched else None)
+        _step.TRUST.key = self.trust
+        try:
+            self.steps.orthogonalize(self.p_raw, layout, "p", self.eps, out=mem.p)
+            self.steps.project_t(self.buffer, layout, mem.p, self.q_raw,
+                                 error=mem.error if layout.batched else None,
+                                 loss_scale=self.loss_scale if layout.batched else None)
+        finally:
+            _step.TRUST.key = None
 
     def finish(self) -> torch.Tensor:
         """Average, reconstruct, update the memory where the step is finite; the bucket buffer is the output."""
@@ -199,27 +213,32 @@ class _Step(_step.HookStep):
                 if self.packed is not None:
                     self.steps.unpack_uncompressed(self.packed, layout, self.buffer)
             return self.buffer
-        # Q /= world, uncompressed /= world and unpacked, step flags: one launch
-        flags = self.steps.average(self.q_raw, layout, "q", self.buffer, self.packed, self.world_size,
-                                   out=None if self.q_raw is mem.q_work else mem.q_work)
-        keep_memory = mem.error is not None or state.warm_start
-        next_q = _step.next_q_target(state, mem, self.eps)
-        done = self.steps.reconstruct(
-            self.buffer,
-            layout,
-            mem.p,
-            mem.q_work,
-            1.0,
-            mem.error,
-            flags if keep_memory else None,
-            # keep Q per matrix where the step is finite and Q is not all zero
-            commit=("q", mem.q) if state.warm_start else None,
-            # CPU torch backend: the next step's Q orthogonalized here, from the Gram matrices that tell the status
-            orthogonalize_kept=next_q,
-            loss_scale=self.loss_scale,
-        )
-        if state.warm_start:  # the next step's first computation, off its critical path
-            _step.orthogonalize_next_q(mem, self.eps, done=done)
+        _step.TRUST.key = self.trust
+        try:
+            # Q /= world, uncompressed /= world and unpacked, step flags: one launch
+            flags = self.steps.average(self.q_raw, layout, "q", self.buffer, self.packed, self.world_size,
+                                       out=None if self.q_raw is mem.q_work else mem.q_work)
+            keep_memory = mem.error is not None or state.warm_start
+            next_q = _step.next_q_target(state, mem, self.eps)
+            done = self.steps.reconstruct(
+                self.buffer,
+                layout,
+                mem.p,
+                mem.q_work,
+                1.0,
+                mem.error,
+                flags if keep_memory else None,
+                # keep Q per matrix where the step is finite and Q is not all zero
+                commit=("q", mem.q) if state.warm_start else None,
+                # CPU torch backend: the next step's Q orthogonalized here, from the Gram matrices that tell the
+                # status
+                orthogonalize_kept=next_q,
+                loss_scale=self.loss_scale,
+            )
+            if state.warm_start:  # the next step's first computation, off its critical path
+                _step.orthogonalize_next_q(mem, self.eps, done=done)
+        finally:
+            _step.TRUST.key = None
         return self.buffer
 
 

@@ -155,11 +155,13 @@ class TritonSteps:
     every call (a dozen Python calls per launch). Same arguments, results and launches as ``ops``' Triton branch
     (``tests/hooks/test_hooks_launches.py``, ``tests/ops/test_direct_launch.py``)."""
 
-    __slots__ = ("configs", "k", "flags_type")
+    __slots__ = ("configs", "k", "flags_type", "facts")
     backend = "triton"
 
     def __init__(self, configs: Optional[dict] = None):
         self.configs = configs if configs is not None else {}
+        # the launch trust key of the hook steps on this memory (powersgd_triton.hooks.driver.launch_trust)
+        self.facts = None
         # the ops package: each launcher is looked up per call in its step module (tests patch it there)
         self.k = _kernels()
         self.flags_type = _ops().StepFlags

@@ -9,6 +9,7 @@ launcher, are version gates of :mod:`powersgd_triton.compat.versions` (``DIRECT_
 """
 
 import inspect
+import threading
 
 import torch
 
@@ -17,6 +18,22 @@ from powersgd_triton.layout import COLS, P_OFF, Q_OFF, ROWS, BucketLayout, padde
 
 # Tests set this to False to launch every kernel through JITFunction.run (the JIT path DirectLaunch replaces).
 DIRECT_LAUNCH = True
+
+
+class _Trust(threading.local):
+    """:data:`TRUST`: per thread, ``key`` is None or the object a caller sets around its launches to vouch that every
+    tensor it passes has the dtype and 16-byte alignment (the specialization facts) the tensors at the same
+    positions had in any earlier call made under the same key object."""
+
+    key = None
+
+
+# Set by a caller that vouches for its tensors' facts around its launches: the layer-wise and batched hooks' bucket
+# step (powersgd_triton.hooks.layerwise), with the key powersgd_triton.hooks.driver.launch_trust computes once per
+# step from the facts of the tensors it passes. A DirectLaunch whose tensors were checked under that very key object
+# checks only its other arguments (their types and values) and launches. None (the default, every other caller and
+# thread): every fact is checked.
+TRUST = _Trust()
 
 
 # The tile plans aim at this many programs per SM (>= 2: while one program waits for memory another issues loads).
@@ -46,10 +63,14 @@ class DirectLaunch:
     interpreter), ``JITFunction.run`` has been replaced (a launch counter, a profiler), a launch enter/exit hook
     is set (``triton.knobs.runtime``), :data:`DIRECT_LAUNCH` is False, or the facts changed. Not checked on the
     direct path: Triton's "used global values have not changed" test (our kernels' globals are constants).
+    Under a :data:`TRUST` key its tensors' dtype and alignment were already checked under (same key object), only
+    the other arguments are compared: the hook step that sets the key has checked its tensors once for all its
+    launches (:func:`powersgd_triton.hooks.driver.launch_trust`).
     Raises whatever the JIT call raises (a missing argument, a compile error).
     """
 
-    __slots__ = ("fn", "grid", "kwargs", "tail", "kernel", "facts", "stream", "device", "g", "run", "c_launch")
+    __slots__ = ("fn", "grid", "kwargs", "tail", "kernel", "facts", "stream", "device", "g", "run", "c_launch",
+                 "trusted")
 
     def __init__(self, fn, grid, kwargs: dict):
         self.fn, self.grid, self.kwargs = fn, tuple(grid), dict(kwargs)
@@ -58,6 +79,7 @@ class DirectLaunch:
         self.facts = None
         self.tail = None
         self.c_launch = None
+        self.trusted = None  # the TRUST key under which the tensors' facts were last checked
 
     @staticmethod
     def _facts(args) -> tuple:
@@ -73,17 +95,28 @@ class DirectLaunch:
         kernel = self.kernel
         if kernel is not None and DIRECT_LAUNCH and len(args) == len(self.facts):
             facts = self.facts
-            i = 0
-            for a in args:  # the specialization facts, inline (no Python call per argument)
-                f = facts[i]
-                if type(f) is tuple:  # a tensor: (dtype, 16-byte aligned)
-                    if (not isinstance(a, torch.Tensor) or a.dtype is not f[0]
-                            or (a.data_ptr() % 16 == 0) is not f[1]):
+            trust = TRUST.key
+            ok = trust is not None and trust is self.trusted  # the caller vouches for the tensors (TRUST)
+            if ok:
+                for a, f in zip(args, facts):  # the other arguments only (Triton specializes on ints)
+                    if type(f) is not tuple and a is not f and (type(a) is not type(f) or a != f):
+                        ok = False
                         break
-                elif a is not f and (type(a) is not type(f) or a != f):
-                    break
-                i += 1
-            else:
+            if not ok:
+                i = 0
+                for a in args:  # the specialization facts, inline (no Python call per argument)
+                    f = facts[i]
+                    if type(f) is tuple:  # a tensor: (dtype, 16-byte aligned)
+                        if (not isinstance(a, torch.Tensor) or a.dtype is not f[0]
+                                or (a.data_ptr() % 16 == 0) is not f[1]):
+                            break
+                    elif a is not f and (type(a) is not type(f) or a != f):
+                        break
+                    i += 1
+                else:
+                    ok = True
+                    self.trusted = trust
+            if ok:
                 run = _direct_state
                 enter, exit_ = run["hooks"]
                 if run["cls"].run is run["run"] and not enter.calls and not exit_.calls:
@@ -98,6 +131,7 @@ class DirectLaunch:
         self._jit(args)
 
     def _jit(self, args) -> None:
+        self.trusted = None
         kernel = self.fn[self.grid](*args, **self.kwargs)
         if not DIRECT_LAUNCH or not _direct_launch_supported() or type(self.fn) is not _direct_state.get("cls"):
             return

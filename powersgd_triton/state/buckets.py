@@ -76,16 +76,18 @@ def prepare_bucket(state, bucket, buffer: torch.Tensor, batched: bool, group) ->
     Called from the hook body only (building a layout may run the autotuner's collective on first use).
     """
     index = bucket.index()
-    if group is not None:
-        check_world(state, group)
-    state.buckets.seen.add(index)
-    mem = state.buckets.get(index)
+    buckets = state.buckets
+    if group is not None and (buckets.world_size is None or buckets.loaded_world_size is not None):
+        check_world(state, group)  # nothing to do once the world is recorded and no loaded state waits
+    buckets.seen.add(index)
+    mem = buckets.get(index)
     rank = state.matrix_approximation_rank
     params = bucket_params(bucket)
     gradients = None
-    if mem is not None and mem.params is not None and params is not None and not _same_params(mem.params, params):
+    same = mem is not None and _same_params(mem.params, params)
+    if mem is not None and mem.params is not None and params is not None and not same:
         refuse_second_model(state, index, mem.params, params)
-    if mem is not None and mem.layout is not None and _same_params(mem.params, params):
+    if same and mem.layout is not None:
         layout = mem.layout
         if layout.device == buffer.device:
             if batched:
