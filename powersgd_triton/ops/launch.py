@@ -70,7 +70,7 @@ class DirectLaunch:
     """
 
     __slots__ = ("fn", "grid", "kwargs", "tail", "kernel", "facts", "stream", "device", "g", "run", "c_launch",
-                 "trusted")
+                 "trusted", "loose")
 
     def __init__(self, fn, grid, kwargs: dict):
         self.fn, self.grid, self.kwargs = fn, tuple(grid), dict(kwargs)
@@ -98,8 +98,9 @@ class DirectLaunch:
             trust = TRUST.key
             ok = trust is not None and trust is self.trusted  # the caller vouches for the tensors (TRUST)
             if ok:
-                for a, f in zip(args, facts):  # the other arguments only (Triton specializes on ints)
-                    if type(f) is not tuple and a is not f and (type(a) is not type(f) or a != f):
+                for i, f in self.loose:  # the other arguments only (Triton specializes on ints)
+                    a = args[i]
+                    if a is not f and (type(a) is not type(f) or a != f):
                         ok = False
                         break
             if not ok:
@@ -155,6 +156,7 @@ class DirectLaunch:
         self.stream = active.get_current_stream
         self.tail = tuple(tail)
         self.facts = self._facts(args)
+        self.loose = tuple((i, f) for i, f in enumerate(self.facts) if type(f) is not tuple)  # not tensors
         self.run = kernel.run  # the launcher (CompiledKernel.run is a property: made once, then kept)
         self.c_launch = _c_launch(self.run)
         self.kernel = kernel
