@@ -250,10 +250,11 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
         if launch["kernel"] == "orthogonalize":  # its plan counts tiles; one trip of its chunk loop takes CHUNK_TILES
             R = padded_rank(launch["max_rank"])
             launch["issue_steps_per_trip"] = _ortho_constexprs(launch["config"], R)["CHUNK_TILES"]
+        align = {k: v for k, v in launch["variant"].items() if k in ("ALIGN", "RECIP")}  # the aligned layout's
         if launch["kernel"] == "average":
-            launch["variant"] = dict(wire)
+            launch["variant"] = dict(wire, **align)
         if launch["kernel"] == "copy_segments":
-            launch["variant"] = dict(to_packed=True, **wire)
+            launch["variant"] = dict(to_packed=True, **wire, **align)
         if launch["kernel"] == "reconstruct":
             launch["ints"] = dict(n_flags=flags if variant["HAS_FLAG"] else 0)
     return out

@@ -22,7 +22,7 @@ from powersgd_triton.ops.orthogonalization import _ortho_gram_kernel, _orthogona
 from powersgd_triton.ops.projection import _project_kernel
 from powersgd_triton.ops.projection_t import _project_t_kernel, _reduce_splits_kernel, reduce_block_m, reduce_split_block
 from powersgd_triton.ops.reconstruction import _reconstruct_kernel
-from powersgd_triton.ops.segments import AVERAGE_BLOCK, SEGMENT_BLOCK, _average_kernel, _commit_factor_kernel, _copy_segments_kernel
+from powersgd_triton.ops.segments import AVERAGE_BLOCK, AVERAGE_ITERS, CHUNK_ALIGN, SEGMENT_BLOCK, SEGMENT_ITERS, _average_kernel, _commit_factor_kernel, _copy_segments_kernel
 
 
 
@@ -79,15 +79,17 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
         c.update(BLOCK_M=bm, HAS_Q2=variant.get("HAS_Q2", False), SPLIT_BLOCK=reduce_split_block(bm, c["R"]))
         return c
     if kernel == "copy_segments":
-        return {"BLOCK": SEGMENT_BLOCK}
+        return {"BLOCK": SEGMENT_BLOCK, "ITERS": SEGMENT_ITERS, "ALIGN": variant.get("ALIGN", 0)}
     if kernel == "average":
-        return {"BLOCK": AVERAGE_BLOCK}
+        return {"BLOCK": AVERAGE_BLOCK, "ITERS": AVERAGE_ITERS, "ALIGN": variant.get("ALIGN", 0),
+                "RECIP": variant.get("RECIP", False)}
     if kernel == "commit_factor":
         return {"BLOCK": 256, "ROWS_COL": variant.get("ROWS_COL", COLS), "OFF_COL": variant.get("OFF_COL", Q_OFF)}
     c.update({k: config[k] for k in (_tile_key(kernel), "BLOCK_K", "USE_DOT")})
     c["PREFETCH"] = config.get("PREFETCH", 0)
     c["PAD_ERROR"] = variant.get("PAD_ERROR", False)
     c["LOSS_SCALE"] = variant.get("LOSS_SCALE", False)
+    c["ALIGN"] = variant.get("ALIGN", 0)  # the aligned layout's vector width (ops.aligned.vector_width)
     if kernel == "project":
         c["HAS_ERROR"] = variant.get("HAS_ERROR", True)
         c["HAS_P2"] = variant.get("HAS_P2", False)
@@ -95,6 +97,7 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
         c["HAS_Q2"] = variant.get("HAS_Q2", False)
         c["PADDED"] = variant.get("PADDED", c["PAD_ERROR"])
         c["SPLIT_BF16"] = bool(config.get("SPLIT_BF16", False))
+        c["RANK"] = padded_rank(max_rank) if c["ALIGN"] else 0
     if kernel in ("project", "reconstruct"):
         c["CARRY"] = bool(config.get("CARRY", False))
     if kernel == "reconstruct":
@@ -110,10 +113,27 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
 HELPER_OPTIONS = {"copy_segments": {"num_warps": 4}, "average": {"num_warps": 4}, "commit_factor": {"num_warps": 4}}
 
 
+def _align_value(kernel: str, config: dict, grad_dtype: torch.dtype, variant: dict) -> dict:
+    """``variant`` with ``ALIGN=True`` (the aligned layout, :mod:`powersgd_triton.ops.aligned`) replaced by the
+    constexpr its launcher passes for ``config`` and ``grad_dtype``: the 16-byte vector width where the path takes it
+    (project / reconstruct: the broadcast path; project_t: the broadcast path and the split tensor-core path of 2-byte
+    gradients; average / copy_segments: the chunks' alignment), else 0."""
+    if variant.get("ALIGN") is not True:
+        return variant
+    es = torch.empty((), dtype=grad_dtype).element_size()
+    if kernel in ("average", "copy_segments"):
+        width = CHUNK_ALIGN
+    else:
+        split_dot = kernel == "project_t" and config.get("SPLIT_BF16") and es == 2
+        width = 0 if config.get("USE_DOT") and not split_dot else 16 // es
+    return dict(variant, ALIGN=width)
+
+
 def _compile_args(kernel: str, config: dict, grad_dtype: torch.dtype, max_rank: int, variant=None):
     """(argument types with the constexprs marked, constexprs, launch options) of a launch: what one compile is."""
     if kernel == "project_t":  # what project_t() launches for this variant
         config = padding_error_config(config, (variant or {}).get("PAD_ERROR", False))
+    variant = _align_value(kernel, config, grad_dtype, variant or {})
     constexprs = _constexprs(kernel, config, max_rank, variant or {})
     signature = dict(_signature(kernel, grad_dtype, bool((variant or {}).get("wire", False)), variant))
     if kernel == "copy_segments" and not (variant or {}).get("to_packed", True):
@@ -139,8 +159,8 @@ TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class _TableLayout:
     """What the heuristics read of a layout: its largest rank and whether it is the batched view."""
 
-    def __init__(self, max_rank: int, batched: bool):
-        self.max_rank, self.batched = max_rank, batched
+    def __init__(self, max_rank: int, batched: bool, aligned: bool = False):
+        self.max_rank, self.batched, self.aligned = max_rank, batched, aligned
 
 
 def table_jobs(ranks=TABLE_RANKS, dtypes=TABLE_DTYPES, num_sms: int = 132) -> list:
@@ -165,7 +185,8 @@ def table_jobs(ranks=TABLE_RANKS, dtypes=TABLE_DTYPES, num_sms: int = 132) -> li
             batched = bool(v.get("PADDED") or v.get("PAD_ERROR"))
             for dtype in dtypes:
                 for r in ranks:
-                    cfg = heuristic_config(tuned, _TableLayout(r, batched), dtype, num_sms) if tuned in KERNELS else {}
+                    table = _TableLayout(r, batched, bool(v.get("ALIGN")))
+                    cfg = heuristic_config(tuned, table, dtype, num_sms) if tuned in KERNELS else {}
                     sig, const, opts = _compile_args(kernel, cfg, dtype, r, v)
                     key = (kernel, tuple(sorted(sig.items())), tuple(sorted((k, str(x)) for k, x in const.items())),
                            tuple(sorted(opts.items())))
@@ -287,6 +308,10 @@ def variants(kernel: str) -> Iterable[dict]:
     when it is not float32: by default for fp16/bf16 buckets); copy_segments: the packed uncompressed gradients in
     that dtype too (else float32). Not orthogonalize: triton 3.6 cannot compile its
     float64 ``tl.dot`` of a 16-bit load (an LLVM assertion on sm_90), so it reads a float32 copy of P.
+    ``ALIGN`` (``True``: the aligned layout of :mod:`powersgd_triton.ops.aligned`, 16-byte accesses; resolved per
+    dtype and config by :func:`_compile_args`): the streaming kernels' hooks variants and the elementwise launches
+    again on a bucket whose matrices and chunks start at and span multiples of 16 bytes (the table compiles both
+    layouts of every kernel, with the aligned layout's heuristic tiles).
     """
     if kernel == "project":
         return [dict(HAS_ERROR=True, HAS_P2=True, LOSS_SCALE=True), dict(HAS_ERROR=True, HAS_P2=True),
@@ -294,7 +319,9 @@ def variants(kernel: str) -> Iterable[dict]:
                 dict(HAS_ERROR=False, HAS_P2=True), dict(HAS_ERROR=True, PAD_ERROR=True),
                 dict(HAS_ERROR=True, PAD_ERROR=True, LOSS_SCALE=True),
                 dict(HAS_ERROR=True, wire=True), dict(HAS_ERROR=True, PAD_ERROR=True, wire=True),
-                dict(HAS_ERROR=True, PAD_ERROR=True, LOSS_SCALE=True, wire=True)]
+                dict(HAS_ERROR=True, PAD_ERROR=True, LOSS_SCALE=True, wire=True),
+                dict(HAS_ERROR=True, HAS_P2=True, LOSS_SCALE=True, ALIGN=True), dict(HAS_ERROR=True, ALIGN=True),
+                dict(HAS_ERROR=False, HAS_P2=True, ALIGN=True), dict(HAS_ERROR=True, wire=True, ALIGN=True)]
     if kernel == "reconstruct":
         return [
             dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=2, COMMIT=2, LOSS_SCALE=True),
@@ -309,18 +336,25 @@ def variants(kernel: str) -> Iterable[dict]:
             dict(HAS_ERROR=True, HAS_FLAG=True, PAD_ERROR=True, COMMIT=2),
             dict(HAS_ERROR=True, HAS_FLAG=True, PAD_ERROR=True, COMMIT=2, LOSS_SCALE=True),
             dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=1, COMMIT=1, LOSS_SCALE=True),
+            dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=2, COMMIT=2, LOSS_SCALE=True, ALIGN=True),
+            dict(HAS_ERROR=True, HAS_FLAG=True, COMMIT=2, ALIGN=True),
+            dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=1, COMMIT=1, LOSS_SCALE=True, ALIGN=True),
+            dict(HAS_ERROR=False, HAS_FLAG=True, COMMIT=1, ALIGN=True),
         ]
     if kernel == "commit_factor":
         return [factor_columns("p"), factor_columns("q")]
     if kernel == "project_t":
         return [dict(split=True, HAS_Q2=True), dict(split=True), dict(), dict(PADDED=True), dict(PAD_ERROR=True),
                 dict(PAD_ERROR=True, LOSS_SCALE=True), dict(split=True, wire=True), dict(PAD_ERROR=True, wire=True),
-                dict(PAD_ERROR=True, LOSS_SCALE=True, wire=True)]
+                dict(PAD_ERROR=True, LOSS_SCALE=True, wire=True), dict(split=True, HAS_Q2=True, ALIGN=True),
+                dict(split=True, ALIGN=True), dict(split=True, wire=True, ALIGN=True)]
     if kernel == "copy_segments":
         return [dict(to_packed=True), dict(to_packed=False), dict(to_packed=True, wire=True),
-                dict(to_packed=False, wire=True)]
+                dict(to_packed=False, wire=True), dict(to_packed=True, ALIGN=True), dict(to_packed=False, ALIGN=True),
+                dict(to_packed=True, wire=True, ALIGN=True)]
     if kernel == "reduce_splits":
         return [dict(HAS_Q2=True), dict(), dict(wire=True)]
     if kernel == "average":
-        return [dict(), dict(wire=True)]
+        return [dict(), dict(wire=True), dict(ALIGN=True), dict(ALIGN=True, RECIP=True),
+                dict(wire=True, ALIGN=True, RECIP=True)]
     return [dict()]

@@ -127,6 +127,24 @@ def _load_matrix_row(table_ptr, mat):
 
 
 @triton.jit
+def _aligned_matrix_row(table_ptr, mat, VEC: tl.constexpr, R: tl.constexpr):
+    """The row of matrix ``mat`` of the layout table for the aligned kernels (``ALIGN``: the layout is
+    :func:`powersgd_triton.ops.aligned.vector_width`'s): ``(off, n, m, p_off, q_off, e_off)`` with ``n`` and ``m``
+    as int32 (every matrix has fewer than 2^31 elements) and the alignment the layout guarantees declared to the
+    compiler: ``off`` and ``m`` multiples of ``VEC`` elements of the bucket's dtype (16 bytes), ``e_off`` of 4
+    (16 bytes of float32), ``p_off`` and ``q_off`` of ``R`` (every rank is ``R``). The hints sit on the loads
+    themselves (a hint on a helper's result does not reach the caller's code)."""
+    row = table_ptr + mat * TABLE_WIDTH
+    off = tl.multiple_of(tl.load(row + OFF), VEC)
+    n = tl.load(row + ROWS).to(tl.int32)
+    m = tl.multiple_of(tl.load(row + COLS).to(tl.int32), VEC)
+    p_off = tl.multiple_of(tl.load(row + P_OFF), R)
+    q_off = tl.multiple_of(tl.load(row + Q_OFF), R)
+    e_off = tl.multiple_of(tl.load(row + E_OFF), 4)
+    return off, n, m, p_off, q_off, e_off
+
+
+@triton.jit
 def _load_m_and_pad_error(m_ptr, e_ptr, rows, row_ok, cols, col_ok, m, numel, PAD_ERROR: tl.constexpr):
     """The ``[rows, cols]`` tile of a row-major ``n x m`` matrix M with ``numel`` valid elements (masked where
     ``row_ok``/``col_ok`` are false and at flat indices ``>= numel``), and, with ``PAD_ERROR`` (the batched view),
@@ -176,6 +194,23 @@ def _cast_for_store(x, ptr):
         return out.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(ptr.dtype.element_ty)
+
+
+# The aligned kernels' stores of 2-byte values: the GPU's own rounding conversion (``cvt.rn``: round to nearest
+# even, overflow to inf, one instruction for two bfloat16 values) instead of :func:`_cast_for_store`'s bit arithmetic
+# (six instructions per element); the same bits for every finite value and inf, a NaN of the GPU's own encoding.
+# Triton's interpreter truncates in ``.to(tl.bfloat16)``, so there the bit arithmetic stays.
+HW_ROUNDING = tl.constexpr(not INTERPRETED)
+
+
+@triton.jit
+def _cast_rn(x, ptr):
+    """float32 ``x`` -> ``ptr``'s element type, rounded to nearest even: the GPU's conversion when compiled
+    (:data:`HW_ROUNDING`), :func:`_cast_for_store` in the interpreter."""
+    if HW_ROUNDING:
+        return x.to(ptr.dtype.element_ty)
+    else:
+        return _cast_for_store(x, ptr)
 
 
 @triton.jit

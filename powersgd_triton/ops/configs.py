@@ -42,6 +42,9 @@ import torch
 from powersgd_triton.compat import env as _env
 from powersgd_triton.compat import tiles as _compat_tiles
 from powersgd_triton.layout import KERNELS, MIN_DOT_RANK, BucketLayout, padded_rank
+from powersgd_triton.ops.aligned import (
+    ALIGNED_PROJECT_T_CONFIG, ALIGNED_PROJECT_T_SPLIT_CONFIG, ALIGNED_PROJECT_TILES, ALIGNED_RECONSTRUCT_TILES, vector_width,
+)
 from powersgd_triton.ops.launch import device_sms
 
 # The kernels that stream the bucket (the ones the performance targets are about).
@@ -507,6 +510,11 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
     if kernel == "orthogonalize":
         return _ortho_heuristic(padded_rank(max_rank))
     r = padded_rank(max_rank)
+    if kernel == "project_t" and _aligned(layout, dtype):  # ops.aligned: FMA rows (4-byte), tensor cores (2-byte)
+        if dtype.itemsize == 2:
+            return dict(ALIGNED_PROJECT_T_SPLIT_CONFIG)
+        if r <= 8:
+            return dict(ALIGNED_PROJECT_T_CONFIG)
     if (kernel == "project_t" and r >= PROJECT_T_SPLIT_MIN_RANK and dtype.itemsize == 2
             and not getattr(layout, "batched", False)):  # split_bf16_dot's tensor cores (R padded to 16)
         return dict(PROJECT_T_SPLIT_CONFIG)
@@ -523,8 +531,20 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
             return _broadcast_config("project_t", *project_t_batched_tile(r, es))
         return _broadcast_config("project_t", *broadcast_tile("project_t", PROJECT_T_TILES, r, es))
     if kernel == "project":
+        if (r, es) in ALIGNED_PROJECT_TILES and _aligned(layout, dtype):  # 16 bytes per thread (ops.aligned)
+            return _broadcast_config("project", *ALIGNED_PROJECT_TILES[(r, es)])
         return _broadcast_config("project", *broadcast_tile("project", PROJECT_TILES, r, es))
+    if (r, es) in ALIGNED_RECONSTRUCT_TILES and _aligned(layout, dtype):
+        return _broadcast_config("reconstruct", *ALIGNED_RECONSTRUCT_TILES[(r, es)])
     return _broadcast_config("reconstruct", *broadcast_tile("reconstruct", RECONSTRUCT_TILES, r, es))
+
+
+def _aligned(layout, dtype: torch.dtype) -> bool:
+    """Whether the heuristic sizes tiles for the aligned layout (:func:`powersgd_triton.ops.aligned.vector_width`):
+    a bucket layout's own answer, or the ``aligned`` attribute of the stand-in the compile table passes."""
+    if isinstance(layout, BucketLayout):
+        return vector_width(layout, dtype) > 0
+    return bool(getattr(layout, "aligned", False))
 
 
 def _resolve(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional[dict]) -> dict:

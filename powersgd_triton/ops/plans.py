@@ -12,11 +12,12 @@ from typing import List, Optional
 import torch
 
 from powersgd_triton.layout import KERNELS, BucketLayout
+from powersgd_triton.ops.aligned import aligned_width
 from powersgd_triton.ops.configs import SPLIT_DOTS, SPLIT_OPS_M, SPLIT_OPS_P, heuristic_config, padding_error_config, split_bf16_dot
 from powersgd_triton.ops.launch import _factor_rank, device_sms, steps_per_trip
 from powersgd_triton.ops.projection_t import reduce_block_m, reduce_split_block, split_rows
 from powersgd_triton.ops.reconstruction import split_cols
-from powersgd_triton.ops.segments import AVERAGE_BLOCK, SEGMENT_BLOCK
+from powersgd_triton.ops.segments import AVERAGE_BLOCK, AVERAGE_ITERS, SEGMENT_BLOCK, SEGMENT_ITERS, chunk_alignment
 
 
 def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional[dict] = None, *,
@@ -42,6 +43,8 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
     if num_sms is None:
         num_sms = device_sms(layout.device)
     variant = dict(variant or {})
+    if kernel in ("project", "project_t", "reconstruct") and "ALIGN" not in variant:
+        variant["ALIGN"] = aligned_width(layout, dtype, cfg, kernel)  # what the launcher passes (0: the masked path)
     es = torch.empty((), dtype=dtype).element_size()
     mats = layout.matrices
     mn = sum(s.numel for s in mats)
@@ -68,6 +71,8 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
         split = split_rows(layout, cfg, num_sms)
         steps = steps_per_trip(cfg)
+        if variant["ALIGN"] and not cfg["USE_DOT"]:  # the aligned path: a step is one row, BLOCK_K of them per trip
+            bk, steps = 1, bk
         per, ws, red, red_per = [], 0, 0, []
 
         def loop_steps(rows):  # steps the loop runs: whole trips (the last one's extra steps are masked)
@@ -126,12 +131,22 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
                      split_cols=split, steps_per_trip=steps)]
     if kernel in ("average", "copy_segments"):
         which = variant.get("which", "q")
+        if "ALIGN" not in variant:  # what the launcher passes: chunks at multiples of 16 bytes of 2-byte data
+            variant["ALIGN"] = chunk_alignment(layout, which if kernel == "average" else "")
         factor = 0 if kernel == "copy_segments" else (layout.p_numel if which == "p" else layout.q_numel)
         unc = layout.uncompressed_numel
-        block = AVERAGE_BLOCK if kernel == "average" else SEGMENT_BLOCK
-        programs = sum(-(-n // block) for _, n in layout.uncompressed)
-        programs += sum(-(-((s.n if which == "p" else s.m) * s.rank) // block) for s in mats) if factor else 0
-        return [dict(base, kernel=kernel, programs=programs, iterations=1, bytes_read=4 * factor + unc * es,
+        if kernel == "average" and "RECIP" not in variant:  # a power-of-two world size (the launcher's test)
+            variant["RECIP"] = True
+        sub, iters = (AVERAGE_BLOCK, AVERAGE_ITERS) if kernel == "average" else (SEGMENT_BLOCK, SEGMENT_ITERS)
+        block = sub * iters
+        spans = [(s.n if which == "p" else s.m) * s.rank for s in mats] if factor else []
+        spans += [n for _, n in layout.uncompressed]
+        # per program (tile-table order): loop trips over its chunk's sub-blocks of `sub` elements
+        per = [-(-min(block, n - c) // sub) for n in spans for c in range(0, n, block)]
+        programs = len(per)
+        return [dict(base, kernel=kernel, programs=programs, iterations=max(per, default=1), program_iterations=per,
+                     bytes_read=4 * factor + unc * es,
                      bytes_written=4 * factor + unc * es + (programs if kernel == "average" else 0),
                      flops=0, l2_bytes=0, config=dict(BLOCK=block, num_warps=4, num_stages=1))]
     raise ValueError(f"no plan for kernel {kernel!r}")
+

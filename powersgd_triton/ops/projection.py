@@ -28,23 +28,32 @@ import triton.language as tl
 from powersgd_triton.layout import BucketLayout
 from powersgd_triton.ops import tables as _tables
 from powersgd_triton.ops.common import (
-    TILE_FIRST, TILE_MAT, TILE_WIDTH, _cast_for_store, _load_matrix_row, _m_plus_error, loop_range,
+    TILE_FIRST, TILE_MAT, TILE_WIDTH, _aligned_matrix_row, _cast_for_store, _cast_rn, _load_matrix_row, _m_plus_error,
+    loop_range,
 )
+from powersgd_triton.ops.aligned import aligned_width
 from powersgd_triton.ops.configs import _resolve
 from powersgd_triton.ops.launch import DirectLaunch, _factor_rank, _launch_options
 
 
 @triton.jit
 def _project_loads(m_ptr, e_ptr, q_ptr, rows, row_ok, ranks, k0, m, numel, r, HAS_ERROR: tl.constexpr,
-                   PAD_ERROR: tl.constexpr, BLOCK_K: tl.constexpr, Q_T: tl.constexpr):
+                   PAD_ERROR: tl.constexpr, BLOCK_K: tl.constexpr, Q_T: tl.constexpr, ALIGN: tl.constexpr = 0):
     """The tiles one project step reads at columns ``k0:k0 + BLOCK_K`` (masked past ``m``): M's ``[rows, k]``,
     E's (zeros without ``HAS_ERROR``; with ``PAD_ERROR`` also on the padding), Q's ``[k, R]`` (``Q_T``: its
-    transpose ``[R, k]``, the broadcast path's); as stored."""
-    cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+    transpose ``[R, k]``, the broadcast path's); as stored. ``ALIGN`` (the aligned layout, :func:`_project_kernel`):
+    int32 offsets, every rank ``R``, no padding."""
+    if ALIGN:
+        cols = k0 + tl.arange(0, BLOCK_K)
+    else:
+        cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
     col_ok = cols < m
     lin = rows[:, None] * m + cols[None, :]
     inside = row_ok[:, None] & col_ok[None, :]
-    mask = inside & (lin < numel)
+    if ALIGN:
+        mask = inside
+    else:
+        mask = inside & (lin < numel)
     x = tl.load(m_ptr + lin, mask=mask, other=0.0)
     if HAS_ERROR:
         if PAD_ERROR:
@@ -53,7 +62,12 @@ def _project_loads(m_ptr, e_ptr, q_ptr, rows, row_ok, ranks, k0, m, numel, r, HA
             e = tl.load(e_ptr + lin, mask=mask, other=0.0)
     else:
         e = tl.zeros((1, 1), dtype=tl.float32)
-    if Q_T:  # [R, k]; the rank offsets are not known to be contiguous, so the load keeps the layout of M's tile
+    if ALIGN:  # every rank is R: Q's rows are R contiguous float32
+        if Q_T:
+            q = tl.load(q_ptr + cols[None, :] * r + ranks[:, None], mask=col_ok[None, :], other=0.0)
+        else:
+            q = tl.load(q_ptr + cols[:, None] * r + ranks[None, :], mask=col_ok[:, None], other=0.0)
+    elif Q_T:  # [R, k]; the rank offsets are not known to be contiguous, so the load keeps the layout of M's tile
         rank_off = tl.where(ranks < r, ranks, 0)
         q = tl.load(q_ptr + cols[None, :] * r + rank_off[:, None], mask=col_ok[None, :] & (ranks[:, None] < r),
                     other=0.0)
@@ -64,17 +78,22 @@ def _project_loads(m_ptr, e_ptr, q_ptr, rows, row_ok, ranks, k0, m, numel, r, HA
 
 @triton.jit
 def _project_step(acc, x_raw, e_raw, q_raw, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR: tl.constexpr,
-                  LOSS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+                  LOSS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, ALIGN: tl.constexpr = 0):
     """One project step at columns ``k0:k0 + BLOCK_K`` from its loaded tiles (:func:`_project_loads`): M + E
     (``M + scale·E`` with ``LOSS_SCALE``; stored back into M with ``HAS_ERROR``, masked past ``m`` and ``numel``: a
     step past the row's end stores nothing) times Q's tile, added to ``acc`` (``tl.dot``: ``[rows, R]``;
     broadcast: the ``[R, rows, k]`` products elementwise)."""
     x = _m_plus_error(x_raw, e_raw, scale, HAS_ERROR, LOSS_SCALE)
     if HAS_ERROR:
-        cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        lin = rows[:, None] * m + cols[None, :]
-        mask = row_ok[:, None] & (cols < m)[None, :] & (lin < numel)
-        tl.store(mp + lin, _cast_for_store(x, mp), mask=mask)
+        if ALIGN:
+            cols = k0 + tl.arange(0, BLOCK_K)
+            lin = rows[:, None] * m + cols[None, :]
+            tl.store(mp + lin, _cast_rn(x, mp), mask=row_ok[:, None] & (cols < m)[None, :])
+        else:
+            cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+            lin = rows[:, None] * m + cols[None, :]
+            mask = row_ok[:, None] & (cols < m)[None, :] & (lin < numel)
+            tl.store(mp + lin, _cast_for_store(x, mp), mask=mask)
     q = q_raw.to(tl.float32)
     if USE_DOT:
         return acc + tl.dot(x, q, input_precision="ieee")
@@ -102,6 +121,7 @@ def _project_kernel(
     PREFETCH: tl.constexpr = 0,  # 1 (2): the next 1 (2) steps' tiles are loaded before a step's arithmetic
     LOSS_SCALE: tl.constexpr = False,
     CARRY: tl.constexpr = False,  # PREFETCH 1 as a loop-carried register copy (one step per trip; see below)
+    ALIGN: tl.constexpr = 0,  # the aligned layout: elements of the bucket's dtype per 16 bytes (aligned.vector_width)
 ):
     """P_i[rows] = (M_i + E_i)[rows] · Q_i for one tile of BLOCK_N rows; writes M_i + E_i back if HAS_ERROR
     (``M_i + s·E_i`` with LOSS_SCALE).
@@ -117,10 +137,16 @@ def _project_kernel(
     once after the loop (a ``[R, BLOCK_N]`` tile of Pᵀ, stored as is)."""
     pid = tl.program_id(0)
     mat = tl.load(tiles_ptr + TILE_WIDTH * pid + TILE_MAT).to(tl.int64)
-    row0 = tl.load(tiles_ptr + TILE_WIDTH * pid + TILE_FIRST).to(tl.int64)
-    off, n, m, numel, r, p_off, q_off, e_off = _load_matrix_row(table_ptr, mat)
-
-    rows = row0 + tl.arange(0, BLOCK_N).to(tl.int64)
+    if ALIGN:  # int32 offsets inside a matrix, alignment declared (common._aligned_matrix_row), every rank R
+        row0 = tl.load(tiles_ptr + TILE_WIDTH * pid + TILE_FIRST)
+        off, n, m, p_off, q_off, e_off = _aligned_matrix_row(table_ptr, mat, ALIGN, R)
+        numel = 0
+        r = R
+        rows = row0 + tl.arange(0, BLOCK_N)
+    else:
+        row0 = tl.load(tiles_ptr + TILE_WIDTH * pid + TILE_FIRST).to(tl.int64)
+        off, n, m, numel, r, p_off, q_off, e_off = _load_matrix_row(table_ptr, mat)
+        rows = row0 + tl.arange(0, BLOCK_N).to(tl.int64)
     ranks = tl.arange(0, R)
     row_ok = rows < n
     if USE_DOT:
@@ -135,49 +161,49 @@ def _project_kernel(
         scale = tl.load(ls_ptr)
     if CARRY or (USE_DOT and PREFETCH > 0):  # this step's tiles arrived during the last step; the next ones go out
         x_n, e_n, q_n = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K,
-                                       not USE_DOT)
+                                       not USE_DOT, ALIGN)
         for k0 in loop_range(0, m, BLOCK_K):
             x_a, e_a, q_a = x_n, e_n, q_n
             x_n, e_n, q_n = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + BLOCK_K, m, numel, r, HAS_ERROR,
-                                           PAD_ERROR, BLOCK_K, not USE_DOT)
+                                           PAD_ERROR, BLOCK_K, not USE_DOT, ALIGN)
             acc = _project_step(acc, x_a, e_a, q_a, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR, LOSS_SCALE,
-                                BLOCK_K, USE_DOT)
+                                BLOCK_K, USE_DOT, ALIGN)
     elif PREFETCH == 0:
         for k0 in loop_range(0, m, BLOCK_K):
             x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0, m, numel, r, HAS_ERROR, PAD_ERROR,
-                                           BLOCK_K, not USE_DOT)
+                                           BLOCK_K, not USE_DOT, ALIGN)
             acc = _project_step(acc, x_a, e_a, q_a, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR, LOSS_SCALE,
-                                BLOCK_K, USE_DOT)
+                                BLOCK_K, USE_DOT, ALIGN)
     elif PREFETCH == 1:  # register sets a, b: a's loads go out while b's step is computed, and b's during a's
         x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K,
-                                       not USE_DOT)
+                                       not USE_DOT, ALIGN)
         for k0 in loop_range(0, m, 2 * BLOCK_K):
             x_b, e_b, q_b = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + BLOCK_K, m, numel, r, HAS_ERROR,
-                                           PAD_ERROR, BLOCK_K, not USE_DOT)
+                                           PAD_ERROR, BLOCK_K, not USE_DOT, ALIGN)
             acc = _project_step(acc, x_a, e_a, q_a, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR, LOSS_SCALE,
-                                BLOCK_K, USE_DOT)
+                                BLOCK_K, USE_DOT, ALIGN)
             x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + 2 * BLOCK_K, m, numel, r,
-                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
+                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT, ALIGN)
             acc = _project_step(acc, x_b, e_b, q_b, mp, scale, rows, row_ok, k0 + BLOCK_K, m, numel, HAS_ERROR,
-                                LOSS_SCALE, BLOCK_K, USE_DOT)
+                                LOSS_SCALE, BLOCK_K, USE_DOT, ALIGN)
     else:  # three register sets: two steps' loads in flight while one is computed
         x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, 0, m, numel, r, HAS_ERROR, PAD_ERROR, BLOCK_K,
-                                       not USE_DOT)
+                                       not USE_DOT, ALIGN)
         x_b, e_b, q_b = _project_loads(mp, ep, qp, rows, row_ok, ranks, BLOCK_K, m, numel, r, HAS_ERROR, PAD_ERROR,
-                                       BLOCK_K, not USE_DOT)
+                                       BLOCK_K, not USE_DOT, ALIGN)
         for k0 in loop_range(0, m, 3 * BLOCK_K):
             x_c, e_c, q_c = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + 2 * BLOCK_K, m, numel, r,
-                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
+                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT, ALIGN)
             acc = _project_step(acc, x_a, e_a, q_a, mp, scale, rows, row_ok, k0, m, numel, HAS_ERROR, LOSS_SCALE,
-                                BLOCK_K, USE_DOT)
+                                BLOCK_K, USE_DOT, ALIGN)
             x_a, e_a, q_a = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + 3 * BLOCK_K, m, numel, r,
-                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
+                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT, ALIGN)
             acc = _project_step(acc, x_b, e_b, q_b, mp, scale, rows, row_ok, k0 + BLOCK_K, m, numel, HAS_ERROR,
-                                LOSS_SCALE, BLOCK_K, USE_DOT)
+                                LOSS_SCALE, BLOCK_K, USE_DOT, ALIGN)
             x_b, e_b, q_b = _project_loads(mp, ep, qp, rows, row_ok, ranks, k0 + 4 * BLOCK_K, m, numel, r,
-                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT)
+                                           HAS_ERROR, PAD_ERROR, BLOCK_K, not USE_DOT, ALIGN)
             acc = _project_step(acc, x_c, e_c, q_c, mp, scale, rows, row_ok, k0 + 2 * BLOCK_K, m, numel, HAS_ERROR,
-                                LOSS_SCALE, BLOCK_K, USE_DOT)
+                                LOSS_SCALE, BLOCK_K, USE_DOT, ALIGN)
     if USE_DOT:
         p_mask = row_ok[:, None] & (ranks[None, :] < r)
         local = p_off + rows[:, None] * r + ranks[None, :]
@@ -213,4 +239,5 @@ def _project_launch(layout, dtype, config, has_error, has_p2, has_ls):
     return DirectLaunch(_project_kernel, (tiles.shape[0],), dict(
         HAS_ERROR=has_error, PAD_ERROR=layout.batched and has_error, HAS_P2=has_p2,
         R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0),
-        LOSS_SCALE=has_ls and has_error, CARRY=bool(cfg.get("CARRY", False)), **_launch_options(cfg))), tiles
+        LOSS_SCALE=has_ls and has_error, CARRY=bool(cfg.get("CARRY", False)), ALIGN=aligned_width(layout, dtype, cfg),
+        **_launch_options(cfg))), tiles

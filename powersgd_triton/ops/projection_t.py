@@ -18,10 +18,11 @@ from typing import Optional
 import triton
 import triton.language as tl
 
-from powersgd_triton.layout import BucketLayout
+from powersgd_triton.layout import BucketLayout, padded_rank
+from powersgd_triton.ops.aligned import aligned_width
 from powersgd_triton.ops import tables as _tables
 from powersgd_triton.ops.common import (
-    PROJECT_T_COL0, PROJECT_T_MAT, PROJECT_T_ROW0, PROJECT_T_ROW_END, PROJECT_T_TILE_WIDTH, PROJECT_T_WS_OFF, REDUCE_COL0, REDUCE_MAT, REDUCE_SPLITS, REDUCE_TILE_WIDTH, REDUCE_WS_OFF, _cast_for_store, _dot_bf16_split, _load_matrix_row, _m_plus_error, loop_range,
+    PROJECT_T_COL0, PROJECT_T_MAT, PROJECT_T_ROW0, PROJECT_T_ROW_END, PROJECT_T_TILE_WIDTH, PROJECT_T_WS_OFF, REDUCE_COL0, REDUCE_MAT, REDUCE_SPLITS, REDUCE_TILE_WIDTH, REDUCE_WS_OFF, _aligned_matrix_row, _cast_for_store, _dot_bf16_split, _load_matrix_row, _m_plus_error, loop_range,
 )
 from powersgd_triton.ops.configs import (
     PROJECT_T_PROGRAMS_PER_SM, REDUCE_MAX_SPLITS, REDUCE_STEP_ELEMENTS, REDUCE_TILE_ELEMENTS, _resolve, padding_error_config,
@@ -79,6 +80,115 @@ def _project_t_step(acc_t, x_raw, e_raw, p_raw, scale, PAD_ERROR: tl.constexpr, 
 
 
 @triton.jit
+def _pt_row(a0, a1, a2, a3, a4, a5, a6, a7, mp, pp, k, m, cols, col_ok, RANK: tl.constexpr):
+    """The aligned float32 path's step: row ``k`` of M's column tile (16-byte loads, masked per 16-byte group)
+    times row ``k`` of P (``RANK`` scalars, the same address in every thread), added to the accumulators of the
+    ranks (``a_j``: ``[BLOCK_M]``, Q's column ``j`` of the tile; an FMA per element and rank)."""
+    x = tl.load(mp + k * m + cols, mask=col_ok, other=0.0).to(tl.float32)
+    pk = pp + k * RANK
+    a0 += tl.load(pk) * x
+    if RANK > 1:
+        a1 += tl.load(pk + 1) * x
+    if RANK > 2:
+        a2 += tl.load(pk + 2) * x
+        a3 += tl.load(pk + 3) * x
+    if RANK > 4:
+        a4 += tl.load(pk + 4) * x
+        a5 += tl.load(pk + 5) * x
+        a6 += tl.load(pk + 6) * x
+        a7 += tl.load(pk + 7) * x
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _pt_store_all(base, a0, a1, a2, a3, a4, a5, a6, a7, cols, col_ok, RANK: tl.constexpr):
+    """A Q (or partial sum) tile from the rank accumulators ``a_j`` (``[BLOCK_M]``, column ``j``): interleaved into
+    ``[BLOCK_M, RANK]`` by ``tl.join`` (in registers: ``join(x, y)`` puts x at index 0 of a new last dimension) and
+    stored at ``base + col * RANK + j``, each column's ``RANK`` values contiguous (16-byte stores at RANK 4)."""
+    if RANK == 1:
+        t = a0[:, None]
+    elif RANK == 2:
+        t = tl.join(a0, a1)
+    elif RANK == 4:
+        t = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (a0.shape[0], 4))
+    else:
+        t = tl.reshape(tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7))),
+                       (a0.shape[0], 8))
+    ranks = tl.arange(0, RANK)
+    tl.store(base + cols[:, None] * RANK + ranks[None, :], _cast_for_store(t, base), mask=col_ok[:, None])
+
+
+@triton.jit
+def _project_t_aligned(buf_ptr, p_ptr, q_ptr, q2_ptr, ws_ptr, table_ptr, tiles_ptr, HAS_Q2: tl.constexpr,
+                       R: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                       USE_DOT: tl.constexpr, VEC: tl.constexpr):
+    """:func:`_project_t_kernel` on the aligned layout (:mod:`powersgd_triton.ops.aligned`): int32 offsets inside a
+    matrix, alignment declared, every rank ``RANK``, no padding.
+
+    Float32 M (``USE_DOT`` false, ``RANK <= 8``): one row per step, its ``BLOCK_M`` columns 16 bytes per thread,
+    times the row's ``RANK`` values of P (scalars: no layout conversion), one FMA per element and rank into ``RANK``
+    accumulators; the rows in trips of ``BLOCK_K`` (unrolled, unmasked), the rest one by one. The same products
+    summed in the same order (row by row) as the masked path's, up to its blocking of the rows. 2-byte M
+    (``USE_DOT``, the split tensor-core path, ``R`` the padded dot rank): ``[BLOCK_K, BLOCK_M]`` tiles of M 16 bytes
+    per thread (software-pipelined through shared memory), times P's ``[BLOCK_K, R]`` split into three exact
+    bfloat16 pieces (:func:`~powersgd_triton.ops.common._dot_bf16_split`)."""
+    pid = tl.program_id(0)
+    t = tiles_ptr + PROJECT_T_TILE_WIDTH * pid
+    mat = tl.load(t + PROJECT_T_MAT).to(tl.int64)
+    col0 = tl.multiple_of(tl.load(t + PROJECT_T_COL0), VEC)  # column tiles start at multiples of BLOCK_M
+    row_begin = tl.load(t + PROJECT_T_ROW0)
+    row_end = tl.load(t + PROJECT_T_ROW_END)
+    ws_off = tl.load(t + PROJECT_T_WS_OFF).to(tl.int64)
+    off, n, m, p_off, q_off, e_off = _aligned_matrix_row(table_ptr, mat, VEC, RANK)
+    cols = tl.arange(0, BLOCK_M)
+    col_ok = cols < m - col0
+    mp = buf_ptr + off + col0
+    pp = p_ptr + p_off
+    first = col0.to(tl.int64) * RANK
+    if USE_DOT:
+        ranks = tl.arange(0, R)
+        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for k0 in loop_range(row_begin, row_end, BLOCK_K):
+            rows = k0 + tl.arange(0, BLOCK_K)
+            row_ok = rows < row_end
+            x = tl.load(mp + rows[:, None] * m + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            p = tl.load(pp + rows[:, None] * RANK + ranks[None, :], mask=row_ok[:, None] & (ranks < RANK)[None, :],
+                        other=0.0)
+            acc = _dot_bf16_split(acc, tl.trans(x), p)
+        local = cols[:, None] * RANK + ranks[None, :]
+        q_mask = col_ok[:, None] & (ranks < RANK)[None, :]
+        if ws_off >= 0:
+            tl.store(ws_ptr + (ws_off + first) + local, acc, mask=q_mask)
+        else:
+            tl.store(q_ptr + (q_off + first) + local, _cast_for_store(acc, q_ptr), mask=q_mask)
+            if HAS_Q2:
+                tl.store(q2_ptr + (q_off + first) + local, _cast_for_store(acc, q2_ptr), mask=q_mask)
+    else:
+        a0 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        a4 = a0
+        a5 = a0
+        a6 = a0
+        a7 = a0
+        full_end = row_begin + (row_end - row_begin) // BLOCK_K * BLOCK_K
+        for k0 in loop_range(row_begin, full_end, BLOCK_K):
+            for kk in tl.static_range(BLOCK_K):
+                a0, a1, a2, a3, a4, a5, a6, a7 = _pt_row(a0, a1, a2, a3, a4, a5, a6, a7, mp, pp, k0 + kk, m, cols,
+                                                         col_ok, RANK)
+        for k in loop_range(full_end, row_end):
+            a0, a1, a2, a3, a4, a5, a6, a7 = _pt_row(a0, a1, a2, a3, a4, a5, a6, a7, mp, pp, k, m, cols, col_ok,
+                                                     RANK)
+        if ws_off >= 0:
+            _pt_store_all(ws_ptr + (ws_off + first), a0, a1, a2, a3, a4, a5, a6, a7, cols, col_ok, RANK)
+        else:
+            _pt_store_all(q_ptr + (q_off + first), a0, a1, a2, a3, a4, a5, a6, a7, cols, col_ok, RANK)
+            if HAS_Q2:
+                _pt_store_all(q2_ptr + (q_off + first), a0, a1, a2, a3, a4, a5, a6, a7, cols, col_ok, RANK)
+
+
+@triton.jit
 def _project_t_kernel(
     buf_ptr,  # bucket buffer, M_i row-major n x m at buf_ptr + off
     p_ptr,  # flat P (float32), P_i row-major n x r
@@ -99,6 +209,9 @@ def _project_t_kernel(
     LOSS_SCALE: tl.constexpr = False,
     PADDED: tl.constexpr = False,  # the batched view: M has numel < n * m elements (implied by PAD_ERROR)
     SPLIT_BF16: tl.constexpr = False,  # tl.dot path, 2-byte M, no PAD_ERROR: bfloat16 tensor-core dots (see below)
+
+    ALIGN: tl.constexpr = 0,  # the aligned layout: elements of the bucket's dtype per 16 bytes (aligned.vector_width)
+    RANK: tl.constexpr = 0,  # with ALIGN: every matrix's rank
 ):
     """Q_i[cols] = M_i[rows, cols]ᵀ · P_i[rows] for one tile of BLOCK_M columns and one row range.
 
@@ -118,6 +231,10 @@ def _project_t_kernel(
     A program whose row range is not the whole matrix writes its partial sums to the workspace;
     :func:`_reduce_splits_kernel` adds them up in a fixed order (no atomics).
     """
+    if ALIGN:
+        _project_t_aligned(buf_ptr, p_ptr, q_ptr, q2_ptr, ws_ptr, table_ptr, tiles_ptr, HAS_Q2, R, RANK, BLOCK_M,
+                           BLOCK_K, USE_DOT, ALIGN)
+        return
     pid = tl.program_id(0)
     mat = tl.load(tiles_ptr + PROJECT_T_TILE_WIDTH * pid + PROJECT_T_MAT).to(tl.int64)
     col0 = tl.load(tiles_ptr + PROJECT_T_TILE_WIDTH * pid + PROJECT_T_COL0).to(tl.int64)
@@ -331,6 +448,7 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_s
 
 def _project_t_launch(layout, dtype, config, pad, has_q2, has_ls):
     cfg = padding_error_config(_resolve("project_t", layout, dtype, config), pad)
+    align = aligned_width(layout, dtype, cfg, "project_t")
     split = split_rows(layout, cfg, device_sms(layout.device))
     R = _factor_rank(layout, cfg)
     reduce_bm = reduce_block_m(cfg, R)
@@ -339,7 +457,8 @@ def _project_t_launch(layout, dtype, config, pad, has_q2, has_ls):
     main = DirectLaunch(_project_t_kernel, (tiles.shape[0],), dict(
         PAD_ERROR=pad, HAS_Q2=has_q2, R=R, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
         USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0), LOSS_SCALE=pad and has_ls,
-        PADDED=layout.batched, SPLIT_BF16=bool(cfg.get("SPLIT_BF16", False)), **_launch_options(cfg)))
+        PADDED=layout.batched, SPLIT_BF16=bool(cfg.get("SPLIT_BF16", False)), ALIGN=align,
+        RANK=padded_rank(layout.max_rank) if align else 0, **_launch_options(cfg)))
     reduce = None
     if reduce_tiles is not None:
         reduce = DirectLaunch(_reduce_splits_kernel, (reduce_tiles.shape[0],), dict(

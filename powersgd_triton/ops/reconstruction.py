@@ -31,8 +31,9 @@ import triton.language as tl
 from powersgd_triton.layout import BucketLayout
 from powersgd_triton.ops import tables as _tables
 from powersgd_triton.ops.common import (
-    RECON_COL0, RECON_COL_END, RECON_MAT, RECON_ROW0, RECON_TILE_WIDTH, _cast_for_store, _flags_all, _flags_any_nonzero, _load_m_and_pad_error, _load_matrix_row, loop_range,
+    RECON_COL0, RECON_COL_END, RECON_MAT, RECON_ROW0, RECON_TILE_WIDTH, _aligned_matrix_row, _cast_for_store, _cast_rn, _flags_all, _flags_any_nonzero, _load_m_and_pad_error, _load_matrix_row, loop_range,
 )
+from powersgd_triton.ops.aligned import aligned_width
 from powersgd_triton.ops.configs import _resolve
 from powersgd_triton.ops.launch import PROGRAMS_PER_SM, DirectLaunch, _factor_rank, _launch_options, device_sms, steps_per_trip
 
@@ -47,21 +48,43 @@ def _outer(a, b, USE_DOT: tl.constexpr):
 
 
 @triton.jit
+def _outer_ranks(a, b, R: tl.constexpr):
+    """a · bᵀ for a [BLOCK_N, R] and b [BLOCK_K, R] tile (float32), rank by rank: ``R`` outer products of columns,
+    each a broadcast multiply-add of the [BLOCK_N, BLOCK_K] tile (no reduction across threads: the aligned path's
+    tile keeps its 16-byte groups)."""
+    ranks = tl.arange(0, R)
+    acc = tl.zeros((a.shape[0], b.shape[0]), dtype=tl.float32)
+    for j in tl.static_range(R):
+        aj = tl.sum(tl.where(ranks[None, :] == j, a, 0.0), axis=1)
+        bj = tl.sum(tl.where(ranks[None, :] == j, b, 0.0), axis=1)
+        acc += aj[:, None] * bj[None, :]
+    return acc
+
+
+@triton.jit
 def _reconstruct_loads(m_ptr, e_ptr, q_ptr, lf_ptr, rows, row_ok, ranks, rank_ok, k0, c_end, m, numel, r,
                        HAS_ERROR: tl.constexpr, PAD_ERROR: tl.constexpr, LOCAL_ERR: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, ALIGN: tl.constexpr = 0):
     """The tiles one reconstruct step reads at columns ``k0:k0 + BLOCK_K`` (masked past ``c_end``), as stored:
     Q's ``[k, R]``, the local Q (``LOCAL_ERR == 2``), M's ``[rows, k]`` (``HAS_ERROR``) and the padding's error
     (``PAD_ERROR``); zeros for the ones the variant does not read."""
-    cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-    col_ok = cols < c_end
-    q_mask = col_ok[:, None] & rank_ok[None, :]
+    if ALIGN:  # int32 offsets inside the matrix, every rank R (no rank mask), no padding
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < c_end
+        q_mask = col_ok[:, None]
+    else:
+        cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        col_ok = cols < c_end
+        q_mask = col_ok[:, None] & rank_ok[None, :]
     q = tl.load(q_ptr + cols[:, None] * r + ranks[None, :], mask=q_mask, other=0.0)
     if LOCAL_ERR == 2 and HAS_ERROR:
         q_loc = tl.load(lf_ptr + cols[:, None] * r + ranks[None, :], mask=q_mask, other=0.0)
     else:
         q_loc = tl.zeros((1, 1), dtype=tl.float32)
-    if HAS_ERROR:
+    if HAS_ERROR and ALIGN:
+        x = tl.load(m_ptr + rows[:, None] * m + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        e = tl.zeros((1, 1), dtype=tl.float32)
+    elif HAS_ERROR:
         x, e = _load_m_and_pad_error(m_ptr, e_ptr, rows, row_ok, cols, col_ok, m, numel, PAD_ERROR)
     else:
         x = tl.zeros((1, 1), dtype=tl.float32)
@@ -70,29 +93,38 @@ def _reconstruct_loads(m_ptr, e_ptr, q_ptr, lf_ptr, rows, row_ok, ranks, rank_ok
 
 
 @triton.jit
-def _reconstruct_step(q_in, ql_in, m_in, e_in, p, p_loc, bp, ep, kp, ls_ptr, rows, row_ok, ranks, rank_ok, keep,
+def _reconstruct_step(q_in, ql_in, m_in, e_in, p, p_loc, bp, ep, kp, ls, rows, row_ok, ranks, rank_ok, keep,
                       commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR: tl.constexpr, LOCAL_ERR: tl.constexpr,
                       PAD_ERROR: tl.constexpr, COMMIT: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                      LOSS_SCALE: tl.constexpr):
+                      LOSS_SCALE: tl.constexpr, ALIGN: tl.constexpr = 0):
     """One step at columns ``k0:k0 + BLOCK_K`` from its loaded tiles (:func:`_reconstruct_loads`): the Q commit
     (``COMMIT == 2``), the error and the output; every store is masked past ``c_end`` (a step past the range's end,
     in the last trip of an unrolled loop, stores nothing)."""
-    cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+    if ALIGN:
+        cols = k0 + tl.arange(0, BLOCK_K)
+    else:
+        cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
     col_ok = cols < c_end
     q_raw = q_in.to(tl.float32)
     if COMMIT == 2:
         q_mask = col_ok[:, None] & rank_ok[None, :]
         tl.store(kp + cols[:, None] * r + ranks[None, :], _cast_for_store(q_raw, kp), mask=q_mask & commit_q)
-    approx = _outer(p, q_raw * scale, USE_DOT)
+    if ALIGN:
+        approx = _outer_ranks(p, q_raw * scale, p.shape[1])
+    else:
+        approx = _outer(p, q_raw * scale, USE_DOT)
     lin = rows[:, None] * m + cols[None, :]
     inside = row_ok[:, None] & col_ok[None, :]
-    mask = inside & (lin < numel)
+    if ALIGN:
+        mask = inside
+    else:
+        mask = inside & (lin < numel)
     if HAS_ERROR:
         before = m_in.to(tl.float32)
         if PAD_ERROR:  # the padding's M + E is its error memory (the bucket holds no padding)
             e_pad = e_in.to(tl.float32)
             if LOSS_SCALE:
-                e_pad = e_pad * tl.load(ls_ptr)
+                e_pad = e_pad * ls
             before += e_pad
             e_mask = inside & keep
         else:
@@ -105,9 +137,12 @@ def _reconstruct_step(q_in, ql_in, m_in, e_in, p, p_loc, bp, ep, kp, ls_ptr, row
             approx_e = approx
         e_new = before - approx_e
         if LOSS_SCALE:  # the error memory is kept in unscaled units
-            e_new = e_new / tl.load(ls_ptr)
+            e_new = e_new / ls
         tl.store(ep + lin, _cast_for_store(e_new, ep), mask=e_mask)
-    tl.store(bp + lin, _cast_for_store(approx, bp), mask=mask)
+    if ALIGN:
+        tl.store(bp + lin, _cast_rn(approx, bp), mask=mask)
+    else:
+        tl.store(bp + lin, _cast_for_store(approx, bp), mask=mask)
 
 
 @triton.jit
@@ -137,6 +172,8 @@ def _reconstruct_kernel(
     PREFETCH: tl.constexpr = 0,  # broadcast path: 1 (2) more steps' tiles loaded while one step is computed
     LOSS_SCALE: tl.constexpr = False,
     CARRY: tl.constexpr = False,  # PREFETCH 1 as a loop-carried register copy (one step per trip; see below)
+
+    ALIGN: tl.constexpr = 0,  # the aligned layout: elements of the bucket's dtype per 16 bytes (aligned.vector_width)
 ):
     """The broadcast path (``USE_DOT`` false) with ``PREFETCH`` p unrolls its loop p + 1 times, one register set
     per step: the tiles of the next p steps are loaded before a step is computed, and each loaded register is
@@ -147,12 +184,21 @@ def _reconstruct_kernel(
     per SM, :data:`powersgd_triton.ops.configs.RECONSTRUCT_TILES`)."""
     pid = tl.program_id(0)
     mat = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_MAT).to(tl.int64)
-    row0 = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_ROW0).to(tl.int64)
-    c_begin = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_COL0).to(tl.int64)
-    c_end = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_COL_END).to(tl.int64)
-    off, n, m, numel, r, p_off, q_off, e_off = _load_matrix_row(table_ptr, mat)
-
-    rows = row0 + tl.arange(0, BLOCK_N).to(tl.int64)
+    if ALIGN:  # int32 offsets inside a matrix, alignment declared (common._aligned_matrix_row), every rank R
+        row0 = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_ROW0)
+        # column ranges start at multiples of the split (whole steps) and end there or at m
+        c_begin = tl.multiple_of(tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_COL0), ALIGN)
+        c_end = tl.multiple_of(tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_COL_END), ALIGN)
+        off, n, m, p_off, q_off, e_off = _aligned_matrix_row(table_ptr, mat, ALIGN, R)
+        numel = 0
+        r = R
+        rows = row0 + tl.arange(0, BLOCK_N)
+    else:
+        row0 = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_ROW0).to(tl.int64)
+        c_begin = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_COL0).to(tl.int64)
+        c_end = tl.load(tiles_ptr + RECON_TILE_WIDTH * pid + RECON_COL_END).to(tl.int64)
+        off, n, m, numel, r, p_off, q_off, e_off = _load_matrix_row(table_ptr, mat)
+        rows = row0 + tl.arange(0, BLOCK_N).to(tl.int64)
     ranks = tl.arange(0, R)
     row_ok = rows < n
     rank_ok = ranks < r
@@ -177,62 +223,65 @@ def _reconstruct_kernel(
         else:
             mine = fresh * (row0 == 0).to(tl.int32)
             commit_q = (tl.zeros((BLOCK_K, R), dtype=tl.int32) + mine) != 0
+    ls = 1.0
+    if LOSS_SCALE:  # loaded once: a load inside the loop would wait a latency per step
+        ls = tl.load(ls_ptr)
     bp = buf_ptr + off  # this matrix's M, error, Q and local Q
     ep = e_ptr + e_off
     qp = q_ptr + q_off
     lp = lf_ptr + q_off
     if CARRY:  # this step's tiles arrived during the last step; the next step's go out now
         q_n, ql_n, m_n, e_n = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, c_begin, c_end, m,
-                                                 numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+                                                 numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K, ALIGN)
         for k0 in loop_range(c_begin, c_end, BLOCK_K):
             q_a, ql_a, m_a, e_a = q_n, ql_n, m_n, e_n
             q_n, ql_n, m_n, e_n = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + BLOCK_K,
-                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
-            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K, ALIGN)
+            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls, rows, row_ok, ranks,
                               rank_ok, keep, commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR, PAD_ERROR,
-                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE, ALIGN)
     elif PREFETCH == 0:
         for k0 in loop_range(c_begin, c_end, BLOCK_K):
             q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0, c_end, m,
-                                                     numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
-            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                                                     numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K, ALIGN)
+            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls, rows, row_ok, ranks,
                               rank_ok, keep, commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR, PAD_ERROR,
-                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE, ALIGN)
     elif PREFETCH == 1:  # register sets a, b: a's loads go out while b's step is computed, and b's during a's
         q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, c_begin, c_end, m,
-                                                 numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+                                                 numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K, ALIGN)
         for k0 in loop_range(c_begin, c_end, 2 * BLOCK_K):
             q_b, ql_b, m_b, e_b = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + BLOCK_K,
-                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
-            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K, ALIGN)
+            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls, rows, row_ok, ranks,
                               rank_ok, keep, commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR, PAD_ERROR,
-                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE, ALIGN)
             q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + 2 * BLOCK_K,
-                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
-            _reconstruct_step(q_b, ql_b, m_b, e_b, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K, ALIGN)
+            _reconstruct_step(q_b, ql_b, m_b, e_b, p, p_loc, bp, ep, kept_ptr + q_off, ls, rows, row_ok, ranks,
                               rank_ok, keep, commit_q, k0 + BLOCK_K, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR,
-                              PAD_ERROR, COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+                              PAD_ERROR, COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE, ALIGN)
     else:  # three register sets: two steps' loads in flight while one is computed
         q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, c_begin, c_end, m,
-                                                 numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+                                                 numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K, ALIGN)
         q_b, ql_b, m_b, e_b = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, c_begin + BLOCK_K,
-                                                 c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
+                                                 c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K, ALIGN)
         for k0 in loop_range(c_begin, c_end, 3 * BLOCK_K):
             q_c, ql_c, m_c, e_c = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + 2 * BLOCK_K,
-                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
-            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K, ALIGN)
+            _reconstruct_step(q_a, ql_a, m_a, e_a, p, p_loc, bp, ep, kept_ptr + q_off, ls, rows, row_ok, ranks,
                               rank_ok, keep, commit_q, k0, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR, PAD_ERROR,
-                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+                              COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE, ALIGN)
             q_a, ql_a, m_a, e_a = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + 3 * BLOCK_K,
-                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
-            _reconstruct_step(q_b, ql_b, m_b, e_b, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K, ALIGN)
+            _reconstruct_step(q_b, ql_b, m_b, e_b, p, p_loc, bp, ep, kept_ptr + q_off, ls, rows, row_ok, ranks,
                               rank_ok, keep, commit_q, k0 + BLOCK_K, c_end, m, numel, r, scale, HAS_ERROR, LOCAL_ERR,
-                              PAD_ERROR, COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+                              PAD_ERROR, COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE, ALIGN)
             q_b, ql_b, m_b, e_b = _reconstruct_loads(bp, ep, qp, lp, rows, row_ok, ranks, rank_ok, k0 + 4 * BLOCK_K,
-                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K)
-            _reconstruct_step(q_c, ql_c, m_c, e_c, p, p_loc, bp, ep, kept_ptr + q_off, ls_ptr, rows, row_ok, ranks,
+                                                     c_end, m, numel, r, HAS_ERROR, PAD_ERROR, LOCAL_ERR, BLOCK_K, ALIGN)
+            _reconstruct_step(q_c, ql_c, m_c, e_c, p, p_loc, bp, ep, kept_ptr + q_off, ls, rows, row_ok, ranks,
                               rank_ok, keep, commit_q, k0 + 2 * BLOCK_K, c_end, m, numel, r, scale, HAS_ERROR,
-                              LOCAL_ERR, PAD_ERROR, COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE)
+                              LOCAL_ERR, PAD_ERROR, COMMIT, BLOCK_K, USE_DOT, LOSS_SCALE, ALIGN)
 
 
 def _pow2_split(work_per_program: float, align: int, extent: int) -> int:
@@ -315,4 +364,4 @@ def _reconstruct_launch(layout, dtype, config, has_error, has_flag, local_err, c
         HAS_ERROR=has_error, HAS_FLAG=has_flag, LOCAL_ERR=local_err, PAD_ERROR=layout.batched and has_error,
         COMMIT=commit_mode, R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"],
         PREFETCH=cfg.get("PREFETCH", 0), LOSS_SCALE=has_ls and has_error, CARRY=bool(cfg.get("CARRY", False)),
-        **_launch_options(cfg))), tiles
+        ALIGN=aligned_width(layout, dtype, cfg), **_launch_options(cfg))), tiles

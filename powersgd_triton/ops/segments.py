@@ -26,12 +26,17 @@ import triton.language as tl
 from powersgd_triton.layout import BucketLayout
 from powersgd_triton.ops import tables as _tables
 from powersgd_triton.ops.common import (
-    AVERAGE_COUNT, AVERAGE_DST, AVERAGE_MAT, AVERAGE_SRC, AVERAGE_TILE_WIDTH, RANK, TABLE_WIDTH, _cast_for_store, loop_range,
+    AVERAGE_COUNT, AVERAGE_DST, AVERAGE_MAT, AVERAGE_SRC, AVERAGE_TILE_WIDTH, RANK, TABLE_WIDTH, _cast_for_store, _cast_rn, loop_range,
 )
 from powersgd_triton.ops.launch import DirectLaunch, factor_columns
 
 SEGMENT_BLOCK = 1024
 AVERAGE_BLOCK = 1024
+# Sub-blocks of SEGMENT_BLOCK / AVERAGE_BLOCK elements one program of copy_segments / average walks (an unrolled
+# loop): a program's fixed work (its table row, average's flag reductions) is paid once per ITERS x BLOCK elements.
+# sm_90, triton 3.9, 4 warps: 4 keeps average at 46-56 registers and 16-byte accesses.
+SEGMENT_ITERS = 4
+AVERAGE_ITERS = 4
 
 
 def copy_segments(src, dst, layout: BucketLayout, to_packed: bool, scale: float = 1.0) -> None:
@@ -46,10 +51,34 @@ def copy_segments(src, dst, layout: BucketLayout, to_packed: bool, scale: float 
 
 
 def _segments_launch(layout, to_packed):
-    tiles = _tables.segment_tiles(layout, SEGMENT_BLOCK, to_packed)
+    tiles = _tables.segment_tiles(layout, SEGMENT_BLOCK * SEGMENT_ITERS, to_packed)
     if tiles.shape[0] == 0:
         return None, tiles
-    return DirectLaunch(_copy_segments_kernel, (tiles.shape[0],), dict(BLOCK=SEGMENT_BLOCK, num_warps=4)), tiles
+    align = chunk_alignment(layout)
+    return DirectLaunch(_copy_segments_kernel, (tiles.shape[0],), dict(
+        BLOCK=SEGMENT_BLOCK, ITERS=SEGMENT_ITERS, ALIGN=align, num_warps=4)), tiles
+
+
+# The element counts the chunks of the elementwise launches are checked against (chunk_alignment): 16 bytes of the
+# narrowest dtype they may move (2-byte gradients or factors), so that every tensor of the launch is accessed 16 bytes
+# at a time wherever its own pointer is 16-byte aligned.
+CHUNK_ALIGN = 8
+
+
+def chunk_alignment(layout: BucketLayout, which: str = "") -> int:
+    """``CHUNK_ALIGN`` when every chunk of the uncompressed segments (and, with ``which`` "p" or "q", of that factor
+    of every matrix) starts at a multiple of it in every buffer it is read from or written to and holds a multiple of
+    it, else 0: the ``ALIGN`` constexpr of :func:`_copy_segments_kernel` (``which=""``) and :func:`_average_kernel`,
+    whose offsets and counts are then declared multiples of it (16-byte accesses). From the layout alone (chunks of
+    ``SEGMENT_BLOCK`` / ``AVERAGE_BLOCK``, multiples of it, start where their segment does)."""
+    key = ("chunk_alignment", which)
+    if key not in layout._tiles:
+        spans = [(off, n) for off, n in layout.uncompressed]  # packed positions are sums of the lengths
+        for s in layout.matrices if which else ():
+            spans.append((s.p_offset, s.n * s.rank) if which == "p" else (s.q_offset, s.m * s.rank))
+        ok = all(off % CHUNK_ALIGN == 0 and n % CHUNK_ALIGN == 0 for off, n in spans)
+        layout._tiles[key] = CHUNK_ALIGN if ok else 0
+    return layout._tiles[key]
 
 
 def average(factor, layout: BucketLayout, which: str, buffer, unc, world_size: int, out=None):
@@ -60,23 +89,26 @@ def average(factor, layout: BucketLayout, which: str, buffer, unc, world_size: i
     factor chunk) and the int32 table of each matrix's flags, for :func:`powersgd_triton.ops.reconstruction.reconstruct`. The flags are the launch's
     one allocation."""
     packed = unc is not None
-    key = ("launch:average", which, packed)
+    recip = world_size & (world_size - 1) == 0  # a power of two: x * (1 / w) is x / w, bit for bit
+    key = ("launch:average", which, packed, recip)
     plan = layout._tiles.get(key)
     if plan is None:
-        plan = layout.memo(key, lambda: _average_launch(layout, which, packed))
+        plan = layout.memo(key, lambda: _average_launch(layout, which, packed, recip))
     launch, tiles, first = plan
     flags = torch.empty(tiles.shape[0], dtype=torch.uint8, device=buffer.device)
     if launch is not None:
         launch(factor, factor if out is None else out, unc if packed else buffer, buffer, flags, tiles,
-               float(world_size))
+               1.0 / world_size if recip else float(world_size))
     return flags, first
 
 
-def _average_launch(layout, which, packed):
-    tiles, first = _tables.average_tiles(layout, which, packed, AVERAGE_BLOCK)
+def _average_launch(layout, which, packed, recip):
+    tiles, first = _tables.average_tiles(layout, which, packed, AVERAGE_BLOCK * AVERAGE_ITERS)
     launch = None
     if tiles.shape[0]:
-        launch = DirectLaunch(_average_kernel, (tiles.shape[0],), dict(BLOCK=AVERAGE_BLOCK, num_warps=4))
+        align = chunk_alignment(layout, which)
+        launch = DirectLaunch(_average_kernel, (tiles.shape[0],), dict(
+            BLOCK=AVERAGE_BLOCK, ITERS=AVERAGE_ITERS, ALIGN=align, RECIP=recip, num_warps=4))
     return launch, tiles, first
 
 
@@ -94,18 +126,33 @@ def commit_factor(new, kept, layout: BucketLayout, which: str, ok) -> None:
 def _copy_segments_kernel(
     src_ptr,  # source buffer (bucket or packed buffer)
     dst_ptr,  # destination buffer
-    tiles_ptr,  # int64 [T, 3] (source offset, destination offset, count <= BLOCK)
+    tiles_ptr,  # int64 [T, 3] (source offset, destination offset, count <= ITERS x BLOCK)
     scale,  # float32 factor applied on the way
     BLOCK: tl.constexpr,
+    ITERS: tl.constexpr = 1,  # sub-blocks of BLOCK elements per program at most (the tile table's chunks)
+    ALIGN: tl.constexpr = 0,  # offsets and counts are multiples of ALIGN elements (chunk_alignment): 16-byte accesses
 ):
     pid = tl.program_id(0).to(tl.int64)
-    src0 = tl.load(tiles_ptr + 3 * pid)
-    dst0 = tl.load(tiles_ptr + 3 * pid + 1)
-    count = tl.load(tiles_ptr + 3 * pid + 2)
-    offs = tl.arange(0, BLOCK).to(tl.int64)
-    mask = offs < count
-    x = tl.load(src_ptr + src0 + offs, mask=mask, other=0.0).to(tl.float32) * scale
-    tl.store(dst_ptr + dst0 + offs, _cast_for_store(x, dst_ptr), mask=mask)
+    if ALIGN:
+        src0 = tl.multiple_of(tl.load(tiles_ptr + 3 * pid), ALIGN)
+        dst0 = tl.multiple_of(tl.load(tiles_ptr + 3 * pid + 1), ALIGN)
+        count = tl.multiple_of(tl.load(tiles_ptr + 3 * pid + 2).to(tl.int32), ALIGN)
+        offs = tl.arange(0, BLOCK)
+    else:
+        src0 = tl.load(tiles_ptr + 3 * pid)
+        dst0 = tl.load(tiles_ptr + 3 * pid + 1)
+        count = tl.load(tiles_ptr + 3 * pid + 2)
+        offs = tl.arange(0, BLOCK).to(tl.int64)
+    sp = src_ptr + src0  # this chunk's pointers: 32-bit offsets inside the loop
+    dp = dst_ptr + dst0
+    for o0 in loop_range(0, count, BLOCK):  # at most ITERS sub-blocks
+        o = offs + o0
+        mask = o < count
+        x = tl.load(sp + o, mask=mask, other=0.0).to(tl.float32) * scale
+        if ALIGN:
+            tl.store(dp + o, _cast_rn(x, dp), mask=mask)
+        else:
+            tl.store(dp + o, _cast_for_store(x, dp), mask=mask)
 
 
 @triton.jit
@@ -116,28 +163,64 @@ def _average_kernel(
     dst_ptr,  # the bucket buffer
     flags_ptr,  # uint8 [T] output flags
     tiles_ptr,  # int64 [T, AVERAGE_TILE_WIDTH] (matrix or -1: uncompressed, source offset, destination offset, count)
-    world,  # float32 world size
+    world,  # float32 world size (RECIP: its reciprocal)
     BLOCK: tl.constexpr,
+    ITERS: tl.constexpr = 1,  # sub-blocks of BLOCK elements per program (a chunk holds at most ITERS x BLOCK)
+    ALIGN: tl.constexpr = 0,  # offsets and counts are multiples of ALIGN elements (chunk_alignment): 16-byte accesses
+    RECIP: tl.constexpr = False,  # the world size is a power of two: multiply by its (exact) reciprocal
 ):
+    """One chunk per program: the factor's (``matrix >= 0``: in place into ``fo_ptr``, flag bits 0 finite and 1
+    non-zero) or the uncompressed gradients' (into the bucket, flag bit 0), divided by the world size as IEEE
+    division rounds (``tl.div_rn``; a power-of-two world size multiplies by its reciprocal, which is the same
+    number), ``ITERS`` sub-blocks of ``BLOCK`` elements."""
     pid = tl.program_id(0).to(tl.int64)
     mat = tl.load(tiles_ptr + AVERAGE_TILE_WIDTH * pid + AVERAGE_MAT)
-    src0 = tl.load(tiles_ptr + AVERAGE_TILE_WIDTH * pid + AVERAGE_SRC)
-    dst0 = tl.load(tiles_ptr + AVERAGE_TILE_WIDTH * pid + AVERAGE_DST)
-    count = tl.load(tiles_ptr + AVERAGE_TILE_WIDTH * pid + AVERAGE_COUNT)
-    offs = tl.arange(0, BLOCK).to(tl.int64)
-    mask = offs < count
-    if mat >= 0:
-        x = tl.load(f_ptr + src0 + offs, mask=mask, other=0.0).to(tl.float32)
-        y = tl.div_rn(x, tl.zeros_like(x) + world)
-        tl.store(fo_ptr + src0 + offs, _cast_for_store(y, fo_ptr), mask=mask)
-        finite = tl.min((x * 0.0 == 0.0).to(tl.int32), axis=0)
-        nonzero = tl.max((y != 0.0).to(tl.int32), axis=0)
-        flag = finite | (nonzero << 1)
+    if ALIGN:
+        src0 = tl.multiple_of(tl.load(tiles_ptr + AVERAGE_TILE_WIDTH * pid + AVERAGE_SRC), ALIGN)
+        dst0 = tl.multiple_of(tl.load(tiles_ptr + AVERAGE_TILE_WIDTH * pid + AVERAGE_DST), ALIGN)
+        count = tl.multiple_of(tl.load(tiles_ptr + AVERAGE_TILE_WIDTH * pid + AVERAGE_COUNT).to(tl.int32), ALIGN)
+        offs = tl.arange(0, BLOCK)
     else:
-        x = tl.load(src_ptr + src0 + offs, mask=mask, other=0.0).to(tl.float32)
-        y = tl.div_rn(x, tl.zeros_like(x) + world)
-        tl.store(dst_ptr + dst0 + offs, _cast_for_store(y, dst_ptr), mask=mask)
-        flag = tl.min((x * 0.0 == 0.0).to(tl.int32), axis=0)
+        src0 = tl.load(tiles_ptr + AVERAGE_TILE_WIDTH * pid + AVERAGE_SRC)
+        dst0 = tl.load(tiles_ptr + AVERAGE_TILE_WIDTH * pid + AVERAGE_DST)
+        count = tl.load(tiles_ptr + AVERAGE_TILE_WIDTH * pid + AVERAGE_COUNT)
+        offs = tl.arange(0, BLOCK).to(tl.int64)
+    # in-thread accumulators, reduced once: x * 0 summed (0, or NaN once an element is not finite), max |y|
+    nan_sum = tl.zeros((BLOCK,), tl.float32)
+    peak = tl.zeros((BLOCK,), tl.float32)
+    fp = f_ptr + src0  # this chunk's pointers: 32-bit offsets inside the loop
+    fop = fo_ptr + src0
+    sp = src_ptr + src0
+    dp = dst_ptr + dst0
+    if mat >= 0:
+        for o0 in loop_range(0, count, BLOCK):  # at most ITERS sub-blocks
+            o = offs + o0
+            mask = o < count
+            x = tl.load(fp + o, mask=mask, other=0.0).to(tl.float32)
+            if RECIP:
+                y = x * world
+            else:
+                y = tl.div_rn(x, tl.zeros_like(x) + world)
+            tl.store(fop + o, _cast_for_store(y, fop), mask=mask)
+            nan_sum += x * 0.0
+            peak = tl.maximum(peak, tl.abs(y), propagate_nan=tl.PropagateNan.ALL)
+        finite = (tl.sum(nan_sum, axis=0) == 0.0).to(tl.int32)
+        flag = finite | ((tl.max(peak, axis=0) != 0.0).to(tl.int32) << 1)
+    else:
+        for o0 in loop_range(0, count, BLOCK):  # at most ITERS sub-blocks
+            o = offs + o0
+            mask = o < count
+            x = tl.load(sp + o, mask=mask, other=0.0).to(tl.float32)
+            if RECIP:
+                y = x * world
+            else:
+                y = tl.div_rn(x, tl.zeros_like(x) + world)
+            if ALIGN:
+                tl.store(dp + o, _cast_rn(y, dp), mask=mask)
+            else:
+                tl.store(dp + o, _cast_for_store(y, dp), mask=mask)
+            nan_sum += x * 0.0
+        flag = (tl.sum(nan_sum, axis=0) == 0.0).to(tl.int32)
     tl.store(flags_ptr + pid, flag.to(tl.uint8))
 
 
