@@ -359,7 +359,9 @@ def issued_instructions(launch: dict, usage: dict) -> Optional[float]:
     rounded up) x the warps of a program; a kernel without a loop, its instructions up to ``EXIT``
     (``usage["kernel_instructions"]``) once per program and warp. Counts every instruction (address arithmetic,
     masks, conversions, loads and stores, not only the multiply-adds); leaves out the code before and after the loop
-    (a few percent of a streaming kernel's). For orthogonalize (nested loops; its plan counts tiles, a trip of its
+    (a few percent of a streaming kernel's). Where the plan gives ``step_loads`` (average, copy_segments: the global
+    loads of one loop step per thread), a trip of the compiled loop is its global loads over those steps (the
+    compiler unrolls those short loops 4 times). For orthogonalize (nested loops; its plan counts tiles, a trip of its
     largest loop takes ``CHUNK_TILES`` of them: the plan's ``issue_steps_per_trip``) an estimate. None without SASS
     in ``usage`` (a hand-made one)."""
     loop = usage.get("loop")
@@ -368,6 +370,8 @@ def issued_instructions(launch: dict, usage: dict) -> Optional[float]:
     if loop:
         per = launch.get("program_iterations") or [max(1, int(launch["iterations"]))] * programs
         steps = max(1, int(launch.get("issue_steps_per_trip", launch.get("steps_per_trip", 1))))
+        if launch.get("step_loads") and loop.get("global_loads"):  # a loop the compiler unrolled (average, copy)
+            steps = max(1, int(loop["global_loads"]) // int(launch["step_loads"]))
         return float(loop["instructions"]) * sum(-(-int(it) // steps) for it in per) * warps
     if usage.get("kernel_instructions"):
         return float(usage["kernel_instructions"]) * programs * warps

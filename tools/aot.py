@@ -202,11 +202,16 @@ def ptx_digest(ptx) -> str:
 
 # A global load or store of PTX: "ld.global.nc.v4.b32 {...}, [%rd1];", "@%p1 st.global.b16 [%rd2], %rs1;"
 _PTX_ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[\w:]+)*)\s")
+# An asynchronous copy global -> shared (the software-pipelined loads of tl.dot operands):
+# "cp.async.cg.shared.global [ %r72 + 0 ], [ %rd20 + 0 ], 0x10, %r73;" (its third operand: bytes)
+_PTX_CP_ASYNC = re.compile(
+    r"\bcp\.async\.(?:ca|cg)\.shared\.global(?:\.[\w:]+)*\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-fA-F]+|\d+)")
 
 
 def ptx_access_bytes(ptx, max_element_bits: int = 32) -> dict:
     """Widths in bytes of the global loads and stores of a kernel's PTX (``ld.global`` / ``st.global``: vector count
-    x element bits / 8; ``ld.global.v4.b32`` is 16 bytes, ``ld.global.b16`` 2) whose elements have at most
+    x element bits / 8; ``ld.global.v4.b32`` is 16 bytes, ``ld.global.b16`` 2; ``cp.async`` global -> shared, the
+    software-pipelined operand loads of ``tl.dot``, its byte count) whose elements have at most
     ``max_element_bits`` bits: by default the data (float32, bfloat16, float16 gradients, error memory and factors;
     int32 tile rows), not the int64 rows of the layout tables nor float64 Gram slots. Returns ``load_bytes`` and
     ``store_bytes`` (the widest), ``narrowest_load_bytes`` and ``narrowest_store_bytes`` (0 when there is none)."""
@@ -218,6 +223,8 @@ def ptx_access_bytes(ptx, max_element_bits: int = 32) -> dict:
         bits = next((int(t[1:]) for t in reversed(mods) if re.fullmatch(r"[bfsu](8|16|32|64|128)", t)), None)
         if bits and bits <= max_element_bits:
             widths[m.group(1)].append(vec * bits // 8)
+    for m in _PTX_CP_ASYNC.finditer(ptx):  # loads too (into shared memory): their width is the copy's bytes
+        widths["ld"].append(int(m.group(1), 0))
     return dict(load_bytes=max(widths["ld"], default=0), store_bytes=max(widths["st"], default=0),
                 narrowest_load_bytes=min(widths["ld"], default=0), narrowest_store_bytes=min(widths["st"], default=0))
 

@@ -355,6 +355,7 @@ def variants(kernel: str) -> Iterable[dict]:
     if kernel == "reduce_splits":
         return [dict(HAS_Q2=True), dict(), dict(wire=True)]
     if kernel == "average":
-        return [dict(), dict(wire=True), dict(ALIGN=True), dict(ALIGN=True, RECIP=True),
+        return [dict(), dict(wire=True), dict(RECIP=True), dict(wire=True, RECIP=True), dict(ALIGN=True),
+                dict(ALIGN=True, RECIP=True),
                 dict(wire=True, ALIGN=True, RECIP=True)]
     return [dict()]

@@ -148,8 +148,13 @@ def report(models: Sequence[str], dtypes: Sequence[str], rank: int, *, gpu: str 
                 for launch in plan:
                     usage = perfmodel.compiled_usage(launch, spec.arch)
                     pred = perfmodel.predict(launch, spec, usage)
+                    # the integer arguments as the JIT specializes them (n_flags: divisible by 16, 1, or neither),
+                    # each a binary of its own
+                    ints = {k: ("D" if v % 16 == 0 else "1" if v == 1 else "")
+                            for k, v in (launch.get("ints") or {}).items()}
                     key = (model, dname, launch["step"], launch["kernel"],
-                           json.dumps(launch["config"], sort_keys=True), json.dumps(launch["variant"], sort_keys=True))
+                           json.dumps(launch["config"], sort_keys=True), json.dumps(launch["variant"], sort_keys=True),
+                           json.dumps(ints, sort_keys=True))
                     keys.append((key, usage["ptx_sha256"], _constexprs(launch, dtype)))  # this bucket's binary
                     row = rows.get(key)
                     if row is None:

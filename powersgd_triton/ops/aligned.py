@@ -91,8 +91,9 @@ def _vector_width(layout: BucketLayout, element_size: int) -> int:
 def aligned_width(layout: BucketLayout, dtype: torch.dtype, cfg: dict, kernel: str = "") -> int:
     """The ``ALIGN`` constexpr of a streaming launch with ``cfg`` on ``layout``: the 16-byte vector width of the
     aligned layout (:func:`vector_width`) on the broadcast path and on project_t's split tensor-core path of 2-byte
-    gradients (``kernel="project_t"``), 0 (the masked path) on the other ``tl.dot`` paths, where ``cfg`` says ``ALIGN=False`` (the tests run both paths on one layout) or where its
-    ``BLOCK_K`` (project_t: ``BLOCK_M``) is not a multiple of the width (column ranges start at whole steps or tiles)."""
+    gradients (``kernel="project_t"``); 0 (the masked path) on the other ``tl.dot`` paths, where ``cfg`` says
+    ``ALIGN=False`` (the tests run both paths on one layout), or where its ``BLOCK_K`` (project_t: ``BLOCK_M``) is not
+    a multiple of the width (column ranges start at whole steps or tiles)."""
     split_dot = kernel == "project_t" and cfg.get("SPLIT_BF16") and torch.empty((), dtype=dtype).element_size() == 2
     if (cfg.get("USE_DOT") and not split_dot) or not cfg.get("ALIGN", True):
         return 0

@@ -144,8 +144,11 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         # per program (tile-table order): loop trips over its chunk's sub-blocks of `sub` elements
         per = [-(-min(block, n - c) // sub) for n in spans for c in range(0, n, block)]
         programs = len(per)
+        # global loads one step issues per thread (the bucket's dtype; the factor is read in it too on the 16-bit
+        # hooks): the compiler unrolls these short loops, a trip of the compiled loop is (its loads / these) steps
+        step_loads = sub // 128 // (16 // es if variant["ALIGN"] else 1)
         return [dict(base, kernel=kernel, programs=programs, iterations=max(per, default=1), program_iterations=per,
-                     bytes_read=4 * factor + unc * es,
+                     step_loads=max(1, step_loads), bytes_read=4 * factor + unc * es,
                      bytes_written=4 * factor + unc * es + (programs if kernel == "average" else 0),
                      flops=0, l2_bytes=0, config=dict(BLOCK=block, num_warps=4, num_stages=1))]
     raise ValueError(f"no plan for kernel {kernel!r}")

@@ -124,7 +124,7 @@ def _reconstruct_step(q_in, ql_in, m_in, e_in, p, p_loc, bp, ep, kp, ls, rows, r
         if PAD_ERROR:  # the padding's M + E is its error memory (the bucket holds no padding)
             e_pad = e_in.to(tl.float32)
             if LOSS_SCALE:
-                e_pad = e_pad * ls
+                e_pad = e_pad * tl.load(ls)  # (the batched view: never ALIGN)
             before += e_pad
             e_mask = inside & keep
         else:
@@ -137,7 +137,7 @@ def _reconstruct_step(q_in, ql_in, m_in, e_in, p, p_loc, bp, ep, kp, ls, rows, r
             approx_e = approx
         e_new = before - approx_e
         if LOSS_SCALE:  # the error memory is kept in unscaled units
-            e_new = e_new / ls
+            e_new = e_new / (ls if ALIGN else tl.load(ls))
         tl.store(ep + lin, _cast_for_store(e_new, ep), mask=e_mask)
     if ALIGN:
         tl.store(bp + lin, _cast_rn(approx, bp), mask=mask)
@@ -223,8 +223,8 @@ def _reconstruct_kernel(
         else:
             mine = fresh * (row0 == 0).to(tl.int32)
             commit_q = (tl.zeros((BLOCK_K, R), dtype=tl.int32) + mine) != 0
-    ls = 1.0
-    if LOSS_SCALE:  # loaded once: a load inside the loop would wait a latency per step
+    ls = ls_ptr  # the masked path loads it per step (hoisted, its register spills in R 8's 2-byte LOSS_SCALE variant)
+    if LOSS_SCALE and ALIGN:  # loaded once: a load inside the loop would wait a latency per step
         ls = tl.load(ls_ptr)
     bp = buf_ptr + off  # this matrix's M, error, Q and local Q
     ep = e_ptr + e_off
