@@ -31,6 +31,9 @@ from powersgd_triton.benchmarking.buckets import model_bucket_shapes  # noqa: E4
 from powersgd_triton.benchmarking.hooks import ensure_process_group  # noqa: E402
 
 STREAM = 0x5EED5  # the current stream both paths must pass (not 0: a dropped stream shows)
+# the current stream changes between the steps of the plain run: a launch path that kept the stream of its first
+# launch instead of asking for the current one at every launch sends later launches to the first stream
+STREAMS = (STREAM, 0x5EED7, 0xC0FFEE)
 V36 = c_launch_layout() == "v36"
 # bytes of each kernel parameter as the launcher stores it (3.6: the generated C's argument types, i1 as int8_t;
 # 3.8/3.9: driver.c's extractors, i1 as int32), pointers 8; two scratch pointers follow the kernel's parameters
@@ -100,7 +103,8 @@ def main(stub_dir):
         # the real driver module and launcher (C, compiled by Triton against the stub libcuda), the rest of the fake
         fake.utils = CudaUtils()
         fake.launcher_cls = CudaLauncher
-        fake.get_current_stream = lambda device=None: STREAM
+        current = {"stream": STREAM}
+        fake.get_current_stream = lambda device=None: current["stream"]
         cases = []
         for hook, dtype, comm in ((powerSGD_hook, torch.float32, None), (powerSGD_hook, torch.bfloat16, None),
                                   (batched_powerSGD_hook, torch.float32, None),
@@ -130,24 +134,40 @@ def main(stub_dir):
 
         plain_call = _launch.DirectLaunch.__call__
 
+        stale = {"on": False, "first": {}}
+
         def both(self, *args):  # each launch twice with the same arguments: the JIT call, then the direct one
             _launch.DIRECT_LAUNCH = False
             plain_call(self, *args)
             _launch.DIRECT_LAUNCH = True
+            if stale["on"] and self.kernel is not None:  # a direct path that kept the stream of its first launch
+                kept = stale["first"].setdefault(id(self), current["stream"])
+                ask, self.stream = self.stream, (lambda device=None: kept)
+                try:
+                    plain_call(self, *args)
+                finally:
+                    self.stream = ask
+                return
             plain_call(self, *args)
 
         results = {}
-        for swap in (False, True):
-            used["swap"] = swap
+        for swap in (False, True, "stale"):
+            used["swap"] = swap is True
+            stale["on"] = swap == "stale"
             _launch.DirectLaunch.__call__ = both
             try:
                 for name, hook, state, buckets in cases:
                     used["calls"] = 0
-                    step(hook, state, buckets)
-                    log = take_log()
+                    log = []
+                    for stream in (STREAMS[:1] if swap is True else STREAMS):  # one step per stream
+                        current["stream"] = stream
+                        step(hook, state, buckets)
+                        log += take_log()
+                    current["stream"] = STREAM
                     pairs = len(log) // 2
                     mismatches = [[log[2 * i], log[2 * i + 1]] for i in range(pairs) if log[2 * i] != log[2 * i + 1]]
-                    results.setdefault(name, {})["swapped" if swap else "plain"] = dict(
+                    kind = {False: "plain", True: "swapped", "stale": "stale"}[swap]
+                    results.setdefault(name, {})[kind] = dict(
                         records=len(log), pairs=pairs, direct_c_calls=used["calls"], mismatches=len(mismatches),
                         first_mismatch=mismatches[0] if mismatches else None,
                         unregistered=sum("args=unregistered" in ln for ln in log),
@@ -155,7 +175,7 @@ def main(stub_dir):
                         sample=log[0] if log else None)
             finally:
                 _launch.DirectLaunch.__call__ = plain_call
-                used["swap"] = False
+                used["swap"] = stale["on"] = False
         out["cases"] = results
         out["stub_launches"] = stub.psgd_stub_launches()
     print("RESULT " + json.dumps(out))

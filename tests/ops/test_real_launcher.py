@@ -64,7 +64,8 @@ def _run(stub_dir):
 def test_direct_c_launch_is_the_jit_launch_byte_for_byte(tmp_path):
     """Every launch of a steady step of each case reaches ``cuLaunchKernelEx`` twice, through Triton's
     ``JITFunction.run`` / ``CudaLauncher.__call__`` / C ``launch`` and through ``DirectLaunch``'s call of that C
-    ``launch``: the same function, grid, block, shared memory, stream (the driver's current one), attributes and
+    ``launch``: the same function, grid, block, shared memory, stream (the driver's current one, which changes from
+    one step to the next: three steps on three streams, and a direct path pinned to its first stream fails), attributes and
     parameter bytes; every direct launch took the C entry; with the direct call's first two kernel arguments swapped
     most launches differ (each whose first two arguments differ)."""
     r = _run(_stub(tmp_path))
@@ -73,8 +74,13 @@ def test_direct_c_launch_is_the_jit_launch_byte_for_byte(tmp_path):
     for name, case in r["cases"].items():
         plain, swapped = case["plain"], case["swapped"]
         assert plain["records"] == 2 * plain["pairs"] and plain["pairs"] >= 7, (name, plain)
-        assert plain["unregistered"] == 0 and plain["streams"] == ["5eed5"], (name, plain)
+        assert plain["unregistered"] == 0 and plain["streams"] == ["5eed5", "5eed7", "c0ffee"], (name, plain)
         assert plain["direct_c_calls"] == plain["pairs"], (name, plain)  # the C entry, not kernel.run
         assert plain["mismatches"] == 0, (name, plain["first_mismatch"])
-        assert swapped["records"] == 2 * swapped["pairs"] == plain["records"], (name, swapped)
+        # the swapped run: one step (on the first stream), a third of the plain run's three
+        assert 3 * swapped["records"] == 6 * swapped["pairs"] == plain["records"], (name, swapped)
         assert swapped["mismatches"] >= max(1, swapped["pairs"] // 2), (name, swapped)
+        # a direct path that kept each launch plan's first stream (DirectLaunch.stream pinned; the plans' first
+        # launches of this run are on the first stream): every launch of the second and third steps differs
+        stale = case["stale"]
+        assert stale["records"] == plain["records"] and stale["mismatches"] == 2 * stale["pairs"] // 3, (name, stale)
