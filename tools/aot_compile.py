@@ -22,7 +22,7 @@ from powersgd_triton.ops.orthogonalization import _ortho_gram_kernel, _orthogona
 from powersgd_triton.ops.projection import _project_kernel
 from powersgd_triton.ops.projection_t import _project_t_kernel, _reduce_splits_kernel, reduce_block_m, reduce_split_block
 from powersgd_triton.ops.reconstruction import _reconstruct_kernel
-from powersgd_triton.ops.segments import AVERAGE_BLOCK, AVERAGE_ITERS, CHUNK_ALIGN, SEGMENT_BLOCK, SEGMENT_ITERS, _average_kernel, _commit_factor_kernel, _copy_segments_kernel
+from powersgd_triton.ops.segments import AVERAGE_BLOCK, AVERAGE_ITERS, CHUNK_ALIGN, SEGMENT_BLOCK, SEGMENT_ITERS, SEGMENT_WARPS, _average_kernel, _commit_factor_kernel, _copy_segments_kernel
 
 
 
@@ -110,7 +110,7 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
 
 # The launch options the launchers of the helper kernels pass (ops/segments.py: num_warps only, so Triton's default
 # num_stages applies), compiled alike: the JIT's binary of the launch (tests/test_aot_jit_match.py).
-HELPER_OPTIONS = {"copy_segments": {"num_warps": 4}, "average": {"num_warps": 4}, "commit_factor": {"num_warps": 4}}
+HELPER_OPTIONS = {"copy_segments": {"num_warps": SEGMENT_WARPS}, "average": {"num_warps": 4}, "commit_factor": {"num_warps": 4}}
 
 
 def _align_value(kernel: str, config: dict, grad_dtype: torch.dtype, variant: dict) -> dict:

@@ -17,7 +17,9 @@ from powersgd_triton.ops.configs import SPLIT_DOTS, SPLIT_OPS_M, SPLIT_OPS_P, he
 from powersgd_triton.ops.launch import _factor_rank, device_sms, steps_per_trip
 from powersgd_triton.ops.projection_t import reduce_block_m, reduce_split_block, split_rows
 from powersgd_triton.ops.reconstruction import split_cols
-from powersgd_triton.ops.segments import AVERAGE_BLOCK, AVERAGE_ITERS, SEGMENT_BLOCK, SEGMENT_ITERS, chunk_alignment
+from powersgd_triton.ops.segments import (
+    AVERAGE_BLOCK, AVERAGE_ITERS, SEGMENT_BLOCK, SEGMENT_ITERS, SEGMENT_WARPS, chunk_alignment,
+)
 
 
 def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional[dict] = None, *,
@@ -137,7 +139,8 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         unc = layout.uncompressed_numel
         if kernel == "average" and "RECIP" not in variant:  # a power-of-two world size (the launcher's test)
             variant["RECIP"] = True
-        sub, iters = (AVERAGE_BLOCK, AVERAGE_ITERS) if kernel == "average" else (SEGMENT_BLOCK, SEGMENT_ITERS)
+        sub, iters, warps = ((AVERAGE_BLOCK, AVERAGE_ITERS, 4) if kernel == "average"
+                             else (SEGMENT_BLOCK, SEGMENT_ITERS, SEGMENT_WARPS))
         block = sub * iters
         spans = [(s.n if which == "p" else s.m) * s.rank for s in mats] if factor else []
         spans += [n for _, n in layout.uncompressed]
@@ -146,10 +149,10 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         programs = len(per)
         # global loads one step issues per thread (the bucket's dtype; the factor is read in it too on the 16-bit
         # hooks): the compiler unrolls these short loops, a trip of the compiled loop is (its loads / these) steps
-        step_loads = sub // 128 // (16 // es if variant["ALIGN"] else 1)
+        step_loads = sub // (32 * warps) // (16 // es if variant["ALIGN"] else 1)
         return [dict(base, kernel=kernel, programs=programs, iterations=max(per, default=1), program_iterations=per,
                      step_loads=max(1, step_loads), bytes_read=4 * factor + unc * es,
                      bytes_written=4 * factor + unc * es + (programs if kernel == "average" else 0),
-                     flops=0, l2_bytes=0, config=dict(BLOCK=block, num_warps=4, num_stages=1))]
+                     flops=0, l2_bytes=0, config=dict(BLOCK=block, num_warps=warps, num_stages=1))]
     raise ValueError(f"no plan for kernel {kernel!r}")
 

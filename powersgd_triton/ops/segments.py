@@ -30,7 +30,14 @@ from powersgd_triton.ops.common import (
 )
 from powersgd_triton.ops.launch import DirectLaunch, factor_columns
 
-SEGMENT_BLOCK = 1024
+# copy_segments: one warp per program, SEGMENT_BLOCK elements per sub-block (8 per thread: one 16-byte access of a
+# 2-byte dtype, two of float32). The uncompressed gradients are short segments (ResNet-50's normalization
+# parameters: 64-2048 elements each, one chunk per segment), and a program issues its loop's instructions per warp
+# whatever its chunk's length: at 4 warps x 1024 elements a 128-element chunk cost the instructions of 4096
+# (the kernel report: bf16 ResNet-50 0.52 warp instructions per element, issue ratio 0.54); a full chunk costs the
+# same per element either way.
+SEGMENT_BLOCK = 256
+SEGMENT_WARPS = 1
 AVERAGE_BLOCK = 1024
 # Sub-blocks of SEGMENT_BLOCK / AVERAGE_BLOCK elements one program of copy_segments / average walks (an unrolled
 # loop): a program's fixed work (its table row, average's flag reductions) is paid once per ITERS x BLOCK elements.
@@ -56,7 +63,7 @@ def _segments_launch(layout, to_packed):
         return None, tiles
     align = chunk_alignment(layout)
     return DirectLaunch(_copy_segments_kernel, (tiles.shape[0],), dict(
-        BLOCK=SEGMENT_BLOCK, ITERS=SEGMENT_ITERS, ALIGN=align, num_warps=4)), tiles
+        BLOCK=SEGMENT_BLOCK, ITERS=SEGMENT_ITERS, ALIGN=align, num_warps=SEGMENT_WARPS)), tiles
 
 
 # The element counts the chunks of the elementwise launches are checked against (chunk_alignment): 16 bytes of the
