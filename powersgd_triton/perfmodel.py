@@ -91,7 +91,7 @@ from powersgd_triton.perfmodel_host import HOSTS, SEGMENTS, HostSpec, default_ho
 from powersgd_triton.shapes import MODELS, numel
 
 __all__ = ["GPUSpec", "GPUS", "step_plan", "depth", "makespan", "predict", "predict_step", "predict_measured",
-           "spec_for_device", "model_table", "issued_instructions", "kernel_report", "main"]
+           "spec_for_device", "model_table", "issued_instructions", "main"]
 
 
 @dataclass(frozen=True)
@@ -161,17 +161,6 @@ def checkout_tools():
     if Path(aot.__file__).resolve().parent != here:
         raise RuntimeError(f"another package named tools is imported ({aot.__file__}), not the repository's {here}")
     return aot, aot_compile
-
-
-def kernel_report(models: Sequence[str], dtypes: Sequence[str], rank: int, *, json_path: Optional[str] = None,
-                  gpu: str = "h200") -> int:
-    """``powersgd-triton bench --kernel-report``: :func:`tools.kernel_report.run` of this checkout (see
-    :func:`checkout_tools`): each launch of a compressed bucket step compiled for sm_90 as the JIT compiles it,
-    read from the compiled code. Returns the exit status; raises ``RuntimeError`` without the checkout's tools/."""
-    checkout_tools()
-    from tools import kernel_report as report
-
-    return report.run(models, dtypes, rank, json_path, gpu)
 
 
 def compiled_usage(launch: dict, arch: int) -> dict:

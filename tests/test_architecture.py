@@ -99,7 +99,8 @@ def test_no_module_over_the_line_limit():
 def test_the_package_does_not_import_tools():
     """The forbidden contract says so through import-linter; this reads the sources too (``tools`` is outside the
     package, so import-linter sees it only as an external name)."""
-    allowed = {os.path.join("powersgd_triton", "perfmodel.py")}  # the one listed in pyproject's ignore_imports
+    # the two listed in pyproject's ignore_imports
+    allowed = {os.path.join("powersgd_triton", "perfmodel.py"), os.path.join("powersgd_triton", "cli", "bench.py")}
     found = []
     for path in _modules():
         with open(path, encoding="utf-8") as f:

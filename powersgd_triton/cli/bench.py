@@ -117,7 +117,10 @@ def run(args) -> int:
             return _usage(f"--gpu must be one of {sorted(perfmodel.GPUS)}, got {args.gpu!r}")
         if len(ranks) != 1:
             return _usage("--kernel-report takes one --matrix-approximation-ranks value")
-        return perfmodel.kernel_report(models, dtypes, ranks[0], json_path=args.json, gpu=args.gpu)
+        perfmodel.checkout_tools()  # the checkout's tools/ on the path (a developer tool, not in the wheel)
+        from tools import kernel_report
+
+        return kernel_report.run(models, dtypes, ranks[0], args.json, args.gpu)
     if getattr(args, "host_overhead", False):
         from powersgd_triton.benchmarking import host
 
