@@ -8,6 +8,7 @@ kernels on a GPU).
 """
 
 import contextlib
+import types
 from collections import Counter
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -74,13 +75,36 @@ def counting_bucket_kernels(counter: CountLaunches):
     """Within the block, each call of a bucket step of :mod:`powersgd_triton.ops` counts as one launch (project,
     orthogonalize, project_t, reconstruct, pack_uncompressed, unpack_uncompressed, average, commit_factor), and so
     does each call of :class:`powersgd_triton.ops.backend.TritonSteps`' methods (the hooks' unchecked calls on the Triton backend, which go
-    to the launchers, not through ``ops``)."""
+    to the launchers, not through ``ops``) and of the bound steps of its step plans (``plan_step``: each as the method
+    it stands for)."""
     from powersgd_triton.ops.backend import TritonSteps as _hook_ops
 
     saved = {}
     names = ("project", "orthogonalize", "project_t", "reconstruct", "pack_uncompressed", "unpack_uncompressed",
              "average", "commit_factor")
     targets = [(ops_module, name) for name in names] + [(_hook_ops, n) for n in names if hasattr(_hook_ops, n)]
+    plan_names = dict(pack="pack_uncompressed", orth_q="orthogonalize", project="project", orth_p="orthogonalize",
+                      project_t="project_t", average="average", reconstruct="reconstruct")
+
+    def counted_plan(plan):  # the hooks' step plans (TritonSteps.plan_step): each bound step counts as its method
+        fields = {"settings": plan.settings}
+        for field, name in plan_names.items():
+            bound = getattr(plan, field)
+
+            def wrapped(*args, __bound=bound, __name=name):
+                counter.kernels[__name] += 1
+                counter.paused += 1
+                try:
+                    return __bound(*args)
+                finally:
+                    counter.paused -= 1
+
+            fields[field] = None if bound is None else wrapped
+        return types.SimpleNamespace(**fields)
+
+    original_plan_step = _hook_ops.plan_step
+    saved[(_hook_ops, "plan_step")] = original_plan_step
+    _hook_ops.plan_step = lambda self, tensors, settings: counted_plan(original_plan_step(self, tensors, settings))
     for module, name in targets:
         original = getattr(module, name)
         saved[(module, name)] = original

@@ -54,7 +54,7 @@ from powersgd_triton.state.memory import (  # noqa: F401
     BucketMemory, draw_q, drop_next_q, memory_dtype, p_comm, p_work, q_comm,
 )
 from powersgd_triton.state.models import check_bucket_group, check_one_model
-from powersgd_triton.layout import check_gradient_dtype
+from powersgd_triton.layout import SUPPORTED_DTYPES, check_gradient_dtype
 from powersgd_triton.state.powersgd_state import PowerSGDState, check_grad_scaler
 
 logger = logging.getLogger("powersgd_triton.state")  # the state's messages, under the state's logger as before
@@ -161,12 +161,16 @@ def orthogonalize_next_q(mem: BucketMemory, epsilon: float, done: bool = False) 
     it) or a writer of either tensor (:func:`powersgd_triton.state.memory.drop_next_q`, called by the allocation,
     adoption and random draw of the memory). Same kernel, config and input as at the start of the next step:
     bitwise the same Q. ``done``: ``ops.reconstruct`` wrote it already (its ``orthogonalize_kept``, with
-    :func:`next_q_target`); only ``mem.q_next`` is set."""
+    :func:`next_q_target`); only ``mem.q_next`` is set. Through ``mem.steps.orthogonalize`` always, also where a
+    step plan holds the launch bound (``bench/gpucheck`` delays that call on the side stream, and its CPU dry run
+    the call inside this function)."""
     if not OPTIONS.orthogonalize_ahead or mem.layout.num_matrices == 0:
         return
-    drop_next_q(mem)
+    if mem.q_next is not None:
+        drop_next_q(mem)
     config = mem.configs.get("orthogonalize")
-    stream = None if done else _side_stream(mem.q.device)
+    device = mem.q.device
+    stream = None if done or device.type != "cuda" else _side_stream(device)
     event = None
     steps = mem.steps
     if stream is None:
@@ -198,7 +202,7 @@ def take_next_q(mem: BucketMemory, epsilon: float) -> bool:
     if ahead is None:
         return False
     mem.q_next = None
-    return ahead.wait() and ahead.matches(mem, epsilon, mem.configs.get("orthogonalize"))
+    return (ahead.event is None or ahead.wait()) and ahead.matches(mem, epsilon, mem.configs.get("orthogonalize"))
 
 
 def keep_for_current_stream(*tensors: Optional[torch.Tensor]) -> None:
@@ -295,6 +299,7 @@ def loss_scale(state, buffer: torch.Tensor) -> Optional[torch.Tensor]:
     return scale.reshape(1)
 
 
+_GRADIENT_DTYPES = frozenset(SUPPORTED_DTYPES) | {torch.float64}  # check_gradient_dtype's accepted dtypes
 _DIST = dist.is_available()  # torch.distributed built in (fixed for the process)
 _PROCESS_GROUP = dist.ProcessGroup if _DIST else ()
 
@@ -394,7 +399,8 @@ def checked_buffer(bucket) -> torch.Tensor:
     """
     check_bucket(bucket)
     buffer = bucket.buffer()
-    check_gradient_dtype(buffer.dtype)
+    if buffer.dtype not in _GRADIENT_DTYPES:
+        check_gradient_dtype(buffer.dtype)
     if buffer.is_sparse:
         return buffer
     if buffer.dim() != 1:
@@ -414,9 +420,10 @@ def warm_up(state: PowerSGDState, bucket, buffer: torch.Tensor, hook: Optional[t
 
     Raises ``RuntimeError`` (before anything is changed, from step 0) when ``backend="triton"`` cannot run on the
     bucket's device."""
-    check_backend_runs(state, buffer)
+    if state.backend == "triton" and buffer.device not in state.buckets.backend_devices:
+        check_backend_runs(state, buffer)
     group = process_group(state)
-    world_size = group_size(group)
+    world_size = group.size() if isinstance(group, _PROCESS_GROUP) else group_size(group)
     if state.buckets.group_checked is not group:  # the state's group is DDP's: checked again when it changed
         check_bucket_group(state, bucket, group)
     if state.iter < state.start_powerSGD_iter:
@@ -511,7 +518,8 @@ def run(state: PowerSGDState, bucket, hook) -> torch.futures.Future:
     the backend); then the all-reduces of the step's rounds and :meth:`~HookStep.finish`: chained with ``then()`` on
     NCCL (:func:`use_callback_chain`), in the hook body elsewhere (the collectives' order is then the same on every
     rank: "Collective order" in :mod:`powersgd_triton.hooks.layerwise`)."""
-    check_state(state, hook.name)
+    if not isinstance(state, PowerSGDState):
+        check_state(state, hook.name)
     buffer = checked_buffer(bucket)
     if hook.check_settings is not None:
         hook.check_settings(state)

@@ -64,6 +64,13 @@ class _Step(_step.HookStep):
     and average divides Q from there into the float32 ``q_work``: one torch op. On the torch backend, one cast and
     one copy back per factor (4 element-wise torch ops per bucket and step, whatever the number of matrices).
 
+    Step plans: on the Triton backend, a steady step without a loss scale makes these launches through the memory's
+    :meth:`~powersgd_triton.ops.backend.TritonSteps.plan_step` (each launch with its arguments bound once, while
+    the step's tensors are the same objects and its settings equal; the next step's Q is orthogonalized through
+    ``steps.orthogonalize`` as before): the same launches with the same arguments, without the layers between the
+    step and Triton's launch (issue 39's host line). The first-use check, the torch backend, a loss scale: the
+    methods of ``steps`` as before.
+
     The batched memory's gradient order differs from the bucket's for one step after a resume (see
     :mod:`powersgd_triton.state.buckets`): the step computes on a copy in the memory's order (``buffer``), and
     :meth:`output` writes each gradient back into DDP's ``bucket_buffer``.
@@ -73,7 +80,7 @@ class _Step(_step.HookStep):
 
     __slots__ = ("state", "mem", "layout", "buffer", "bucket_buffer", "order", "remap", "group", "world_size", "unc",
                  "packed", "unc_work", "backend", "eps", "loss_scale", "p_raw", "p_send", "q_raw", "steps", "check",
-                 "pending", "kept", "trust")
+                 "pending", "kept", "trust", "plan")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int,
                  work=None):
@@ -94,7 +101,8 @@ class _Step(_step.HookStep):
         self.check = None
         self.eps = float(state.orthogonalization_epsilon)
         # error memory in unscaled units (state.grad_scaler): the scale of this step's gradients, a device tensor
-        self.loss_scale = _step.loss_scale(state, buffer) if mem.error is not None else None
+        self.loss_scale = (_step.loss_scale(state, buffer) if mem.error is not None and state.grad_scaler is not None
+                           else None)
         self.unc = None
         self.packed = None
         self.unc_work = self.pending = None
@@ -106,6 +114,7 @@ class _Step(_step.HookStep):
         # float32 itself
         self.p_raw = self.p_send = self.q_raw = None
         self.trust = None  # the TRUST key of this step's launches (begin)
+        self.plan = None  # the memory's bound launches for this step, when it has them (begin)
         if mem.layout.num_matrices:
             in_kernels = self.backend == "triton" and _step.OPTIONS.wire_in_kernels
             wire = _step.wire_dtype(state, buffer, mem.p.dtype) if in_kernels else None
@@ -118,13 +127,19 @@ class _Step(_step.HookStep):
         state, layout = self.state, self.layout
         state.total_numel_before_compression += layout.numel_before_compression
         state.total_numel_after_compression += layout.numel_after_compression
-        _step.report_compression_stats(state, bucket)
+        if state.iter >= state.next_stats_report:  # its first test, without a call
+            _step.report_compression_stats(state, bucket)
         mem = self.mem
         if mem.verify_pending:
             self.begin_check(len(layout.uncompressed) > 1, bucket.index())
         if self.check is None and layout.num_matrices:  # the memory's own steps, on the memory's own tensors
             self.trust = _step.launch_trust(self.steps, (self.buffer, mem.q, mem.q_work, mem.p, self.p_raw,
                                                          self.p_send, self.q_raw, mem.error, self.loss_scale))
+            if self.trust is not None and self.loss_scale is None:  # the launches bound once per memory
+                self.plan = self.steps.plan_step(
+                    (self.buffer, layout, mem.q, mem.q_work, mem.p, self.p_raw, self.p_send, self.q_raw, mem.error),
+                    (self.eps, self.world_size, len(layout.uncompressed) > 1,
+                     mem.error is not None or state.warm_start, state.warm_start))
         _step.TRUST.key = self.trust
         try:
             self.start_uncompressed()
@@ -170,7 +185,11 @@ class _Step(_step.HookStep):
             self.unc = self.buffer[o : o + n]
         else:
             self.packed = self.buffer.new_empty(layout.uncompressed_numel)
-            self.steps.pack_uncompressed(self.buffer, layout, self.packed)
+            if self.plan is not None:
+                if self.plan.pack is not None:
+                    self.plan.pack(self.packed)
+            else:
+                self.steps.pack_uncompressed(self.buffer, layout, self.packed)
             self.unc = self.packed
         self.unc_work = dist.all_reduce(self.unc, group=self.group, async_op=True)
 
@@ -184,6 +203,12 @@ class _Step(_step.HookStep):
         mem.q_predrawn = False
         if layout.num_matrices == 0:
             return
+        plan = self.plan
+        if plan is not None:
+            if not ahead:
+                plan.orth_q()
+            plan.project()
+            return
         if not ahead:
             self.steps.orthogonalize(mem.q, layout, "q", self.eps, out=mem.q_work)
         self.steps.project(self.buffer, layout, mem.q_work, self.p_send, mem.error, loss_scale=self.loss_scale)
@@ -195,6 +220,10 @@ class _Step(_step.HookStep):
             self.p_raw.copy_(self.p_send)  # the all-reduced P in float32 (exact)
         _step.TRUST.key = self.trust
         try:
+            if self.plan is not None:
+                self.plan.orth_p()
+                self.plan.project_t()
+                return
             self.steps.orthogonalize(self.p_raw, layout, "p", self.eps, out=mem.p)
             self.steps.project_t(self.buffer, layout, mem.p, self.q_raw,
                                  error=mem.error if layout.batched else None,
@@ -215,6 +244,13 @@ class _Step(_step.HookStep):
             return self.buffer
         _step.TRUST.key = self.trust
         try:
+            plan = self.plan
+            if plan is not None:  # the same launches, bound once (TritonSteps.plan_step)
+                flags = plan.average(self.packed)  # Q /= world, uncompressed /= world and unpacked, step flags
+                plan.reconstruct(flags if plan.settings[3] else None)
+                if state.warm_start:
+                    _step.orthogonalize_next_q(mem, self.eps)
+                return self.buffer
             # Q /= world, uncompressed /= world and unpacked, step flags: one launch
             flags = self.steps.average(self.q_raw, layout, "q", self.buffer, self.packed, self.world_size,
                                        out=None if self.q_raw is mem.q_work else mem.q_work)

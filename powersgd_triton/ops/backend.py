@@ -13,6 +13,7 @@ them (``"triton"``); the state instead runs a float64 bucket on torch with a war
 """
 
 import functools
+import operator
 from typing import Optional
 
 import torch
@@ -142,6 +143,10 @@ class TorchSteps:
         (none on torch)."""
         return ()
 
+    def plan_step(self, tensors: tuple, settings: tuple) -> None:
+        """No step plan on torch (:meth:`TritonSteps.plan_step`)."""
+        return None
+
 
 class TritonSteps:
     """The numeric steps of one bucket on the Triton backend, with the bucket's kernel configs (``{kernel name:
@@ -155,13 +160,14 @@ class TritonSteps:
     every call (a dozen Python calls per launch). Same arguments, results and launches as ``ops``' Triton branch
     (``tests/hooks/test_hooks_launches.py``, ``tests/ops/test_direct_launch.py``)."""
 
-    __slots__ = ("configs", "k", "flags_type", "facts")
+    __slots__ = ("configs", "k", "flags_type", "facts", "plan")
     backend = "triton"
 
     def __init__(self, configs: Optional[dict] = None):
         self.configs = configs if configs is not None else {}
         # the launch trust key of the hook steps on this memory (powersgd_triton.hooks.driver.launch_trust)
         self.facts = None
+        self.plan = None  # the last step plan (plan_step)
         # the ops package: each launcher is looked up per call in its step module (tests patch it there)
         self.k = _kernels()
         self.flags_type = _ops().StepFlags
@@ -212,6 +218,54 @@ class TritonSteps:
         tables, Gram workspace): a caller running it on a side stream records that stream on them."""
         return self.k.orthogonalization.orthogonalize_kept_tensors(x, layout, which, out,
                                                                    config=self.configs.get("orthogonalize"))
+
+
+    def plan_step(self, tensors: tuple, settings: tuple) -> "StepPlan":
+        """The launches of a layer-wise or batched hook step (``powersgd_triton.hooks.layerwise``) on this memory,
+        bound once: a :class:`StepPlan` of ``tensors = (buffer, layout, q, q_work, p, p_raw, p_send, q_raw,
+        error)`` and ``settings = (epsilon, world_size, packed, flags, commit)`` (``packed``: the uncompressed
+        gradients are packed; ``flags``: reconstruct updates the memory where the step is finite; ``commit``: it
+        keeps Q in ``q``), without a loss scale. The last plan is kept and returned while the same tensor objects
+        (``is``) and equal settings come; another call builds a new one. Its launches and their arguments are
+        exactly those of this object's methods called by the hook with the same tensors (the launchers' ``*_bound``
+        forms build them with the launchers' own code)."""
+        plan = self.plan
+        if plan is not None and plan.settings == settings and all(map(operator.is_, plan.tensors, tensors)):
+            return plan
+        self.plan = plan = StepPlan(self, tensors, settings)
+        return plan
+
+
+class StepPlan:
+    """The bound launches of one hook step (:meth:`TritonSteps.plan_step`): ``pack(packed)`` (None: nothing to
+    pack), ``orth_q()`` (``q_work <- orthogonalize(q)``), ``project()`` (P into ``p_send``), ``orth_p()`` (``p <-
+    orthogonalize(p_raw)``), ``project_t()`` (Q into ``q_raw``), ``average(packed or None) -> flags``
+    (``q_raw / world`` into ``q_work``, the uncompressed gradients, the step flags), ``reconstruct(flags)``
+    (output, error, the committed Q; ``flags`` None without memory updates)."""
+
+    __slots__ = ("tensors", "settings", "pack", "orth_q", "project", "orth_p", "project_t", "average",
+                 "reconstruct")
+
+    def __init__(self, steps: TritonSteps, tensors: tuple, settings: tuple):
+        self.tensors, self.settings = tensors, settings
+        buffer, layout, q, q_work, p, p_raw, p_send, q_raw, error = tensors
+        epsilon, world_size, packed, flags, commit = settings
+        k, cfg = steps.k, steps.configs
+        self.pack = (k.segments.copy_segments_bound(buffer, layout, True) if packed and layout.uncompressed_numel
+                     else None)
+        self.orth_q = k.orthogonalization.orthogonalize_bound(q, layout, "q", float(epsilon), q_work,
+                                                              config=cfg.get("orthogonalize"))
+        self.project = k.projection.project_bound(buffer, layout, q_work, p_send, error, config=cfg.get("project"))
+        self.orth_p = k.orthogonalization.orthogonalize_bound(p_raw, layout, "p", float(epsilon), p,
+                                                              config=cfg.get("orthogonalize"))
+        self.project_t = k.projection_t.project_t_bound(buffer, layout, p, q_raw,
+                                                        error=error if layout.batched else None,
+                                                        config=cfg.get("project_t"))
+        self.average, n_flags, first = k.segments.average_bound(q_raw, layout, "q", buffer, bool(packed),
+                                                                world_size, None if q_raw is q_work else q_work)
+        self.reconstruct = k.reconstruction.reconstruct_bound(
+            buffer, layout, p, q_work, 1.0, error, n_flags if flags else None, first if flags else None,
+            commit=("q", q) if commit else None, config=cfg.get("reconstruct"))
 
 
 def steps_for(backend: str, configs: Optional[dict] = None):

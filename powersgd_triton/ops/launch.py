@@ -8,6 +8,7 @@ launcher, are version gates of :mod:`powersgd_triton.compat.versions` (``DIRECT_
 ``_direct_launch_supported``, ``_c_launch``).
 """
 
+import functools
 import inspect
 import threading
 
@@ -160,6 +161,21 @@ class DirectLaunch:
         self.run = kernel.run  # the launcher (CompiledKernel.run is a property: made once, then kept)
         self.c_launch = _c_launch(self.run)
         self.kernel = kernel
+
+
+def bind_launches(*launches):
+    """One callable of no argument for the ``(launch, args)`` pairs given (None skipped), made in their order: a
+    ``functools.partial`` of the one launch (a C call into :meth:`DirectLaunch.__call__`), else a function calling
+    each. The launchers' ``*_bound`` forms (the hooks' step plans) bind their launches with it."""
+    parts = tuple(functools.partial(launch, *args) for launch, args in filter(None, launches))
+    if len(parts) == 1:
+        return parts[0]
+
+    def run() -> None:
+        for part in parts:
+            part()
+
+    return run
 
 
 def device_sms(device) -> int:

@@ -51,7 +51,7 @@ from powersgd_triton.ops.common import (
 )
 from powersgd_triton.ops import tables as _tables
 from powersgd_triton.ops.configs import _ortho_constexprs, _resolve
-from powersgd_triton.ops.launch import DirectLaunch, _launch_options, factor_columns
+from powersgd_triton.ops.launch import DirectLaunch, _launch_options, bind_launches, factor_columns
 from powersgd_triton.ops.reference_ortho import DEPENDENT_TOL
 
 _TAU = tl.constexpr(DEPENDENT_TOL)
@@ -422,6 +422,21 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, c
     ``SHORT_ROWS`` rows, else two (float64 Gram slots of the split factors, then the rest); see
     :mod:`powersgd_triton.ops.orthogonalization`. Launch plans per layout, factor, config and in-place-ness (as
     :func:`~powersgd_triton.ops.projection.project`'s). Raises ``ValueError`` for a malformed config or another ``which``."""
+    gram, gram_args, finish, args = _ortho_args(x, layout, which, epsilon, out, config)
+    if gram is not None:
+        gram(*gram_args)
+    finish(*args)
+
+
+def orthogonalize_bound(x, layout: BucketLayout, which: str, epsilon: float, out, *, config: Optional[dict] = None):
+    """A callable of no argument that makes the launches :func:`orthogonalize` makes with these arguments (plans and
+    arguments bound now, as :func:`~powersgd_triton.ops.projection.project_bound`; in place or not as ``x`` and
+    ``out`` overlap now)."""
+    gram, gram_args, finish, args = _ortho_args(x, layout, which, epsilon, out, config)
+    return bind_launches(None if gram is None else (gram, gram_args), (finish, args))
+
+
+def _ortho_args(x, layout, which, epsilon, out, config):
     a, b = x.data_ptr(), out.data_ptr()  # in place (shared memory): the hooks orthogonalize P that way
     in_place = a < b + out.numel() * out.element_size() and b < a + x.numel() * x.element_size()
     key = ("launch:orthogonalize", which, x.dtype, None if config is None else tuple(config.items()), in_place)
@@ -429,9 +444,7 @@ def orthogonalize(x, layout: BucketLayout, which: str, epsilon: float, out, *, c
     if plan is None:
         plan = layout.memo(key, lambda: _ortho_launch(x, layout, which, out, config))
     gram, gram_tasks, finish, tasks, ws = plan
-    if gram is not None:
-        gram(x, ws, gram_tasks)
-    finish(x, out, ws, tasks, float(epsilon))
+    return gram, (x, ws, gram_tasks), finish, (x, out, ws, tasks, float(epsilon))
 
 
 def _ortho_launch(x, layout, which, out, config):

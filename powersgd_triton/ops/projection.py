@@ -20,6 +20,7 @@ Shapes and dtypes are those of :func:`powersgd_triton.ops.project`, which valida
 configs: :mod:`.configs`.
 """
 
+import functools
 from typing import Optional
 
 import triton
@@ -222,14 +223,28 @@ def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_sca
     second copy of P written by the same launch; ``loss_scale``: the one-element float32 ``s`` (else ``s = 1``).
     The launch plan (config, tiles, grid, constexprs, the compiled kernel:
     :class:`~powersgd_triton.ops.launch.DirectLaunch`) is built once per layout, config and variant."""
+    launch, args = _project_args(buffer, layout, q, p, error, p2, loss_scale, config)
+    launch(*args)
+
+
+def project_bound(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_scale=None,
+                  config: Optional[dict] = None):
+    """A callable of no argument that makes the launch :func:`project` makes with these arguments (its launch plan
+    and arguments bound now: ``functools.partial`` of the plan's :class:`~powersgd_triton.ops.launch.DirectLaunch`;
+    the hooks' per-memory step plans, :meth:`powersgd_triton.ops.backend.TritonSteps.plan_step`)."""
+    launch, args = _project_args(buffer, layout, q, p, error, p2, loss_scale, config)
+    return functools.partial(launch, *args)
+
+
+def _project_args(buffer, layout, q, p, error, p2, loss_scale, config):
     key = ("launch:project", buffer.dtype, None if config is None else tuple(config.items()), error is not None,
            p2 is not None, loss_scale is not None)
     plan = layout._tiles.get(key)  # the layout's memo (layout.memo), read without a call
     if plan is None:
         plan = layout.memo(key, lambda: _project_launch(layout, buffer.dtype, config, *key[3:]))
     launch, tiles = plan
-    launch(buffer, q, p, p2 if p2 is not None else p, error if error is not None else p, layout.table, tiles,
-           loss_scale if loss_scale is not None else p)
+    return launch, (buffer, q, p, p2 if p2 is not None else p, error if error is not None else p, layout.table,
+                    tiles, loss_scale if loss_scale is not None else p)
 
 
 def _project_launch(layout, dtype, config, has_error, has_p2, has_ls):

@@ -27,7 +27,7 @@ from powersgd_triton.ops.common import (
 from powersgd_triton.ops.configs import (
     PROJECT_T_PROGRAMS_PER_SM, REDUCE_MAX_SPLITS, REDUCE_STEP_ELEMENTS, REDUCE_TILE_ELEMENTS, _resolve, padding_error_config,
 )
-from powersgd_triton.ops.launch import DirectLaunch, _factor_rank, _launch_options, device_sms, steps_per_trip
+from powersgd_triton.ops.launch import DirectLaunch, _factor_rank, bind_launches, _launch_options, device_sms, steps_per_trip
 from powersgd_triton.ops.occupancy import blocks_per_sm
 
 
@@ -432,6 +432,21 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_s
     fixed-order reduction when the plan splits a matrix over rows. ``error``: the batched view's error memory (its
     padding's part is the padding's M + E); ``q2``: a second copy of Q. Launch plans as :func:`~powersgd_triton.ops.projection.project`'s (the row
     splits planned once, from the device's SM count)."""
+    main, args, reduce, reduce_args = _project_t_args(buffer, layout, p, q, error, q2, loss_scale, config)
+    main(*args)
+    if reduce is not None:
+        reduce(*reduce_args)
+
+
+def project_t_bound(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_scale=None,
+                    config: Optional[dict] = None):
+    """A callable of no argument that makes the launches :func:`project_t` makes with these arguments (plans and
+    arguments bound now, as :func:`~powersgd_triton.ops.projection.project_bound`)."""
+    main, args, reduce, reduce_args = _project_t_args(buffer, layout, p, q, error, q2, loss_scale, config)
+    return bind_launches((main, args), None if reduce is None else (reduce, reduce_args))
+
+
+def _project_t_args(buffer, layout, p, q, error, q2, loss_scale, config):
     pad = layout.batched and error is not None
     key = ("launch:project_t", buffer.dtype, None if config is None else tuple(config.items()), pad, q2 is not None,
            loss_scale is not None)
@@ -440,10 +455,9 @@ def project_t(buffer, layout: BucketLayout, p, q, *, error=None, q2=None, loss_s
         plan = layout.memo(key, lambda: _project_t_launch(layout, buffer.dtype, config, *key[3:]))
     main, tiles, reduce, reduce_tiles, ws = plan
     q2 = q2 if q2 is not None else q
-    main(buffer, p, q, q2, error if pad else p, ws if ws is not None else p, layout.table, tiles,
-         loss_scale if loss_scale is not None else p)
-    if reduce is not None:
-        reduce(ws, q, q2, layout.table, reduce_tiles)
+    args = (buffer, p, q, q2, error if pad else p, ws if ws is not None else p, layout.table, tiles,
+            loss_scale if loss_scale is not None else p)
+    return main, args, reduce, None if reduce is None else (ws, q, q2, layout.table, reduce_tiles)
 
 
 def _project_t_launch(layout, dtype, config, pad, has_q2, has_ls):

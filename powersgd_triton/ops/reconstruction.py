@@ -332,18 +332,8 @@ def reconstruct(
     ``loss_scale``: one-element float32 ``s``; the error is stored divided by it (unscaled units). Launch plans as
     :func:`~powersgd_triton.ops.projection.project`'s (the column splits planned once, from the device's SM count).
     """
-    local_err = 1 if local_p is not None else 2 if local_q is not None else 0
-    local = local_p if local_p is not None else local_q if local_q is not None else p
-    commit_mode, kept = 0, p
-    if commit is not None:
-        which, kept = commit
-        commit_mode = 1 if which == "p" else 2
-    key = ("launch:reconstruct", buffer.dtype, None if config is None else tuple(config.items()), error is not None,
-           update_error is not None, local_err, commit_mode, loss_scale is not None)
-    plan = layout._tiles.get(key)  # the layout's memo (layout.memo), read without a call
-    if plan is None:
-        plan = layout.memo(key, lambda: _reconstruct_launch(layout, buffer.dtype, config, *key[3:]))
-    launch, tiles = plan
+    launch, head, tail, tiles = _reconstruct_args(buffer, layout, p, q, scale, error, update_error is not None,
+                                                   local_p, local_q, commit, loss_scale, config)
     if update_error is not None:
         flags = update_error.reshape(-1)
         if flags.dtype == torch.bool:
@@ -351,8 +341,43 @@ def reconstruct(
         n_flags = update_error.numel()
     else:
         flags, n_flags = p, 0
-    launch(buffer, p, q, local, error if error is not None else p, kept, flags, first if first is not None else tiles,
-           layout.table, tiles, loss_scale if loss_scale is not None else p, n_flags, float(scale))
+    ls, scale = tail
+    launch(*head, flags, first if first is not None else tiles, layout.table, tiles, ls, n_flags, scale)
+
+
+def reconstruct_bound(buffer, layout: BucketLayout, p, q, scale: float, error=None, n_flags: Optional[int] = None,
+                      first=None, *, commit=None, loss_scale=None, config: Optional[dict] = None):
+    """``flags -> None``: the launch :func:`reconstruct` makes with these arguments (no local factor) and
+    ``update_error=flags``, a 1-D uint8 tensor of ``n_flags`` step flags (``n_flags`` None: no flags, ``flags``
+    None), ``first`` their table per matrix (the plan and the other arguments bound now; the hooks' step plans)."""
+    has_flags = n_flags is not None
+    launch, head, tail, tiles = _reconstruct_args(buffer, layout, p, q, scale, error, has_flags, None, None, commit,
+                                                  loss_scale, config)
+    mid = (first if first is not None else tiles, layout.table, tiles, tail[0], n_flags if has_flags else 0, tail[1])
+
+    def reconstruct_step(flags) -> None:
+        launch(*head, p if flags is None else flags, *mid)
+
+    return reconstruct_step
+
+
+def _reconstruct_args(buffer, layout, p, q, scale, error, has_flags, local_p, local_q, commit, loss_scale, config):
+    """``(launch, head, tail, tiles)``: the launch's arguments are ``head + (flags, first, layout.table, tiles,
+    tail[0], n_flags, tail[1])``."""
+    local_err = 1 if local_p is not None else 2 if local_q is not None else 0
+    local = local_p if local_p is not None else local_q if local_q is not None else p
+    commit_mode, kept = 0, p
+    if commit is not None:
+        which, kept = commit
+        commit_mode = 1 if which == "p" else 2
+    key = ("launch:reconstruct", buffer.dtype, None if config is None else tuple(config.items()), error is not None,
+           has_flags, local_err, commit_mode, loss_scale is not None)
+    plan = layout._tiles.get(key)  # the layout's memo (layout.memo), read without a call
+    if plan is None:
+        plan = layout.memo(key, lambda: _reconstruct_launch(layout, buffer.dtype, config, *key[3:]))
+    launch, tiles = plan
+    head = (buffer, p, q, local, error if error is not None else p, kept)
+    return launch, head, (loss_scale if loss_scale is not None else p, float(scale)), tiles
 
 
 def _reconstruct_launch(layout, dtype, config, has_error, has_flag, local_err, commit_mode, has_ls):

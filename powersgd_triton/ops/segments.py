@@ -57,6 +57,24 @@ def copy_segments(src, dst, layout: BucketLayout, to_packed: bool, scale: float 
         launch(src, dst, tiles, float(scale))
 
 
+def copy_segments_bound(src, layout: BucketLayout, to_packed: bool, scale: float = 1.0):
+    """``dst -> None``: the launch :func:`copy_segments` makes from ``src`` into ``dst`` with these arguments (its
+    plan and the other arguments bound now; the hooks' step plans), or None when it launches nothing."""
+    key = ("launch:copy_segments", bool(to_packed))
+    plan = layout._tiles.get(key)
+    if plan is None:
+        plan = layout.memo(key, lambda: _segments_launch(layout, to_packed))
+    launch, tiles = plan
+    if launch is None:
+        return None
+    scale = float(scale)
+
+    def copy(dst) -> None:
+        launch(src, dst, tiles, scale)
+
+    return copy
+
+
 def _segments_launch(layout, to_packed):
     tiles = _tables.segment_tiles(layout, SEGMENT_BLOCK * SEGMENT_ITERS, to_packed)
     if tiles.shape[0] == 0:
@@ -107,6 +125,31 @@ def average(factor, layout: BucketLayout, which: str, buffer, unc, world_size: i
         launch(factor, factor if out is None else out, unc if packed else buffer, buffer, flags, tiles,
                1.0 / world_size if recip else float(world_size))
     return flags, first
+
+
+def average_bound(factor, layout: BucketLayout, which: str, buffer, packed: bool, world_size: int, out=None):
+    """``(average, n_flags, first)``: ``average(unc) -> flags`` makes the launch :func:`average` makes with these
+    arguments and ``unc`` (the packed uncompressed gradients when ``packed``, else None), allocating the step flags
+    as it does (the plan and the other arguments bound now; the hooks' step plans); ``n_flags`` the flags' count,
+    ``first`` the int32 table of each matrix's flags."""
+    recip = world_size & (world_size - 1) == 0
+    key = ("launch:average", which, packed, recip)
+    plan = layout._tiles.get(key)
+    if plan is None:
+        plan = layout.memo(key, lambda: _average_launch(layout, which, packed, recip))
+    launch, tiles, first = plan
+    n, device = tiles.shape[0], buffer.device
+    fo = factor if out is None else out
+    w = 1.0 / world_size if recip else float(world_size)
+    empty, uint8 = torch.empty, torch.uint8
+
+    def average_step(unc):
+        flags = empty(n, dtype=uint8, device=device)
+        if launch is not None:
+            launch(factor, fo, unc if packed else buffer, buffer, flags, tiles, w)
+        return flags
+
+    return average_step, n, first
 
 
 def _average_launch(layout, which, packed, recip):

@@ -166,10 +166,11 @@ class _LateWork:
 
 def _late_uncompressed_worker(rank, world_size, cache_dir, seed):
     """The uncompressed all-reduce (the bucket's one uncompressed range, a view) lands while ``project`` runs:
-    inside the checked launch, between the check's copies and its comparison."""
+    inside the checked launch, between the check's copies and its comparison (and inside the steady steps' project
+    launch, bound in the memory's step plan: ``projection.project_bound``)."""
     os.environ["POWERSGD_TRITON_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
     verify.forget()
-    real_all_reduce, real_project = dist.all_reduce, projection.project
+    real_all_reduce, real_project, real_bound = dist.all_reduce, projection.project, projection.project_bound
 
     def all_reduce(tensor, *args, async_op=False, **kwargs):
         if async_op and tensor._base is not None:  # the uncompressed range of the bucket
@@ -186,8 +187,20 @@ def _late_uncompressed_worker(rank, world_size, cache_dir, seed):
         project.landed += landed
         return out
 
+    def project_bound(*args, **kwargs):
+        bound = real_bound(*args, **kwargs)
+
+        def launch():
+            bound()
+            landed = len(_LateWork.pending)
+            for work in list(_LateWork.pending):
+                work.land()
+            project.landed += landed
+
+        return launch
+
     project.landed = 0
-    dist.all_reduce, projection.project = all_reduce, project
+    dist.all_reduce, projection.project, projection.project_bound = all_reduce, project, project_bound
     buckets = [[(24, 32), (8,), (16, 12)]]  # one uncompressed range: all-reduced in place, in the bucket
     data = [[_grad(buckets[0], seed, step, rank)] for step in range(5)]
     got, msgs = _checked(_state(), powerSGD_hook, buckets, data)
