@@ -169,7 +169,6 @@ def test_compile_table_representative_subset(tmp_path):
 
 
 @pytest.mark.slow  # the slow tier (triton 3.9) and .ci/compat (3.4, 3.6, 3.8): ~702 compiles, minutes on 2 cores
-@pytest.mark.compat
 @pytest.mark.timeout(3000)
 def test_compile_table_every_variant_dtype_rank(tmp_path):
     """The whole table: every kernel function x variant x fp32/bf16/fp16 x padded rank 1-32, spills within the

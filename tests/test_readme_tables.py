@@ -212,7 +212,6 @@ def test_files_are_found_and_a_command_marked_twice_runs_once(tmp_path, rng, mon
 
 
 @pytest.mark.slow
-@pytest.mark.compat
 def test_readme_digits_table_reproduces():
     """The digits table, wherever it is marked (README.md, docs/benchmarks.md), against one fresh
     ``powersgd-triton train --workload digits --compare`` (4 hooks, 2 gloo ranks, about a minute on 2 cores). A
