@@ -18,7 +18,7 @@ the compiling process and its ptxas, so a loaded machine does not fail it). The 
 subset (the script's ``quick``: each kernel function's largest variant in bf16 at the binding ranks 8 and 32, once
 for the rank-independent ones; orthogonalize and its Gram launch at 8 and 16, where triton 3.6 spilled before its
 configs were keyed; project_t's batched padding-error variant at 1-4 in fp32); the whole table is the slow tier's
-(``.ci/run``, triton 3.9) and the compat tier's (``.ci/compat``: triton 3.4, 3.6 and 3.8).
+(``.ci/run``, triton 3.9) and the compat tier's (``.ci/compat``: triton 3.6; 3.4 and 3.8 without fp16).
 """
 
 import json
