@@ -220,3 +220,23 @@ def test_bench_cli_rejects_bad_options_cleanly(bad, capsys):
         code = exc.code
     assert code == 2
     assert "powersgd-triton bench: error:" in capsys.readouterr().err
+
+
+def test_held_bytes_counts_state_tensors_not_code(rng):
+    """A state that refers to modules and functions (a hook, ``torch.distributed``): their namespaces are not walked
+    (touching ``dist.reduce_op`` there raised torch's FutureWarning), and each tensor storage counts once."""
+    import warnings
+
+    import torch.distributed as dist
+
+    class _State:
+        pass
+
+    s = _State()
+    a = torch.randn(7, 5, generator=rng)
+    s.memory = {3: [a, a[1:]], 4: torch.randn(11, generator=rng, dtype=torch.float64)}
+    s.lib, s.hook, s.cls = dist, B.held_bytes, _State
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        held = B.held_bytes(s)
+    assert held == {3: 7 * 5 * 4, 4: 11 * 8}

@@ -2,6 +2,7 @@
 :func:`peak_extra_bytes` (CUDA allocator peak, or the CPU profiler's allocation trace).
 """
 
+import types
 from typing import Callable, Dict, Optional
 
 import torch
@@ -27,6 +28,8 @@ def _tensor_bytes_by_owner(obj, owner, seen_objs, seen_storage, out, depth=0):
         seen_storage.add(key)
         out[owner] = out.get(owner, 0) + nbytes
         return
+    if isinstance(obj, (types.ModuleType, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+        return  # code, not state (a module's namespace also holds deprecated names that warn when touched)
     seen_objs.add(id(obj))
     if isinstance(obj, dict):
         for k, v in obj.items():
