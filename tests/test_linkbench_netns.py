@@ -67,10 +67,17 @@ HOLDER = textwrap.dedent("""
 """)
 
 
+def _default_sigint():
+    """In the child before it runs: SIGINT back to its default. A test run started in the background of a
+    non-interactive shell inherits SIGINT ignored, and Python then never turns it into KeyboardInterrupt: the child
+    would sleep through the test's Ctrl-C (a user at a terminal has it at its default)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_the_pair_is_removed_on_a_signal(sig):
     proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), preexec_fn=_default_sigint)
     try:
         names = proc.stdout.readline().split()
         assert len(names) == 2 and set(names) <= set(netns.namespaces())
@@ -149,6 +156,7 @@ def test_the_rate_limit_holds_a_known_payload_to_its_rate():
 
 def run_cli(*args, timeout=900, **kwargs):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **kwargs.pop("env", {}))
+    kwargs.setdefault("preexec_fn", _default_sigint)
     return subprocess.Popen([sys.executable, "-m", "powersgd_triton", "bench", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
