@@ -139,7 +139,7 @@ class _Step(_step.HookStep):
             _step.report_compression_stats(state, bucket)
         mem = self.mem
         if mem.verify_pending:  # copy_segments: a pack of its own (none when project's launch packs)
-            self.begin_check(len(layout.uncompressed) > 1 and not self.fused, bucket.index())
+            self.begin_check(len(layout.uncompressed) > 1 and not self.fused, bucket.index(), self.fused)
         if self.check is None and layout.num_matrices:  # the memory's own steps, on the memory's own tensors
             self.trust = _step.launch_trust(self.steps, (self.buffer, mem.q, mem.q_work, mem.p, self.p_raw,
                                                          self.p_send, self.q_raw, mem.error, self.loss_scale))
