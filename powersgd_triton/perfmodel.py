@@ -57,7 +57,7 @@ The model (assumptions, to be corrected by the first GPU run of ``bench/gpu_chec
 7. Orthogonalize's serial r x r Gram-Schmidt (the plan's ``rank_steps``, R per program of the finishing launch)
    adds one block-wide reduction per column (``block_reduction_s``) to each of its programs (1 block per SM).
 8. The host (:class:`~powersgd_triton.perfmodel_host.HostSpec`, measured by ``powersgd-triton bench --host-overhead`` on a CPU, recorded with the
-   Triton version): the step is three segments between its collectives (pack, project | all-reduce P |
+   Triton version): the step is three segments between its collectives (project, with the pack | all-reduce P |
    orthogonalize P, project_t | all-reduce Q | average, reconstruct, the next Q's orthogonalization). A segment's
    host time is its share of the hook's own Python (``step_s / 3``), ``launch_s`` per launch and
    ``collective_s`` per all-reduce call (P and Q are written in their all-reduce's dtype by the kernels
@@ -196,8 +196,8 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
               warm_start: bool = True, configs: Optional[Dict[str, dict]] = None,
               wire: Optional[bool] = None) -> List[dict]:
     """The launches of one compressed step of ``powerSGD_hook`` on ``layout`` (Triton backend, heuristic configs
-    unless ``configs`` gives some): pack, orthogonalize Q, project, orthogonalize P, project_t (+ reduce),
-    average, reconstruct. Each entry has a ``step`` name besides :func:`plans.plan`'s keys; with
+    unless ``configs`` gives some): orthogonalize Q, project (with the pack of the uncompressed gradients when they
+    lie in several ranges: its ``PACK`` variant), orthogonalize P, project_t (+ reduce), average, reconstruct. Each entry has a ``step`` name besides :func:`plans.plan`'s keys; with
     ``warm_start`` the orthogonalize Q launches are ``overlapped`` (made on a side stream during the step
     before). ``wire``: P, Q and the packed uncompressed gradients are written in the bucket's dtype, the buffers
     they are all-reduced in (the hooks' default on the Triton backend for a bucket that is not float32: the
@@ -216,13 +216,13 @@ def step_plan(layout: BucketLayout, dtype: torch.dtype, *, num_sms: int, error_f
             out.append(launch)
 
     wire = dict(wire=True) if (dtype != torch.float32 if wire is None else wire) else {}
-    if len(layout.uncompressed) > 1:
-        add("pack", plans.plan("copy_segments", layout, dtype, num_sms=num_sms, variant=dict(to_packed=True)))
+    # the uncompressed gradients in several ranges: packed by project's launch (its pack programs, PACK)
+    pack = dict(PACK=True) if len(layout.uncompressed) > 1 and layout.uncompressed_numel else {}
     # with warm start made at the end of the last step on a side stream (hooks._Step; _step.orthogonalize_next_q)
     add("orthogonalize Q", [dict(launch, overlapped=warm_start)
                             for launch in orthogonalization.orthogonalize_plan(layout, "q", configs.get("orthogonalize"))])
     add("project", plans.plan("project", layout, dtype, configs.get("project"), num_sms=num_sms,
-                          variant=dict(HAS_ERROR=error_feedback, **wire)))
+                          variant=dict(HAS_ERROR=error_feedback, **wire, **pack)))
     # out of place (the hooks all-reduce P in mem.p_work and orthogonalize it into mem.p): APPLY_ROWS applies
     add("orthogonalize P", orthogonalization.orthogonalize_plan(layout, "p", configs.get("orthogonalize")))
     add("project_t", plans.plan("project_t", layout, dtype, configs.get("project_t"), num_sms=num_sms,

@@ -42,7 +42,7 @@ HOSTS: Dict[str, HostSpec] = {
 }
 
 # The step's segments between its collectives, by step_plan's step names, and the all-reduce calls ending each
-# (the uncompressed gradients' is issued first, in the first segment).
+# (the uncompressed gradients' in the first segment: first, or right after project where project packs them).
 SEGMENTS = (("pack", "project"), ("orthogonalize P", "project_t"), ("average", "reconstruct", "orthogonalize Q"))
 
 

@@ -83,7 +83,7 @@ def counting_bucket_kernels(counter: CountLaunches):
     names = ("project", "orthogonalize", "project_t", "reconstruct", "pack_uncompressed", "unpack_uncompressed",
              "average", "commit_factor")
     targets = [(ops_module, name) for name in names] + [(_hook_ops, n) for n in names if hasattr(_hook_ops, n)]
-    plan_names = dict(pack="pack_uncompressed", orth_q="orthogonalize", project="project", orth_p="orthogonalize",
+    plan_names = dict(orth_q="orthogonalize", project="project", orth_p="orthogonalize",
                       project_t="project_t", average="average", reconstruct="reconstruct")
 
     def counted_plan(plan):  # the hooks' step plans (TritonSteps.plan_step): each bound step counts as its method

@@ -9,7 +9,7 @@ launch does nothing), each launch is recorded with the binary the JIT compiled (
 one the compile table's job (``tools.aot_compile.table_jobs``) compiled ahead of time with the launch's argument facts
 must give the same PTX. A launch the table has no job for fails too (the table would miss a launched binary).
 Layouts: an aligned bucket (every matrix starts at and spans multiples of 16 bytes) and a ragged one (odd shapes, 1-D
-gradients between matrices). A fresh interpreter per run (TRITON_INTERPRET unset); kernels compiled, never run.
+gradients between matrices); both with 1-D gradients in two ranges (project's launch packs them). A fresh interpreter per run (TRITON_INTERPRET unset); kernels compiled, never run.
 """
 
 import json
@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent(r"""
     ensure_process_group("gloo")
     which = sys.argv[1]
     # aligned: every matrix and 1-D gradient a multiple of 8 elements (16 bytes in bf16 and fp32); ragged: odd sizes
-    ALIGNED = [(64, 32, 3, 3), (64,), (128, 64), (96, 40)]
+    ALIGNED = [(64, 32, 3, 3), (64,), (128, 64), (96, 40), (96,)]
     RAGGED = [(100, 37), (37,), (250, 129), (5,), (64, 33, 3, 3)]
     if which == "quick":  # one bucket step's launches of the two layouts, fp32, the layer-wise hook
         cases = [("powerSGD", torch.float32, [ALIGNED, RAGGED])]
@@ -91,11 +91,14 @@ def _check(rows):
 @pytest.mark.timeout(900)
 def test_compile_table_compiles_the_jits_binaries_layerwise_fp32():
     """One compressed step of ``powerSGD_hook`` at rank 4 in float32 on an aligned and a ragged bucket: every launch
-    (pack, project, orthogonalize, project_t and its reducer, average, reconstruct) is a compile-table job whose
-    ahead-of-time binary is the JIT's, PTX for PTX."""
+    (project with the pack of the uncompressed gradients, orthogonalize, project_t and its reducer, average,
+    reconstruct) is a compile-table job whose ahead-of-time binary is the JIT's, PTX for PTX."""
     rows = _run("quick")
-    assert {r["kernel"] for r in rows} >= {"copy_segments", "project", "orthogonalize", "project_t", "average",
+    assert {r["kernel"] for r in rows} >= {"project", "orthogonalize", "project_t", "average",
                                            "reconstruct"}, rows
+    # both buckets' biases lie in two ranges: packed by project's launch (aligned chunks, ragged ones)
+    packs = sorted(r["constexprs"].get("PACK_ALIGN") for r in rows if r["kernel"] == "project")
+    assert packs == ["0", "8"] and "copy_segments" not in {r["kernel"] for r in rows}, rows
     _check(rows)
 
 

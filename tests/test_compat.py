@@ -256,3 +256,8 @@ def test_older_triton_tiles_are_keyed_by_version(monkeypatch):
         p1 = CT.OLDER_TRITON_TILES[(3, 6)][("project_t", 1, 4)]
         assert L.broadcast_tile("project_t", L.PROJECT_T_TILES, 1, 4) == (
             p1 if version in ((3, 4), (3, 6)) else L.PROJECT_T_TILES[(1, 4)]), version
+        # project's aligned 2-byte R 1 tile: capped at 96 registers under 3.6 (its PACK variant spilled at ptxas' 40)
+        a1 = CT.OLDER_TRITON_TILES[(3, 6)][("project_aligned", 1, 2)]
+        assert a1[3] == 96 and a1[:3] == L.ALIGNED_PROJECT_TILES[(1, 2)][:3]
+        assert L.broadcast_tile("project_aligned", L.ALIGNED_PROJECT_TILES, 1, 2) == (
+            a1 if version in ((3, 4), (3, 6)) else L.ALIGNED_PROJECT_TILES[(1, 2)]), version

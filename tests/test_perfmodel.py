@@ -156,9 +156,17 @@ def test_step_plan_is_the_hooks_launch_sequence_and_moves_the_floor_bytes():
     plan = M.step_plan(layout, torch.bfloat16, num_sms=132)
     steps = [p["step"] for p in plan]
     order = [st for i, st in enumerate(steps) if i == 0 or steps[i - 1] != st]  # a split factor: two launches
-    assert order == ["pack", "orthogonalize Q", "project", "orthogonalize P", "project_t", "average", "reconstruct"]
+    # the uncompressed gradients lie in several ranges: packed by project's launch (PACK), no launch of their own
+    assert order == ["orthogonalize Q", "project", "orthogonalize P", "project_t", "average", "reconstruct"]
     assert all(p["kernel"] in kernels.KERNEL_FUNCTIONS for p in plan)
     by = {p["kernel"]: p for p in plan}
+    assert by["project"]["variant"]["PACK"] and by["project"]["variant"]["PACK_ALIGN"] == 0  # (7,): ragged
+    unpacked = plans.plan("project", layout, torch.bfloat16, num_sms=132, variant=dict(HAS_ERROR=True, wire=True))[0]
+    chunks = [-(-n // 1024) for _, n in layout.uncompressed]
+    assert by["project"]["programs"] == unpacked["programs"] + -(-sum(chunks) // by["project"]["config"]["num_warps"])
+    unc = 2 * layout.uncompressed_numel  # the pack programs' bytes: read from the bucket, written packed
+    assert by["project"]["bytes_read"] == unpacked["bytes_read"] + unc
+    assert by["project"]["bytes_written"] == unpacked["bytes_written"] + unc
     g = sum(s.numel for s in layout.matrices)
     # the streaming launches move at least the 7-pass floor: 5 passes of bf16 gradients, 2 of float32 error
     streaming = sum(by[k]["bytes_read"] + by[k]["bytes_written"] for k in configs.STREAMING_KERNELS)

@@ -42,8 +42,10 @@ def _signature(kernel: str, grad_dtype: torch.dtype, wire: bool = False, variant
     v = variant or {}
     if kernel == "project":
         err = v.get("HAS_ERROR", True)
+        pack = v.get("PACK", False)  # the pack programs' chunk table and packed buffer (else: tiles and P in place)
         return dict(buf_ptr=g, q_ptr=f, p_ptr=w, p2_ptr=w, e_ptr=f if err else w, table_ptr=i64, tiles_ptr=i32,
-                    ls_ptr=f if v.get("LOSS_SCALE", False) else w)
+                    ls_ptr=f if v.get("LOSS_SCALE", False) else w, chunks_ptr=i64 if pack else i32,
+                    packed_ptr=g if pack else w)
     if kernel == "project_t":
         return dict(buf_ptr=g, p_ptr=f, q_ptr=w, q2_ptr=w, e_ptr=f, ws_ptr=f, table_ptr=i64, tiles_ptr=i32, ls_ptr=f)
     if kernel == "reduce_splits":
@@ -93,6 +95,9 @@ def _constexprs(kernel: str, config: dict, max_rank: int, variant: dict) -> dict
     if kernel == "project":
         c["HAS_ERROR"] = variant.get("HAS_ERROR", True)
         c["HAS_P2"] = variant.get("HAS_P2", False)
+        # the pack programs (PACK: one chunk per warp; PACK_ALIGN: the chunks' alignment, chunk_alignment)
+        c["PACK"] = _launch_options(config)["num_warps"] if variant.get("PACK") else 0
+        c["PACK_ALIGN"] = variant.get("PACK_ALIGN", 0) if variant.get("PACK") else 0
     if kernel == "project_t":
         c["HAS_Q2"] = variant.get("HAS_Q2", False)
         c["PADDED"] = variant.get("PADDED", c["PAD_ERROR"])
@@ -121,6 +126,8 @@ def _align_value(kernel: str, config: dict, grad_dtype: torch.dtype, variant: di
     if variant.get("ALIGN") is not True:
         return variant
     es = torch.empty((), dtype=grad_dtype).element_size()
+    if kernel == "project" and variant.get("PACK") and "PACK_ALIGN" not in variant:  # the chunks: aligned too
+        variant = dict(variant, PACK_ALIGN=CHUNK_ALIGN)
     if kernel in ("average", "copy_segments"):
         width = CHUNK_ALIGN
     else:
@@ -308,6 +315,10 @@ def variants(kernel: str) -> Iterable[dict]:
     when it is not float32: by default for fp16/bf16 buckets); copy_segments: the packed uncompressed gradients in
     that dtype too (else float32). Not orthogonalize: triton 3.6 cannot compile its
     float64 ``tl.dot`` of a 16-bit load (an LLVM assertion on sm_90), so it reads a float32 copy of P.
+    ``PACK`` (project): the layer-wise hook's launch that packs the uncompressed gradients too, error feedback or
+    not, P in the communication dtype or not; ``PACK_ALIGN`` the chunks' alignment (with ``ALIGN``: aligned unless
+    it says 0; without: ragged unless it says ``CHUNK_ALIGN``; the matrices and the chunks of one bucket may differ:
+    a ragged bias at the end of an aligned bucket).
     ``ALIGN`` (``True``: the aligned layout of :mod:`powersgd_triton.ops.aligned`, 16-byte accesses; resolved per
     dtype and config by :func:`_compile_args`): the streaming kernels' hooks variants and the elementwise launches
     again on a bucket whose matrices and chunks start at and span multiples of 16 bytes (the table compiles both
@@ -321,7 +332,14 @@ def variants(kernel: str) -> Iterable[dict]:
                 dict(HAS_ERROR=True, wire=True), dict(HAS_ERROR=True, PAD_ERROR=True, wire=True),
                 dict(HAS_ERROR=True, PAD_ERROR=True, LOSS_SCALE=True, wire=True),
                 dict(HAS_ERROR=True, HAS_P2=True, LOSS_SCALE=True, ALIGN=True), dict(HAS_ERROR=True, ALIGN=True),
-                dict(HAS_ERROR=False, HAS_P2=True, ALIGN=True), dict(HAS_ERROR=True, wire=True, ALIGN=True)]
+                dict(HAS_ERROR=False, HAS_P2=True, ALIGN=True), dict(HAS_ERROR=True, wire=True, ALIGN=True),
+                dict(HAS_ERROR=True, PACK=True), dict(HAS_ERROR=False, PACK=True),
+                dict(HAS_ERROR=True, wire=True, PACK=True), dict(HAS_ERROR=True, PACK=True, PACK_ALIGN=CHUNK_ALIGN),
+                dict(HAS_ERROR=True, wire=True, PACK=True, PACK_ALIGN=CHUNK_ALIGN),
+                dict(HAS_ERROR=True, PACK=True, ALIGN=True), dict(HAS_ERROR=False, PACK=True, ALIGN=True),
+                dict(HAS_ERROR=True, wire=True, PACK=True, ALIGN=True),
+                dict(HAS_ERROR=True, PACK=True, ALIGN=True, PACK_ALIGN=0),
+                dict(HAS_ERROR=True, wire=True, PACK=True, ALIGN=True, PACK_ALIGN=0)]
     if kernel == "reconstruct":
         return [
             dict(HAS_ERROR=True, HAS_FLAG=True, LOCAL_ERR=2, COMMIT=2, LOSS_SCALE=True),

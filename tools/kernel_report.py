@@ -19,7 +19,10 @@ pointers marked divisible by 16; ``tests/test_aot_jit_match.py``), and read:
   issued_instructions`: SASS main-loop instructions x loop trips of every program x warps per program; a kernel
   without a loop, its instructions once per program and warp) over the elements it streams (the compressed
   gradients' n x m for project, project_t and reconstruct; the packed and averaged elements for copy_segments and
-  average; float32 words read for the others);
+  average; float32 words read for the others). The layer-wise hook's project packs the uncompressed gradients in
+  the same launch where they lie in several ranges (its ``PACK`` variant, one launch less per step): its row is the
+  whole fused launch, the pack programs' bytes, elements and loop trips included (a pack trip counted at the issue
+  cost of one of project's loop trips);
 * ``issue_ratio`` = (issued / (132 SMs x 4 warp instructions per clock x 1.98 GHz)) / (the launch's bytes /
   4.32 TB/s, the H200's measured copy bandwidth): 1.0 means even perfect issue only just keeps up with copy
   bandwidth; above it the launch is issue-bound whatever its tiles.
@@ -48,8 +51,9 @@ STREAMING = ("project", "project_t", "reconstruct")
 def _elements(launch: dict, layout) -> int:
     """The elements a launch streams (see the module docstring)."""
     kernel = launch["kernel"]
-    if kernel in STREAMING:
-        return sum(s.numel for s in layout.matrices)
+    if kernel in STREAMING:  # project with PACK: and the uncompressed gradients its pack programs copy
+        packed = layout.uncompressed_numel if kernel == "project" and launch["variant"].get("PACK") else 0
+        return sum(s.numel for s in layout.matrices) + packed
     if kernel == "copy_segments":
         return layout.uncompressed_numel
     if kernel == "average":

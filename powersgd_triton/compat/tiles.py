@@ -35,14 +35,19 @@ from powersgd_triton.compat import versions as _versions
 # in all 12 variants, also under 3.6 for R 1 fp32), project_t's batched tile at R 8 in bf16 88 bytes in the
 # padding-error, loss-scale, wire variant (half the rows per step, 512 x 2 PREFETCH 0: none in the 4 batched
 # variants, under 3.6 too); "project_t_batched" keys project_t_batched_tile. The first entry (the oldest) holding
-# a key wins. Not tuned against the model.
+# a key wins. Under triton 3.6 project's aligned R 1 and R 2 tiles of 2-byte gradients (``"project_aligned"``, the
+# aligned layout's ALIGNED_PROJECT_TILES; 8 x 128 PREFETCH 1, no cap) spill in the variant without error feedback
+# that packs the uncompressed gradients (PACK; R 1: 16 bytes in bf16, 6 in fp16, ptxas picking 40 registers and
+# spilling a pointer of the loop; R 2: 18 bytes in fp16 at 48); with maxnreg 96 every aligned variant takes 56-72
+# (R 1) and 63-90 (R 2) registers and spills nothing. Not tuned against the model.
 OLDER_TRITON_TILES = {
     (3, 4): {("project_t", 2, 4): (512, 2, 2, 80), ("reconstruct", 4, 4): (4, 64, 2, 128)},
     (3, 6): {("reconstruct", 8, 4): (8, 32, 2, 128), ("reconstruct", 8, 2): (8, 32, 2, 128),
              ("reconstruct", 2, 2): (8, 32, 2, 128), ("reconstruct", 4, 2): (4, 64, 2, 128),
              ("project_t", 1, 4): (512, 4, 1, 96), ("project_t", 1, 2): (256, 8, 1, 96),
              ("project_t", 2, 2): (512, 2, 2, 80), ("project_t", 4, 4): (512, 2, 2, 112),
-             ("project_t", 4, 2): (512, 1, 1, 128), ("project_t", 8, 4): (256, 4, 0, 128)},
+             ("project_t", 4, 2): (512, 1, 1, 128), ("project_t", 8, 4): (256, 4, 0, 128),
+             ("project_aligned", 1, 2): (8, 128, 1, 96), ("project_aligned", 2, 2): (8, 128, 1, 96)},
     (3, 8): {("project_t", 1, 2): (256, 8, 1, 96), ("reconstruct", 1, 4): (8, 32, 2, 128),
              ("reconstruct", 2, 2): (8, 32, 2, 128), ("project_t_batched", 8, 2): (512, 2, 0, 128)},
 }
@@ -84,7 +89,7 @@ def _triton_minor() -> Optional[tuple]:
 
 def broadcast_override(kernel: str, r: int, es: int) -> Optional[tuple]:
     """The broadcast-path tile ``(tile, BLOCK_K, PREFETCH, maxnreg)`` of ``kernel`` (``"project"``, ``"project_t"``,
-    ``"reconstruct"``, ``"project_t_batched"``) at padded rank ``r`` and gradient element size ``es`` for the
+    ``"reconstruct"``, ``"project_t_batched"``, ``"project_aligned"``) at padded rank ``r`` and gradient element size ``es`` for the
     installed Triton: :data:`OLDER_TRITON_TILES`' entry for a triton at or below the entry's version, else None (the
     table's tile)."""
     v = _triton_minor()

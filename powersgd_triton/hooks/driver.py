@@ -487,11 +487,12 @@ class HookStep:
     def again(self) -> "HookStep":
         raise NotImplementedError
 
-    def begin_check(self, packs: bool, index: int) -> None:
+    def begin_check(self, packs: bool, index: int, project_packs: bool = False) -> None:
         """The first-use check of this bucket's Triton kernels, when one is due (``mem.verify_pending``; after its
         verdict the caller's one attribute test): :mod:`powersgd_triton.ops.verify`; sets ``check`` and ``steps``."""
         mem = self.mem
-        self.check = verify.begin(self.state, mem, self.buffer, self.group, self.world_size, index, packs)
+        self.check = verify.begin(self.state, mem, self.buffer, self.group, self.world_size, index, packs,
+                                  project_packs)
         # the memory's steps may have changed (a kernel known wrong: the bucket moved to torch)
         self.steps = mem.steps if self.check is None else self.check.steps
 

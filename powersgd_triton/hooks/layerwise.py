@@ -8,7 +8,9 @@ the bucket's memory, the factor all-reduce) is in :mod:`powersgd_triton.hooks.dr
 
 A compressed step of one bucket (PowerSGD, Vogels et al. 2019, arXiv 1905.13727, Algorithm 1):
 
-1. all-reduce of the uncompressed gradients, issued first (async) so that it overlaps the rest;
+1. all-reduce of the uncompressed gradients (async, so that it overlaps the rest): issued first when they are one
+   range of the bucket (a view); when they lie in several ranges, project's launch (3.) packs them into one buffer
+   and their all-reduce is issued right after it, before P's;
 2. ``Q <- orthogonalize(Q memory)`` into a work buffer (a fresh random Q on first use / without warm start); with
    warm start this was done at the end of the previous step (7.), so there is nothing to do;
 3. ``P = (M + E)·Q`` into a work buffer, all-reduce it;  4. orthogonalize P from it into the P memory;  5. ``Q = (M + E)ᵀ·P``, all-reduce Q, ``Q /= world``;
@@ -51,13 +53,15 @@ class _Step(_step.HookStep):
     """One compressed step of one bucket (``powerSGD_hook``): the pieces between its all-reduces, for
     :func:`powersgd_triton.hooks.driver.run`.
 
-    Device work per step and bucket besides the three all-reduces, on the Triton backend: 1 pack of the
-    uncompressed gradients (none when they are one range of the bucket or none), 1 project, 1 orthogonalize of P,
-    1 project_t (2 when its plan splits a tall matrix over rows), 1 average (Q and the uncompressed gradients
-    divided by the world size, unpacked, step flags), 1 reconstruct (output, error memory and warm-start Q where
-    the step is finite) and 1 orthogonalize of the kept Q for the next step (with warm start; on the first step
-    and without warm start it runs before ``project`` instead): 6 to 8 launches whatever the number of matrices
-    (orthogonalize: 2 when its plan splits a tall factor over rows). When P and Q
+    Device work per step and bucket besides the three all-reduces, on the Triton backend: 1 project (which also
+    packs the uncompressed gradients into one buffer when they lie in several ranges of the bucket: its pack
+    programs after its tiles, ``project(..., packed=)``; on the torch backend a pack, then the projection), 1
+    orthogonalize of P, 1 project_t (2 when its plan splits a tall matrix over rows), 1 average (Q and the
+    uncompressed gradients divided by the world size, unpacked, step flags), 1 reconstruct (output, error memory
+    and warm-start Q where the step is finite) and 1 orthogonalize of the kept Q for the next step (with warm start;
+    on the first step and without warm start it runs before ``project`` instead): 6 or 7 launches whatever the
+    number of matrices (orthogonalize: 2 when its plan splits a tall factor over rows). A bucket with no matrix to
+    compress packs with a launch of its own (``pack_uncompressed``). When P and Q
     travel in another dtype than the memory's (``communication_dtype``; by default fp16/bf16 buckets), project and
     project_t write them in that dtype into the buffers they are all-reduced in (``p_send``, ``q_raw``: rounded to
     nearest even, overflowing to inf, as ``Tensor.to`` does), P is copied back into float32 after its all-reduce
@@ -80,7 +84,7 @@ class _Step(_step.HookStep):
 
     __slots__ = ("state", "mem", "layout", "buffer", "bucket_buffer", "order", "remap", "group", "world_size", "unc",
                  "packed", "unc_work", "backend", "eps", "loss_scale", "p_raw", "p_send", "q_raw", "steps", "check",
-                 "pending", "kept", "trust", "plan")
+                 "pending", "kept", "trust", "plan", "fused")
 
     def __init__(self, state: PowerSGDState, mem: BucketMemory, buffer: torch.Tensor, group, world_size: int,
                  work=None):
@@ -105,6 +109,10 @@ class _Step(_step.HookStep):
                            else None)
         self.unc = None
         self.packed = None
+        # the uncompressed gradients lie in several ranges and there is a matrix to project: project's launch packs
+        # them (on every backend: the torch backend packs, then projects), and their all-reduce is issued after it
+        # (from the layout only: every rank issues the same collectives in the same order)
+        self.fused = mem.layout.num_matrices > 0 and len(mem.layout.uncompressed) > 1
         self.unc_work = self.pending = None
         # P = (M + E)·Q is all-reduced in p_send and orthogonalized from p_raw into mem.p (out of place; see
         # _memory.p_work); Q is all-reduced in q_raw and averaged into mem.q_work. On the Triton backend, when the
@@ -130,8 +138,8 @@ class _Step(_step.HookStep):
         if state.iter >= state.next_stats_report:  # its first test, without a call
             _step.report_compression_stats(state, bucket)
         mem = self.mem
-        if mem.verify_pending:
-            self.begin_check(len(layout.uncompressed) > 1, bucket.index())
+        if mem.verify_pending:  # copy_segments: a pack of its own (none when project's launch packs)
+            self.begin_check(len(layout.uncompressed) > 1 and not self.fused, bucket.index(), self.fused)
         if self.check is None and layout.num_matrices:  # the memory's own steps, on the memory's own tensors
             self.trust = _step.launch_trust(self.steps, (self.buffer, mem.q, mem.q_work, mem.p, self.p_raw,
                                                          self.p_send, self.q_raw, mem.error, self.loss_scale))
@@ -142,8 +150,7 @@ class _Step(_step.HookStep):
                      mem.error is not None or state.warm_start, state.warm_start))
         _step.TRUST.key = self.trust
         try:
-            self.start_uncompressed()
-            self.compute_p()
+            self.start()
         finally:
             _step.TRUST.key = None
         # Inside a then() callback (its own pool stream on NCCL): what the hook body allocated and the callback reads
@@ -152,9 +159,12 @@ class _Step(_step.HookStep):
         return self.rounds()
 
     def start(self) -> None:
-        """The all-reduce of the uncompressed gradients issued first (it overlaps the rest), then P."""
+        """The all-reduce of the uncompressed gradients issued first (it overlaps the rest), then P; when project's
+        launch packs them (``fused``), P first and their all-reduce right after it."""
         self.start_uncompressed()
         self.compute_p()
+        if self.fused:
+            self.unc_work = dist.all_reduce(self.unc, group=self.group, async_op=True)
 
     def rounds(self):
         """P, then (after orthogonalizing it and computing Q) Q; none when the bucket has no matrix to compress."""
@@ -176,7 +186,8 @@ class _Step(_step.HookStep):
 
     def start_uncompressed(self) -> None:
         """Issue the all-reduce of the uncompressed gradients: a view of the bucket when they are one range, else
-        packed into one buffer of the bucket's dtype (one launch)."""
+        packed into one buffer of the bucket's dtype (one launch; with ``fused``, the buffer only: project's launch
+        packs it, and :meth:`start` issues the all-reduce after it)."""
         layout = self.layout
         if layout.uncompressed_numel == 0:
             return
@@ -185,12 +196,10 @@ class _Step(_step.HookStep):
             self.unc = self.buffer[o : o + n]
         else:
             self.packed = self.buffer.new_empty(layout.uncompressed_numel)
-            if self.plan is not None:
-                if self.plan.pack is not None:
-                    self.plan.pack(self.packed)
-            else:
-                self.steps.pack_uncompressed(self.buffer, layout, self.packed)
             self.unc = self.packed
+            if self.fused:
+                return
+            self.steps.pack_uncompressed(self.buffer, layout, self.packed)
         self.unc_work = dist.all_reduce(self.unc, group=self.group, async_op=True)
 
     def compute_p(self) -> None:
@@ -207,11 +216,15 @@ class _Step(_step.HookStep):
         if plan is not None:
             if not ahead:
                 plan.orth_q()
-            plan.project()
+            if self.fused:
+                plan.project(self.packed)
+            else:
+                plan.project()
             return
         if not ahead:
             self.steps.orthogonalize(mem.q, layout, "q", self.eps, out=mem.q_work)
-        self.steps.project(self.buffer, layout, mem.q_work, self.p_send, mem.error, loss_scale=self.loss_scale)
+        self.steps.project(self.buffer, layout, mem.q_work, self.p_send, mem.error, loss_scale=self.loss_scale,
+                           packed=self.packed if self.fused else None)
 
     def compute_q(self) -> None:
         """Orthogonalize the all-reduced P (``p_raw``) into ``mem.p``; ``Q = (M + E)ᵀ·P`` into ``q_raw``."""

@@ -88,17 +88,22 @@ def _kernels():
     return _KERNELS[0]
 
 
-def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_scale=None, backend: str = "auto",
-            config=None) -> None:
+def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_scale=None, packed=None,
+            backend: str = "auto", config=None) -> None:
     """Step 1: ``P_i = M_i · Q_i`` for every compressed matrix of the bucket (one launch).
 
     With ``error`` (error feedback, paper Alg. 2), ``M_i + E_i`` is used and written back into ``buffer`` in the same
     pass (for the batched view, the padding's ``M + E`` is its error memory). ``p2`` (flat like ``p``): a second copy
     of P written by the same launch. ``loss_scale`` (one-element float32 device tensor ``s``, with ``error``): the
     error memory is in unscaled units and the gradients scaled by ``s``: ``M_i + s·E_i`` is used (and written back).
+    ``packed`` (flat, ``layout.uncompressed_numel`` elements, any float dtype): the uncompressed gradients are packed
+    into it too, as :func:`pack_uncompressed` packs them (on the Triton backend by the same launch: its pack
+    programs; on torch, the pack and then the projection).
     ``config`` overrides the autotuned block sizes (Triton backend only).
     """
     _check_buffer(buffer, layout)
+    if packed is not None:
+        _check_packed("packed", packed, layout, buffer.device)
     _check_loss_scale(loss_scale, buffer.device)
     if error is None:
         loss_scale = None
@@ -107,10 +112,15 @@ def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_sca
     _check("p2", p2, layout.p_numel, buffer.device)
     _check("error", error, layout.e_numel, buffer.device)
     if layout.num_matrices == 0:
+        if packed is not None:
+            _pack(buffer, layout, packed, backend)
         return
     if resolve_backend(backend, buffer) == "triton":
-        _kernels().projection.project(buffer, layout, q, p, error, p2=p2, loss_scale=loss_scale, config=config)
+        _kernels().projection.project(buffer, layout, q, p, error, p2=p2, loss_scale=loss_scale, packed=packed,
+                                      config=config)
     else:
+        if packed is not None:
+            _pack(buffer, layout, packed, "torch")
         reference.project(buffer, layout, q, p, error, compute_dtype=_compute_dtype(buffer), loss_scale=loss_scale)
         if p2 is not None:
             p2.copy_(p)
@@ -372,6 +382,11 @@ def pack_uncompressed(buffer, layout: BucketLayout, dst, *, backend: str = "auto
     any float dtype, e.g. a slice of a one-all-reduce hook's single buffer). One launch."""
     _check_buffer(buffer, layout)
     _check_packed("dst", dst, layout, buffer.device)
+    _pack(buffer, layout, dst, backend)
+
+
+def _pack(buffer, layout, dst, backend) -> None:
+    """:func:`pack_uncompressed` of checked arguments."""
     if layout.uncompressed_numel == 0:
         return
     if resolve_backend(backend, buffer) == "triton":

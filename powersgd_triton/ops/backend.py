@@ -114,8 +114,8 @@ class TorchSteps:
     def __init__(self):
         self.ops = _ops()
 
-    def project(self, buffer, layout, q, p, error=None, *, p2=None, loss_scale=None) -> None:
-        self.ops.project(buffer, layout, q, p, error, p2=p2, loss_scale=loss_scale, backend="torch")
+    def project(self, buffer, layout, q, p, error=None, *, p2=None, loss_scale=None, packed=None) -> None:
+        self.ops.project(buffer, layout, q, p, error, p2=p2, loss_scale=loss_scale, packed=packed, backend="torch")
 
     def orthogonalize(self, x, layout, which, epsilon=0.0, out=None):
         return self.ops.orthogonalize(x, layout, which, epsilon, out, backend="torch")
@@ -172,9 +172,9 @@ class TritonSteps:
         self.k = _kernels()
         self.flags_type = _ops().StepFlags
 
-    def project(self, buffer, layout, q, p, error=None, *, p2=None, loss_scale=None) -> None:
+    def project(self, buffer, layout, q, p, error=None, *, p2=None, loss_scale=None, packed=None) -> None:
         self.k.projection.project(buffer, layout, q, p, error, p2=p2,
-                                  loss_scale=loss_scale if error is not None else None,
+                                  loss_scale=loss_scale if error is not None else None, packed=packed,
                                   config=self.configs.get("project"))
 
     def orthogonalize(self, x, layout, which, epsilon=0.0, out=None):
@@ -237,25 +237,25 @@ class TritonSteps:
 
 
 class StepPlan:
-    """The bound launches of one hook step (:meth:`TritonSteps.plan_step`): ``pack(packed)`` (None: nothing to
-    pack), ``orth_q()`` (``q_work <- orthogonalize(q)``), ``project()`` (P into ``p_send``), ``orth_p()`` (``p <-
+    """The bound launches of one hook step (:meth:`TritonSteps.plan_step`): ``orth_q()`` (``q_work <-
+    orthogonalize(q)``), ``project()`` (P into ``p_send``; ``project(packed)`` when the step packs: the same launch
+    packs the uncompressed gradients into ``packed``), ``orth_p()`` (``p <-
     orthogonalize(p_raw)``), ``project_t()`` (Q into ``q_raw``), ``average(packed or None) -> flags``
     (``q_raw / world`` into ``q_work``, the uncompressed gradients, the step flags), ``reconstruct(flags)``
     (output, error, the committed Q; ``flags`` None without memory updates)."""
 
-    __slots__ = ("tensors", "settings", "pack", "orth_q", "project", "orth_p", "project_t", "average",
-                 "reconstruct")
+    __slots__ = ("tensors", "settings", "orth_q", "project", "orth_p", "project_t", "average", "reconstruct")
 
     def __init__(self, steps: TritonSteps, tensors: tuple, settings: tuple):
         self.tensors, self.settings = tensors, settings
         buffer, layout, q, q_work, p, p_raw, p_send, q_raw, error = tensors
         epsilon, world_size, packed, flags, commit = settings
         k, cfg = steps.k, steps.configs
-        self.pack = (k.segments.copy_segments_bound(buffer, layout, True) if packed and layout.uncompressed_numel
-                     else None)
         self.orth_q = k.orthogonalization.orthogonalize_bound(q, layout, "q", float(epsilon), q_work,
                                                               config=cfg.get("orthogonalize"))
-        self.project = k.projection.project_bound(buffer, layout, q_work, p_send, error, config=cfg.get("project"))
+        self.project = k.projection.project_bound(buffer, layout, q_work, p_send, error,
+                                                  packed=bool(packed) and layout.uncompressed_numel > 0,
+                                                  config=cfg.get("project"))
         self.orth_p = k.orthogonalization.orthogonalize_bound(p_raw, layout, "p", float(epsilon), p,
                                                               config=cfg.get("orthogonalize"))
         self.project_t = k.projection_t.project_t_bound(buffer, layout, p, q_raw,

@@ -532,7 +532,7 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
         return _broadcast_config("project_t", *broadcast_tile("project_t", PROJECT_T_TILES, r, es))
     if kernel == "project":
         if (r, es) in ALIGNED_PROJECT_TILES and _aligned(layout, dtype):  # 16 bytes per thread (ops.aligned)
-            return _broadcast_config("project", *ALIGNED_PROJECT_TILES[(r, es)])
+            return _broadcast_config("project", *broadcast_tile("project_aligned", ALIGNED_PROJECT_TILES, r, es))
         return _broadcast_config("project", *broadcast_tile("project", PROJECT_TILES, r, es))
     if (r, es) in ALIGNED_RECONSTRUCT_TILES and _aligned(layout, dtype):
         return _broadcast_config("reconstruct", *ALIGNED_RECONSTRUCT_TILES[(r, es)])

@@ -1,6 +1,7 @@
 """The launch plan of the streaming and elementwise bucket steps as the performance model reads it: :func:`plan`
 (programs, loop trips per program, DRAM and L2 bytes, FMA and tensor-core work of every launch of ``project``,
-``project_t`` (+ ``reduce_splits``), ``reconstruct``, ``average`` and ``copy_segments``).
+``project_t`` (+ ``reduce_splits``), ``reconstruct``, ``average`` and ``copy_segments``; ``project`` with the
+``PACK`` variant: its pack programs too, the packed bytes in its bytes).
 
 It describes what the launchers do, from the same splits and configs they use (:func:`.projection_t.split_rows`,
 :func:`.reconstruction.split_cols`, :func:`.configs.heuristic_config`); orthogonalize's plan is
@@ -60,11 +61,19 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         steps = steps_per_trip(cfg)
         # tile-table order; whole trips of the loop (the last trip's extra steps are masked)
         per = [-(-s.m // (bk * steps)) * steps for s in mats for _ in range(-(-s.n // bn))]
+        unc = 0
+        if variant.get("PACK"):  # the pack programs after the tiles: num_warps chunks each, one trip per 256 elements
+            variant.setdefault("PACK_ALIGN", chunk_alignment(layout))
+            rows, block = cfg.get("num_warps", 4), SEGMENT_BLOCK * SEGMENT_ITERS
+            counts = [min(block, n - c) for _, n in layout.uncompressed for c in range(0, n, block)]
+            # a trip of the pack loop counted as one loop step of project's (the issue term's unit: an over-estimate)
+            per += [-(-max(counts[i:i + rows]) // SEGMENT_BLOCK) for i in range(0, len(counts), rows)]
+            unc = layout.uncompressed_numel * es
         programs = len(per)
         return [dict(base, kernel="project", programs=programs, iterations=max(per), program_iterations=per,
                      steps_per_trip=steps,
-                     bytes_read=mn * es + (4 * e_numel if err else 0) + q4,
-                     bytes_written=(mn * es if err else 0) + p4 * (2 if variant.get("HAS_P2") else 1),
+                     bytes_read=mn * es + (4 * e_numel if err else 0) + q4 + unc,
+                     bytes_written=(mn * es if err else 0) + p4 * (2 if variant.get("HAS_P2") else 1) + unc,
                      flops=2 * R * sum(s.n * s.m for s in mats),
                      l2_bytes=sum(-(-s.n // bn) * s.m * s.rank * 4 for s in mats))]
     if kernel == "project_t":

@@ -18,11 +18,25 @@ its register prefetch (``PREFETCH`` p: p + 1 register sets, one per step of a lo
 the ``tl.dot`` path with ``PREFETCH`` carry the prefetched tiles to the next trip instead (one step in flight).
 Shapes and dtypes are those of :func:`powersgd_triton.ops.project`, which validates its inputs before calling here;
 configs: :mod:`.configs`.
+
+The pack of the uncompressed gradients (``project(..., packed=)``, the ``PACK`` constexpr; the layer-wise hook's
+step, issue 39: one launch less per compressed bucket step): the tile table ends with one row ``(-1, g)`` per pack
+program, after the project tiles; pack program ``g`` copies chunks ``g x PACK .. g x PACK + PACK - 1`` of
+:func:`powersgd_triton.ops.segments.pack_chunks` (the standalone pack's chunk table, padded with empty chunks) with
+:func:`powersgd_triton.ops.segments._pack_rows`: a ``[PACK, SEGMENT_BLOCK]`` tile, ``PACK`` = the config's
+``num_warps``, so each warp copies one chunk (short chunks, ResNet-50's normalization parameters, cost one warp's
+trip, not four warps'); 16-byte accesses where the chunks are 16-byte aligned (``PACK_ALIGN``,
+:func:`powersgd_triton.ops.segments.chunk_alignment`). The values are copied as they are (the packed buffer in the
+bucket's dtype). The pack programs read only uncompressed positions and the project tiles only matrices: no order
+between them. sm_90, triton 3.9, the heuristic configs at rank 4: the same registers as the launch without the pack
+on the aligned layout (fp32 and bf16: 96), no spills; the pack's loads and stores 16 bytes wide on aligned chunks
+(fp32: 2, 2-byte dtypes: 1 ``ld/st.global.v4.b32`` per thread and trip).
 """
 
 import functools
 from typing import Optional
 
+import torch
 import triton
 import triton.language as tl
 
@@ -35,6 +49,10 @@ from powersgd_triton.ops.common import (
 from powersgd_triton.ops.aligned import aligned_width
 from powersgd_triton.ops.configs import _resolve
 from powersgd_triton.ops.launch import DirectLaunch, _factor_rank, _launch_options
+from powersgd_triton.ops.segments import SEGMENT_BLOCK, _pack_rows, chunk_alignment, pack_chunks
+
+# Elements per row and loop trip of the pack programs (segments._pack_rows): the standalone pack's block.
+PACK_BLOCK = tl.constexpr(SEGMENT_BLOCK)
 
 
 @triton.jit
@@ -110,8 +128,10 @@ def _project_kernel(
     p2_ptr,  # second P output (HAS_P2: a half-step hook's local copy), same layout
     e_ptr,  # flat error memory (float32), E_i row-major n x m at e_ptr + e_off (unused unless HAS_ERROR)
     table_ptr,  # int64 [L, TABLE_WIDTH] layout table
-    tiles_ptr,  # int32 [T, TILE_WIDTH] (TILE_MAT: matrix, TILE_FIRST: first row)
+    tiles_ptr,  # int32 [T, TILE_WIDTH] (TILE_MAT: matrix, TILE_FIRST: first row; PACK: -1 and the chunk group)
     ls_ptr,  # float32 [1] loss scale s (LOSS_SCALE: the error memory is unscaled, M + s·E is used)
+    chunks_ptr,  # int64 [G x PACK, 3] the pack's chunk table (segments.pack_chunks; PACK only)
+    packed_ptr,  # the packed uncompressed gradients (PACK only); last: a step plan binds the others
     HAS_ERROR: tl.constexpr,
     PAD_ERROR: tl.constexpr,  # batched view: the padding (flat index >= numel) has error memory too
     HAS_P2: tl.constexpr,
@@ -123,7 +143,31 @@ def _project_kernel(
     LOSS_SCALE: tl.constexpr = False,
     CARRY: tl.constexpr = False,  # PREFETCH 1 as a loop-carried register copy (one step per trip; see below)
     ALIGN: tl.constexpr = 0,  # the aligned layout: elements of the bucket's dtype per 16 bytes (aligned.vector_width)
+    PACK: tl.constexpr = 0,  # > 0: the pack of the uncompressed gradients too, PACK chunks per pack program
+    PACK_ALIGN: tl.constexpr = 0,  # the chunks' alignment (segments.chunk_alignment): 16-byte accesses
 ):
+    """P_i[rows] = (M_i + E_i)[rows] · Q_i for one tile of BLOCK_N rows (:func:`_project_tile`); with ``PACK``, the
+    programs whose tile row is ``(-1, g)`` (after the project tiles) copy the uncompressed gradients' chunks
+    ``g x PACK .. g x PACK + PACK - 1`` into the packed buffer instead (:func:`segments._pack_rows`, a
+    ``[PACK, SEGMENT_BLOCK]`` tile: one chunk per warp)."""
+    pid = tl.program_id(0)
+    if PACK:
+        if tl.load(tiles_ptr + TILE_WIDTH * pid + TILE_MAT) < 0:
+            _pack_rows(buf_ptr, packed_ptr, chunks_ptr, tl.load(tiles_ptr + TILE_WIDTH * pid + TILE_FIRST), PACK,
+                       PACK_BLOCK, PACK_ALIGN)
+        else:
+            _project_tile(buf_ptr, q_ptr, p_ptr, p2_ptr, e_ptr, table_ptr, tiles_ptr, ls_ptr, pid, HAS_ERROR,
+                          PAD_ERROR, HAS_P2, R, BLOCK_N, BLOCK_K, USE_DOT, PREFETCH, LOSS_SCALE, CARRY, ALIGN)
+    else:
+        _project_tile(buf_ptr, q_ptr, p_ptr, p2_ptr, e_ptr, table_ptr, tiles_ptr, ls_ptr, pid, HAS_ERROR, PAD_ERROR,
+                      HAS_P2, R, BLOCK_N, BLOCK_K, USE_DOT, PREFETCH, LOSS_SCALE, CARRY, ALIGN)
+
+
+@triton.jit
+def _project_tile(buf_ptr, q_ptr, p_ptr, p2_ptr, e_ptr, table_ptr, tiles_ptr, ls_ptr, pid,
+                  HAS_ERROR: tl.constexpr, PAD_ERROR: tl.constexpr, HAS_P2: tl.constexpr, R: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PREFETCH: tl.constexpr,
+                  LOSS_SCALE: tl.constexpr, CARRY: tl.constexpr, ALIGN: tl.constexpr):
     """P_i[rows] = (M_i + E_i)[rows] · Q_i for one tile of BLOCK_N rows; writes M_i + E_i back if HAS_ERROR
     (``M_i + s·E_i`` with LOSS_SCALE).
 
@@ -136,7 +180,6 @@ def _project_kernel(
     takes ``PREFETCH`` in that form too. Every form adds the same products in the same order: the broadcast path
     accumulates the ``[R, BLOCK_N, BLOCK_K]`` products elementwise, step by step, and sums them over the columns
     once after the loop (a ``[R, BLOCK_N]`` tile of Pᵀ, stored as is)."""
-    pid = tl.program_id(0)
     mat = tl.load(tiles_ptr + TILE_WIDTH * pid + TILE_MAT).to(tl.int64)
     if ALIGN:  # int32 offsets inside a matrix, alignment declared (common._aligned_matrix_row), every rank R
         row0 = tl.load(tiles_ptr + TILE_WIDTH * pid + TILE_FIRST)
@@ -217,42 +260,58 @@ def _project_kernel(
         tl.store(p2_ptr + local, _cast_for_store(acc, p2_ptr), mask=p_mask)
 
 
-def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_scale=None,
+def project(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_scale=None, packed=None,
             config: Optional[dict] = None) -> None:
     """One launch: ``P_i = (M_i [+ s·E_i]) · Q_i`` for all i (see :func:`powersgd_triton.ops.project`); ``p2``: a
-    second copy of P written by the same launch; ``loss_scale``: the one-element float32 ``s`` (else ``s = 1``).
-    The launch plan (config, tiles, grid, constexprs, the compiled kernel:
+    second copy of P written by the same launch; ``loss_scale``: the one-element float32 ``s`` (else ``s = 1``);
+    ``packed``: the uncompressed gradients are packed into it by the same launch (its pack programs, after the
+    project tiles). The launch plan (config, tiles, grid, constexprs, the compiled kernel:
     :class:`~powersgd_triton.ops.launch.DirectLaunch`) is built once per layout, config and variant."""
-    launch, args = _project_args(buffer, layout, q, p, error, p2, loss_scale, config)
-    launch(*args)
+    launch, args = _project_args(buffer, layout, q, p, error, p2, loss_scale, packed is not None, config)
+    launch(*args, packed if packed is not None and layout.uncompressed_numel else p)
 
 
-def project_bound(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_scale=None,
+def project_bound(buffer, layout: BucketLayout, q, p, error=None, *, p2=None, loss_scale=None, packed=False,
                   config: Optional[dict] = None):
-    """A callable of no argument that makes the launch :func:`project` makes with these arguments (its launch plan
-    and arguments bound now: ``functools.partial`` of the plan's :class:`~powersgd_triton.ops.launch.DirectLaunch`;
-    the hooks' per-memory step plans, :meth:`powersgd_triton.ops.backend.TritonSteps.plan_step`)."""
-    launch, args = _project_args(buffer, layout, q, p, error, p2, loss_scale, config)
-    return functools.partial(launch, *args)
+    """The launch :func:`project` makes with these arguments, its launch plan and arguments bound now
+    (``functools.partial`` of the plan's :class:`~powersgd_triton.ops.launch.DirectLaunch`; the hooks' per-memory
+    step plans, :meth:`powersgd_triton.ops.backend.TritonSteps.plan_step`): a callable of no argument, or with
+    ``packed`` True one of the packed buffer (allocated per step: the kernel's last argument)."""
+    launch, args = _project_args(buffer, layout, q, p, error, p2, loss_scale, packed, config)
+    return functools.partial(launch, *args) if packed else functools.partial(launch, *args, p)
 
 
-def _project_args(buffer, layout, q, p, error, p2, loss_scale, config):
+def _project_args(buffer, layout, q, p, error, p2, loss_scale, packs, config):
+    """``(launch, arguments but the last)`` (the packed buffer, or P standing in for it)."""
+    packs = bool(packs) and layout.uncompressed_numel > 0
     key = ("launch:project", buffer.dtype, None if config is None else tuple(config.items()), error is not None,
-           p2 is not None, loss_scale is not None)
+           p2 is not None, loss_scale is not None, packs)
     plan = layout._tiles.get(key)  # the layout's memo (layout.memo), read without a call
     if plan is None:
         plan = layout.memo(key, lambda: _project_launch(layout, buffer.dtype, config, *key[3:]))
-    launch, tiles = plan
+    launch, tiles, chunks = plan
     return launch, (buffer, q, p, p2 if p2 is not None else p, error if error is not None else p, layout.table,
-                    tiles, loss_scale if loss_scale is not None else p)
+                    tiles, loss_scale if loss_scale is not None else p, chunks)
 
 
-def _project_launch(layout, dtype, config, has_error, has_p2, has_ls):
+def _project_launch(layout, dtype, config, has_error, has_p2, has_ls, packs=False):
+    """``(launch, tiles, chunks)``; with ``packs``, the tiles end with one row ``(-1, g)`` per pack program, each of
+    ``num_warps`` chunks of :func:`~powersgd_triton.ops.segments.pack_chunks` (the tiles stand in for ``chunks``
+    without)."""
     cfg = _resolve("project", layout, dtype, config)
     tiles = _tables.tiles(layout, "rows", cfg["BLOCK_N"])
     R = _factor_rank(layout, cfg)
+    options = _launch_options(cfg)
+    chunks, pack = tiles, dict(PACK=0, PACK_ALIGN=0)
+    if packs:
+        rows = options["num_warps"]
+        chunks = pack_chunks(layout, rows)
+        groups = chunks.shape[0] // rows
+        extra = torch.stack([torch.full((groups,), -1, dtype=torch.int32), torch.arange(groups, dtype=torch.int32)], 1)
+        tiles = torch.cat([tiles, extra.to(tiles.device)]).contiguous()
+        pack = dict(PACK=rows, PACK_ALIGN=chunk_alignment(layout))
     return DirectLaunch(_project_kernel, (tiles.shape[0],), dict(
         HAS_ERROR=has_error, PAD_ERROR=layout.batched and has_error, HAS_P2=has_p2,
         R=R, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_DOT=cfg["USE_DOT"], PREFETCH=cfg.get("PREFETCH", 0),
         LOSS_SCALE=has_ls and has_error, CARRY=bool(cfg.get("CARRY", False)), ALIGN=aligned_width(layout, dtype, cfg),
-        **_launch_options(cfg))), tiles
+        **pack, **options)), tiles, chunks

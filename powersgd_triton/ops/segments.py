@@ -4,6 +4,8 @@
 matrices: a few ragged segments of the bucket buffer). One program copies one chunk of at most ``BLOCK`` contiguous
 elements, from a host-built ``int64`` tile table ``(source offset, destination offset, count)``, multiplying by
 ``scale`` and casting to the destination dtype (float32 upcasts are exact; downcasts round to nearest even).
+:func:`_pack_rows`: the same gather inside project's launch (the layer-wise hook's step packs there, one launch
+less; :mod:`powersgd_triton.ops.projection`), one chunk per warp of its program.
 
 :func:`_average_kernel`: after the last all-reduce of a step, in one launch: divide the all-reduced factor by the
 world size in place, divide the all-reduced uncompressed gradients by it and write them into the bucket (from a
@@ -57,22 +59,20 @@ def copy_segments(src, dst, layout: BucketLayout, to_packed: bool, scale: float 
         launch(src, dst, tiles, float(scale))
 
 
-def copy_segments_bound(src, layout: BucketLayout, to_packed: bool, scale: float = 1.0):
-    """``dst -> None``: the launch :func:`copy_segments` makes from ``src`` into ``dst`` with these arguments (its
-    plan and the other arguments bound now; the hooks' step plans), or None when it launches nothing."""
-    key = ("launch:copy_segments", bool(to_packed))
-    plan = layout._tiles.get(key)
-    if plan is None:
-        plan = layout.memo(key, lambda: _segments_launch(layout, to_packed))
-    launch, tiles = plan
-    if launch is None:
-        return None
-    scale = float(scale)
-
-    def copy(dst) -> None:
-        launch(src, dst, tiles, scale)
-
-    return copy
+def pack_chunks(layout: BucketLayout, rows: int) -> torch.Tensor:
+    """The chunk table of the pack (:func:`_tables.segment_tiles`, bucket -> packed buffer, chunks of
+    ``SEGMENT_BLOCK * SEGMENT_ITERS`` elements: the standalone pack's) padded with empty chunks (count 0) to a multiple
+    of ``rows``: the table of :func:`_pack_rows` when ``rows`` chunks make one program (project's pack programs,
+    :mod:`powersgd_triton.ops.projection`). Cached with the layout."""
+    key = ("pack_chunks", int(rows))
+    t = layout._tiles.get(key)
+    if t is None:
+        t = _tables.segment_tiles(layout, SEGMENT_BLOCK * SEGMENT_ITERS, True)
+        pad = -t.shape[0] % rows
+        if pad:
+            t = torch.cat([t, t.new_zeros((pad, 3))])
+        layout._tiles[key] = t
+    return t
 
 
 def _segments_launch(layout, to_packed):
@@ -203,6 +203,49 @@ def _copy_segments_kernel(
             tl.store(dp + o, _cast_rn(x, dp), mask=mask)
         else:
             tl.store(dp + o, _cast_for_store(x, dp), mask=mask)
+
+
+@triton.jit
+def _pack_rows(
+    src_ptr,  # the bucket buffer
+    dst_ptr,  # the packed buffer
+    chunks_ptr,  # int64 [G x ROWS, 3] (source offset, destination offset, count): pack_chunks
+    group,  # which ROWS chunks: rows group x ROWS ... group x ROWS + ROWS - 1 of the table
+    ROWS: tl.constexpr,  # chunks per program: one per row of the [ROWS, BLOCK] tile (project's num_warps: a warp each)
+    BLOCK: tl.constexpr,  # elements per row and loop trip (SEGMENT_BLOCK: 8 per thread of a warp)
+    ALIGN: tl.constexpr = 0,  # offsets and counts are multiples of ALIGN elements (chunk_alignment): 16-byte accesses
+):
+    """The pack of ``ROWS`` chunks of the uncompressed segments in one program (project's pack programs): a
+    ``[ROWS, BLOCK]`` tile, one chunk per row, each row masked by its own count, looping while the longest of the
+    ``ROWS`` chunks has elements left (short chunks cost one trip). The values are copied as they are when the
+    packed buffer has the bucket's dtype (the hooks': the torch backend's ``index_select``, and for every finite
+    value the standalone pack's copy with scale 1, bit for bit), else upcast to float32 and rounded to the
+    destination dtype as :func:`_copy_segments_kernel` does."""
+    idx = group.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row = chunks_ptr + 3 * idx
+    if ALIGN:
+        src0 = tl.multiple_of(tl.load(row), ALIGN)
+        dst0 = tl.multiple_of(tl.load(row + 1), ALIGN)
+        count = tl.multiple_of(tl.load(row + 2).to(tl.int32), ALIGN)
+        offs = tl.arange(0, BLOCK)
+    else:
+        src0 = tl.load(row)
+        dst0 = tl.load(row + 1)
+        count = tl.load(row + 2)
+        offs = tl.arange(0, BLOCK).to(tl.int64)
+    sp = src_ptr + src0[:, None]  # each row's pointers: 32-bit offsets inside the loop (ALIGN)
+    dp = dst_ptr + dst0[:, None]
+    end = count[:, None]
+    for o0 in loop_range(0, tl.max(count, axis=0), BLOCK):
+        o = offs[None, :] + o0
+        mask = o < end
+        x = tl.load(sp + o, mask=mask, other=0.0)
+        if dst_ptr.dtype.element_ty == src_ptr.dtype.element_ty:
+            tl.store(dp + o, x, mask=mask)
+        elif ALIGN:
+            tl.store(dp + o, _cast_rn(x.to(tl.float32), dp), mask=mask)
+        else:
+            tl.store(dp + o, _cast_for_store(x.to(tl.float32), dp), mask=mask)
 
 
 @triton.jit

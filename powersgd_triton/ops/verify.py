@@ -6,7 +6,7 @@ error. So the hooks check the kernels where they run, once per bucket.
 
 What is checked. The first compressed step of every bucket whose kernels (per kernel: GPU model, Triton version,
 kernel-source hash, shape class, config, and the bucket's own matrix table: :func:`verdict_key`,
-:func:`layout_digest`; two buckets of one shape class read different masks and offsets) have no verdict yet runs
+:func:`layout_digest`; project's launch that also packs, ``|packs`` after it; two buckets of one shape class read different masks and offsets) have no verdict yet runs
 every numeric launch of the step twice: the Triton launch on the live tensors, and the torch backend
 (:mod:`powersgd_triton.ops.reference`, through :mod:`powersgd_triton.ops`) on copies of the very same inputs,
 taken just before the launch. Each launch is compared on its own (its inputs are the Triton path's, so the
@@ -290,11 +290,13 @@ def _file_verdict(entry: Optional[dict]) -> Optional[bool]:
     return False if strikes(entry) >= STICKY else None
 
 
-def begin(state, mem, buffer: torch.Tensor, group, world_size: int, index: int, packs: bool):
+def begin(state, mem, buffer: torch.Tensor, group, world_size: int, index: int, packs: bool,
+          project_packs: bool = False):
     """Called by a hook before a compressed step of a bucket whose memory is ``verify_pending``: a :class:`Check`
     of this step, or None (nothing to check: ``verify="off"``, the torch backend; with one rank, verdicts known
     already: a bucket with a kernel found wrong then switches to the torch backend). ``packs``: the step packs
-    uncompressed gradients (the ``copy_segments`` kernel runs).
+    uncompressed gradients (the ``copy_segments`` kernel runs); ``project_packs``: project's launch packs them
+    (``project(..., packed=)``: another variant of project's kernel, so its verdict has a key of its own).
 
     With several ranks every pending bucket's step is a :class:`Check` on every rank, whatever each rank knows
     already (its verdict all-reduce is then the same collective on every rank: what one rank settled in another
@@ -310,6 +312,8 @@ def begin(state, mem, buffer: torch.Tensor, group, world_size: int, index: int, 
     dk = _device_key(layout)
     kernels = ["project", "orthogonalize", "project_t", "reconstruct", "average"] + (["copy_segments"] if packs else [])
     keys = {k: verdict_key(k, layout, buffer.dtype, mem.configs.get(k)) for k in kernels}
+    if project_packs:
+        keys["project"] += "|packs"
     prior = store().prior_verdicts(dk)
     local = {}
     for k in kernels:

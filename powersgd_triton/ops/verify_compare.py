@@ -54,7 +54,7 @@ OK, DEFERRED, WRONG = 0, 1, 2
 IN_FLIGHT = ("project", "orthogonalize", "project_t")
 
 _ROLES = {"buffer": "m", "p": "p", "q": "q", "error": "e", "p2": "p", "q2": "q", "local_p": "p", "local_q": "q",
-          "unc": "u", "dst": "u", "src": "u", "loss_scale": "u", "new": None, "kept": None, "x": None, "out": None,
+          "unc": "u", "dst": "u", "src": "u", "packed": "u", "loss_scale": "u", "new": None, "kept": None, "x": None, "out": None,
           "factor": None, "orthogonalize_kept": "q"}
 # Arguments whose content after the call the ops do not specify (scratch): not compared. ``average`` divides the
 # packed uncompressed gradients on their way into the bucket (the torch backend in place, the Triton kernel not).

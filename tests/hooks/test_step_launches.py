@@ -1,4 +1,4 @@
-"""Device work of one compressed step on a 161-gradient (ResNet-50-shaped) bucket, Triton backend: at most 8 device
+"""Device work of one compressed step on a 161-gradient (ResNet-50-shaped) bucket, Triton backend: at most 7 device
 ops besides the collectives (Triton launches plus every other ATen op that touches data), for the standard,
 batched and alternating hooks. Counted with the interpreter's launch hook without running the kernels (the count does
 not depend on the numbers: the hooks never read device values on the host)."""
@@ -44,5 +44,7 @@ def test_device_ops_per_compressed_step(hook, error_feedback, rng, world1, monke
               f"{c.aten_compute} other device ops {dict((k, v) for k, v in c.by_op.items() if 'c10d' not in k)}, "
               f"{c.allreduce_calls} all-reduces")
     for c in counts:
-        assert c.triton_launches + c.aten_compute <= 8, (c.triton_by_kernel, c.by_op)
+        assert c.triton_launches + c.aten_compute <= 7, (c.triton_by_kernel, c.by_op)
+        if hook == "powerSGD":  # the biases lie in several ranges: packed by project's launch, no launch of its own
+            assert "_copy_segments_kernel" not in c.triton_by_kernel, c.triton_by_kernel
         assert c.allreduce_calls == (1 if hook == "alternating" else 3 if hook == "powerSGD" else 2)

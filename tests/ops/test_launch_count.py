@@ -52,3 +52,20 @@ def test_launches_do_not_grow_with_matrix_count(launches, rng):
         _step(buf, layout, rng)
         counts[n_matrices] = launches["n"]
     assert counts[2] == counts[150] == 5, counts
+
+
+def test_project_packs_in_its_own_launch(launches, rng):
+    """The layer-wise hook's step: project packs the uncompressed gradients (several ranges) in its one launch."""
+    shapes = B.shrink_shapes(model_shapes("resnet50"), 4)
+    buf, _, grads = make_bucket(shapes, torch.float32, rng)
+    layout = layerwise(buf, grads, 4, min_rate=2)
+    assert len(layout.uncompressed) > 1
+    q = torch.randn(layout.q_numel, generator=rng)
+    p, err = torch.empty(layout.p_numel), torch.zeros(layout.e_numel)
+    packed = torch.empty(layout.uncompressed_numel)
+    launches["n"] = 0
+    ops.project(buf, layout, q, p, err, packed=packed, backend="triton")
+    assert launches["n"] == 1
+    launches["n"] = 0
+    _step(buf, layout, rng)  # the whole step without the pack: 5, so with it (inside project) still 5
+    assert launches["n"] == 5

@@ -127,4 +127,4 @@ def test_launch_trust_skips_tensor_checks_only_under_the_key_that_checked_them(t
     assert r["thread_default"] and r["key_after_step"]
     assert r["keys"] >= 2 and r["steady_same_keys"] and r["steady_jit"] == 0
     assert r["wire_new_keys"] and r["wire_jit"] >= 2 and r["wire_steady_jit"] == 0
-    assert r["hooked_jit"] >= 8 * r["keys"]
+    assert r["hooked_jit"] >= 7 * r["keys"]  # every launch of a step (7: the pack inside project's launch)

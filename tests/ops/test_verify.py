@@ -116,7 +116,13 @@ def test_correct_kernels_one_check_same_bits(world1, hook_name):
     (dev,) = json.load(open(path))["devices"].values()
     kernels = {e["kernel"] for e in dev["verdicts"].values()}
     want = {"project", "orthogonalize", "project_t", "reconstruct", "average"}
-    assert want <= kernels and (hook_name == "batched" or "copy_segments" in kernels)
+    # the layer-wise hook packs the uncompressed gradients in project's launch (checked with project: the packed
+    # buffer is one of its compared outputs); the alternating hook with a pack of its own
+    assert want <= kernels and ("copy_segments" in kernels) == (hook_name == "alternating")
+    # that variant of project's kernel has a verdict of its own (a run of the alternating hook, whose project does
+    # not pack, checks its own)
+    packs = [k.endswith("|packs") for k, e in dev["verdicts"].items() if e["kernel"] == "project"]
+    assert packs == [hook_name == "layerwise"]
     assert all(e["ok"] and e["worst"] < 1e-5 for e in dev["verdicts"].values())
     # a later run (this process forgets, the file remembers): no check with one rank
     verify.forget()
