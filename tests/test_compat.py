@@ -261,3 +261,9 @@ def test_older_triton_tiles_are_keyed_by_version(monkeypatch):
         assert a1[3] == 96 and a1[:3] == L.ALIGNED_PROJECT_TILES[(1, 2)][:3]
         assert L.broadcast_tile("project_aligned", L.ALIGNED_PROJECT_TILES, 1, 2) == (
             a1 if version in ((3, 4), (3, 6)) else L.ALIGNED_PROJECT_TILES[(1, 2)]), version
+        # project's tl.dot tile at R 16 on 2-byte gradients: 32 columns per step up to 3.8 (its PACK variants
+        # spilled 8 bytes under 3.8), 64 on 3.9; 4-byte gradients keep 64 everywhere
+        dot = dict(BLOCK_N=16, BLOCK_K=64, USE_DOT=True, num_warps=4, num_stages=3)
+        older = version is not None and version <= (3, 8)
+        assert L.dot_config("project", 16, 2, dot) == dict(dot, BLOCK_K=32 if older else 64), version
+        assert L.dot_config("project", 16, 4, dot) == dot, version

@@ -55,8 +55,13 @@ OLDER_TRITON_TILES = {
 # element size): the keys replaced}}, first (oldest) entry wins (dot_config). Seen under triton 3.6 (sm_90, ptxas -v,
 # the whole compile table): reconstruct at R 32 in fp32 (16 x 32, 2 stages) spills 16 bytes in the padding-error
 # commit variant with the loss scale (168 registers); half the columns per step (16 x 16, 2 stages) spill nothing
-# (128-132 registers), one stage less neither (166-176). Not tuned against the model.
-OLDER_TRITON_DOT = {(3, 6): {("reconstruct", 32, 4): dict(BLOCK_K=16)}}
+# (128-132 registers), one stage less neither (166-176). Under triton 3.8 (the table with project's PACK variants,
+# CI of 2026-12-06): project at R 16 on 2-byte gradients (16 x 64, 3 stages) spills 8 bytes at 168 registers in the
+# four variants that pack the uncompressed gradients (bf16 and fp16; the others none); half the columns per step
+# (16 x 32, 3 stages) spill nothing (136 registers in the PACK variants), as one stage less would not (135-174).
+# Not tuned against the model.
+OLDER_TRITON_DOT = {(3, 6): {("reconstruct", 32, 4): dict(BLOCK_K=16)},
+                    (3, 8): {("project", 16, 2): dict(BLOCK_K=32)}}
 # (BLOCK, num_warps) by padded rank for an older Triton whose register allocation spills the entries above: {the
 # newest triton (major, minor) the entry applies to: {R: (BLOCK, num_warps)}}; the first entry (the oldest) holding
 # R wins. Seen on the sm_90 compile under triton 3.6 (ptxas -v, tests/test_compile_table.py): at 16 warps (at most

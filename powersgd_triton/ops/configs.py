@@ -523,7 +523,9 @@ def heuristic_config(kernel: str, layout: Optional[BucketLayout], dtype: torch.d
         if kernel == "project_t":  # (2-byte gradients took the split path above)
             return dict(PROJECT_T_FP32_DOT_CONFIG)
         if kernel == "project" and r <= 16:  # 64 columns per step: 188 registers, no spills (sm_90); 128 spill
-            return {"BLOCK_N": 16, "BLOCK_K": 64, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
+            # (OLDER_TRITON_DOT: triton <= 3.8 takes 32 columns per step on 2-byte gradients)
+            return dot_config(kernel, r, es, {"BLOCK_N": 16, "BLOCK_K": 64, "USE_DOT": True, "num_warps": 4,
+                                              "num_stages": 3})
         # (OLDER_TRITON_DOT: triton <= 3.6 takes reconstruct's R 32 fp32 at 16 columns per step)
         return dot_config(kernel, r, es, DOT_CONFIG)
     if kernel == "project_t":
