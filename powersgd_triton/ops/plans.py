@@ -65,6 +65,7 @@ def plan(kernel: str, layout: BucketLayout, dtype: torch.dtype, config: Optional
         if variant.get("PACK"):  # the pack programs after the tiles: num_warps chunks each, one trip per 256 elements
             variant.setdefault("PACK_ALIGN", chunk_alignment(layout))
             rows, block = cfg.get("num_warps", 4), SEGMENT_BLOCK * SEGMENT_ITERS
+            # segments.pack_chunks' counts, from the layout's ranges (the model's layouts live on the meta device)
             counts = [min(block, n - c) for _, n in layout.uncompressed for c in range(0, n, block)]
             # a trip of the pack loop counted as one loop step of project's (the issue term's unit: an over-estimate)
             per += [-(-max(counts[i:i + rows]) // SEGMENT_BLOCK) for i in range(0, len(counts), rows)]

@@ -6,8 +6,8 @@ error. So the hooks check the kernels where they run, once per bucket.
 
 What is checked. The first compressed step of every bucket whose kernels (per kernel: GPU model, Triton version,
 kernel-source hash, shape class, config, and the bucket's own matrix table: :func:`verdict_key`,
-:func:`layout_digest`; project's launch that also packs, ``|packs`` after it; two buckets of one shape class read different masks and offsets) have no verdict yet runs
-every numeric launch of the step twice: the Triton launch on the live tensors, and the torch backend
+:func:`layout_digest`; project's launch that also packs, ``|packs`` after it; two buckets of one shape class read
+different masks and offsets) have no verdict yet runs every numeric launch of the step twice: the Triton launch on the live tensors, and the torch backend
 (:mod:`powersgd_triton.ops.reference`, through :mod:`powersgd_triton.ops`) on copies of the very same inputs,
 taken just before the launch. Each launch is compared on its own (its inputs are the Triton path's, so the
 all-reduced P and Q every rank holds are the inputs of both: the check adds no collective to the step), and every
